@@ -1,0 +1,324 @@
+"""One phase inside one process group: build, restore, train, save. See ``launch.worker``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import deepspeed
+import psutil
+import safetensors
+import torch
+import transformers
+from deepspeed.accelerator import get_accelerator
+from torch import nn
+
+from launch import zero_state
+from launch.data import SampleOrder, load_examples, micro_batch
+from launch.spec import PhaseSpec
+from shard_tools.checkpoint import (
+    BODY_OPTIM, HEAD, LAYERS, STATE, flatten_optim_state, load_tensors, optim_state, run_weights, write_checkpoint,
+)
+from shard_tools.manifest import Manifest, read_manifest
+from shard_tools.model import ModelSpec, build_base_model, detect_parts, head_param_names, layer_param_names
+
+PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint was written, run again to go on
+HEAD_DECAY, HEAD_NO_DECAY, BODY_DECAY, BODY_NO_DECAY = range(4)
+RELAYER_VERSION = "0.1.0"
+
+
+def lr_at(step: int, opt) -> float:
+    """The learning rate of a global step: a pure function of it, so resumes and phases agree."""
+    if opt.warmup_steps and step < opt.warmup_steps:
+        return opt.lr * (step + 1) / opt.warmup_steps
+    if opt.lr_kind == "constant":
+        return opt.lr
+    span = max(1, opt.total_steps - opt.warmup_steps)
+    frac = min(1.0, (step - opt.warmup_steps) / span)
+    if opt.lr_kind == "linear":
+        return opt.lr * (1.0 - frac)
+    return opt.lr * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def versions() -> dict[str, str]:
+    return {
+        "relayer": RELAYER_VERSION, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+        "transformers": transformers.__version__, "safetensors": safetensors.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def memory_now() -> dict[str, float]:
+    """Device memory on CUDA, this process's RSS elsewhere (bytes)."""
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+                "device_used": total - free, "device_free": free}
+    return {"rss": psutil.Process().memory_info().rss}
+
+
+def param_groups(model: nn.Module, head: set[str], body: set[str], opt) -> tuple[list[dict], list[int]]:
+    """Four groups (head/body x decay/no-decay; 1-D parameters never decay), empty ones dropped.
+
+    The head and the body must not share a group: Adam's step (bias correction) is per group.
+    """
+    buckets: list[list[nn.Parameter]] = [[], [], [], []]
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        no_decay = p.ndim < 2
+        role = (HEAD_NO_DECAY if no_decay else HEAD_DECAY) if name in head else (BODY_NO_DECAY if no_decay else BODY_DECAY)
+        assert name in head or name in body, name
+        buckets[role].append(p)
+    groups, roles = [], []
+    for role, params in enumerate(buckets):
+        if params:
+            wd = 0.0 if role in (HEAD_NO_DECAY, BODY_NO_DECAY) else opt.weight_decay
+            groups.append({"params": params, "weight_decay": wd})
+            roles.append(role)
+    return groups, roles
+
+
+def deepspeed_config(spec: PhaseSpec, world: int, trainable_numel: int) -> dict:
+    d = spec.data
+    # The default 5e8-element buckets allocate GBs per gradient hook on a small model; size them to it.
+    bucket = int(min(5e8, max(5e5, trainable_numel)))
+    zero: dict = {"stage": spec.zero_stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+    if spec.zero_stage == 3:
+        zero.update({"stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 0,
+                     "memory_efficient_linear": False})
+    cfg = {
+        "train_batch_size": d.batch_size,
+        "train_micro_batch_size_per_gpu": d.micro_batch_size,
+        "gradient_accumulation_steps": d.batch_size // (d.micro_batch_size * world),
+        "gradient_clipping": spec.optimizer.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": spec.model.dtype == "bfloat16"},
+        "fp16": {"enabled": spec.model.dtype == "float16", "initial_scale_power": 16},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    return _merge(cfg, spec.deepspeed_config)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+class Phase:
+    """State of one phase process; the methods run in the order build -> restore -> train -> save."""
+
+    def __init__(self, spec: PhaseSpec, rank: int, world: int):
+        self.spec, self.rank, self.world = spec, rank, world
+        self.run_dir = Path(spec.run_dir)
+        self.records: dict = {"rank": rank, "world_size": world, "t_process_start": psutil.Process().create_time()}
+
+    # -- build ---------------------------------------------------------------------------------
+    def build(self) -> None:
+        spec = self.spec
+        accel = get_accelerator()
+        deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
+        if accel.device_name() == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        self.device = torch.device(accel.device_name(), int(os.environ.get("LOCAL_RANK", 0)) if accel.device_name() == "cuda" else None) if accel.device_name() == "cuda" else torch.device("cpu")
+        self.records["memory_start"] = memory_now()
+        m = spec.model
+        model = build_base_model(ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=spec.seed))
+        model.config.use_cache = False
+        self.persistent, self.layers_attr = detect_parts(model, m.persistent, m.layers)
+        self.head_names = head_param_names(model, self.persistent)
+        self.body_names = [n for i in spec.layers for n in layer_param_names(model, self.layers_attr, i)]
+        self.restored: Manifest | None = read_manifest(Path(spec.restore)) if spec.restore else None
+        # Trained weights in fp32 (layers' newest, head masters); loaded before the engine so the
+        # low-precision copy is right, and kept to set the fp32 masters exactly after it.
+        self.trained = run_weights(self.run_dir, Path(spec.restore)) if spec.restore else {}
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, t in self.trained.items():
+                params[name].copy_(t.to(params[name].dtype))
+        trainable = set(self.head_names) | set(self.body_names)
+        for name, p in model.named_parameters():
+            p.requires_grad_(name in trainable)
+        groups, self.roles = param_groups(model, set(self.head_names), set(self.body_names), spec.optimizer)
+        o = spec.optimizer
+        optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.ds_config = deepspeed_config(spec, self.world, numel)
+        self.gas = self.ds_config["gradient_accumulation_steps"]
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
+        named = dict(self.engine.module.named_parameters())
+        self.head = [(n, named[n]) for n in self.head_names]
+        self.body = [(n, named[n]) for n in self.body_names]
+        self.records["memory_engine"] = memory_now()
+
+    # -- restore -------------------------------------------------------------------------------
+    def restore(self) -> None:
+        """Head optimizer state carries on; body state too only when resuming inside its phase."""
+        m = self.restored
+        if m is None:
+            return
+        spec = self.spec
+        ckpt = Path(spec.restore)
+        same_phase = not m.phase_complete and m.phase == spec.phase
+        body_step = m.body_step if same_phase else 0
+        steps = [m.head_step if role in (HEAD_DECAY, HEAD_NO_DECAY) else body_step for role in self.roles]
+        zero_state.materialise(self.engine, steps)
+        zero_state.set_state(self.head, optim_state(ckpt, HEAD), with_moments=True)
+        body_masters = {n: self.trained[n] for n, _ in self.body if n in self.trained}
+        if same_phase:
+            body = optim_state(ckpt, BODY_OPTIM)
+            body["master"] = body_masters
+            zero_state.set_state(self.body, body, with_moments=True)
+        else:
+            fresh = [(n, p) for n, p in self.body if n in body_masters]
+            zero_state.set_state(fresh, {"master": body_masters}, with_moments=False)
+        zero_state.refresh_lp(self.engine)
+        if same_phase:
+            self._restore_rng(ckpt)
+
+    def _restore_rng(self, ckpt: Path) -> None:
+        saved = load_tensors(ckpt / STATE, "rng/")
+        key = f"cpu.rank{self.rank}"
+        if key in saved:
+            torch.set_rng_state(saved[key])
+        if torch.cuda.is_available() and f"cuda.rank{self.rank}" in saved:
+            torch.cuda.set_rng_state(saved[f"cuda.rank{self.rank}"])
+
+    # -- train ---------------------------------------------------------------------------------
+    def train(self, stop: dict) -> bool:
+        """Runs to the phase end; returns False when a stop was requested (a checkpoint follows)."""
+        spec, d = self.spec, self.spec.data
+        examples = load_examples(d, spec.model.path, self.run_dir / "data-cache")
+        order = SampleOrder(len(examples), spec.seed, d.shuffle)
+        base = self.engine.optimizer.optimizer
+        metrics = self.run_dir / "metrics.jsonl"
+        step_times: list[float] = []
+        self.step = spec.start_step
+        while self.step < spec.end_step:
+            t0 = time.perf_counter()
+            lr = lr_at(self.step, spec.optimizer)
+            for g in base.param_groups:
+                g["lr"] = lr
+            loss_sum = 0.0
+            for micro in range(self.gas):
+                batch = micro_batch(examples, order, self.step, d.batch_size, micro, self.rank, self.world,
+                                    d.micro_batch_size).to(self.device)
+                loss = self.engine(input_ids=batch, labels=batch).loss
+                self.engine.backward(loss)
+                self.engine.step()
+                loss_sum += loss.item()
+            self.step += 1
+            # One small collective a step: the mean loss, and whether any rank was asked to stop.
+            flags = torch.tensor([loss_sum / self.gas, 1.0 if stop["signal"] else 0.0], device=self.device)
+            torch.distributed.all_reduce(flags)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            step_times.append(dt)
+            if self.rank == 0:
+                with open(metrics, "a") as f:
+                    f.write(json.dumps({
+                        "time": time.time(), "step": self.step, "phase": spec.phase, "layers": spec.layers,
+                        "loss": flags[0].item() / self.world, "lr": lr, "step_seconds": dt,
+                        "tokens_per_s": d.batch_size * d.seq_len / dt,
+                    }) + "\n")
+            if self.step == spec.start_step + 1:
+                self.records["t_first_step_end"] = time.time()
+            if flags[1].item() > 0 and self.step < spec.end_step:
+                return False
+            if spec.every_steps and self.step % spec.every_steps == 0 and self.step < spec.end_step:
+                self.save(phase_complete=False)
+        self.records["t_last_step_end"] = time.time()
+        self.records["step_seconds_median"] = statistics.median(step_times[1:] or step_times) if step_times else None
+        self.records["memory_peak"] = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
+                                       else psutil.Process().memory_info().rss)
+        return True
+
+    # -- save ----------------------------------------------------------------------------------
+    def save(self, phase_complete: bool) -> Path | None:
+        """Gathers full tensors on every rank (collectives), then rank 0 writes the checkpoint."""
+        t0 = time.time()
+        zero_state.relink(self.engine)
+        head = zero_state.get_state(self.head)
+        steps = zero_state.group_steps(self.engine)
+        by_role = dict(zip(self.roles, range(len(self.roles))))
+        head_step = max(steps.get(by_role.get(r, -1), 0) for r in (HEAD_DECAY, HEAD_NO_DECAY))
+        body_step = max((steps.get(by_role.get(r, -1), 0) for r in (BODY_DECAY, BODY_NO_DECAY)), default=0)
+        files: dict[str, dict[str, torch.Tensor]] = {HEAD: flatten_optim_state(head)}
+        if phase_complete:
+            files[LAYERS] = zero_state.get_masters(self.body)
+        else:
+            body = zero_state.get_state(self.body)
+            files[LAYERS] = body.pop("master")
+            files[BODY_OPTIM] = flatten_optim_state(body)
+        files[STATE] = self._state_tensors()
+        if self.rank != 0:
+            torch.distributed.barrier()
+            return None
+        spec = self.spec
+        manifest = Manifest(
+            global_step=self.step, phase=spec.phase, layers=list(spec.layers), phase_complete=phase_complete,
+            head_step=head_step, body_step=body_step, world_size=self.world, zero_stage=spec.zero_stage,
+            dtype=spec.model.dtype, files={}, versions=versions(), created=0.0,
+            extra={"data_position": self.step * spec.data.batch_size, "persistent": self.persistent,
+                   "layers_attr": self.layers_attr, "lr": lr_at(max(self.step - 1, 0), spec.optimizer)},
+        )
+        meta = {LAYERS: {"layers": ",".join(map(str, spec.layers)), "layers_prefix": self.layers_attr}}
+        path = write_checkpoint(self.run_dir, manifest, files, meta)
+        self.records.setdefault("checkpoints", []).append({"step": self.step, "seconds": time.time() - t0})
+        torch.distributed.barrier()
+        return path
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every rank's RNG states (gathered), the data position and the loss scaler, as tensors."""
+        out = {"data_position": torch.tensor([self.step * self.spec.data.batch_size], dtype=torch.int64),
+               "global_step": torch.tensor([self.step], dtype=torch.int64)}
+        cpu_state = torch.get_rng_state()
+        gathered = [torch.empty_like(cpu_state) for _ in range(self.world)]
+        if self.device.type == "cuda":
+            on_dev = cpu_state.to(self.device)
+            gathered_dev = [torch.empty_like(on_dev) for _ in range(self.world)]
+            torch.distributed.all_gather(gathered_dev, on_dev)
+            gathered = [g.cpu() for g in gathered_dev]
+            cuda_state = torch.cuda.get_rng_state().to(self.device)
+            cuda_all = [torch.empty_like(cuda_state) for _ in range(self.world)]
+            torch.distributed.all_gather(cuda_all, cuda_state)
+            out.update({f"rng/cuda.rank{r}": t.cpu() for r, t in enumerate(cuda_all)})
+        else:
+            torch.distributed.all_gather(gathered, cpu_state)
+        out.update({f"rng/cpu.rank{r}": t for r, t in enumerate(gathered)})
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        if scaler is not None and hasattr(scaler, "cur_scale"):
+            for key in ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis"):
+                if hasattr(scaler, key):
+                    out[f"loss_scaler/{key}"] = torch.tensor([float(getattr(scaler, key))], dtype=torch.float64)
+        return out
+
+    def write_records(self) -> None:
+        if self.rank == 0:
+            path = Path(self.spec.phase_dir) / "records.json"
+            tmp = path.with_name(f".tmp-records.{os.getpid()}")
+            tmp.write_text(json.dumps(self.records, indent=1))
+            os.replace(tmp, path)
+
+
+def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict) -> int:
+    phase = Phase(spec, rank, world)
+    try:
+        phase.build()
+        phase.restore()
+        done = phase.train(stop)
+        phase.save(phase_complete=done)
+        phase.write_records()
+        return 0 if done else PREEMPTED
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

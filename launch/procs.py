@@ -1,0 +1,61 @@
+"""What every phase process does about its own life: record its pid, die with its parent, and
+never outlive the orchestrator (which may have been SIGKILLed and so could not clean up)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """Linux: the kernel sends ``sig`` to this process when its parent exits."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
+def record_pid(phase_dir: Path, name: str) -> None:
+    """Writes {pid, create_time} to phase_dir/pids/NAME.json so the orchestrator can reap it."""
+    pids = phase_dir / "pids"
+    pids.mkdir(parents=True, exist_ok=True)
+    me = psutil.Process()
+    tmp = pids / f".tmp-{name}.{me.pid}"
+    tmp.write_text(json.dumps({"pid": me.pid, "create_time": me.create_time()}))
+    os.replace(tmp, pids / f"{name}.json")
+
+
+def _watch(pid: int, create_time: float, interval: float) -> None:
+    while True:
+        try:
+            alive = psutil.Process(pid).create_time() == create_time
+        except psutil.NoSuchProcess:
+            alive = False
+        if not alive:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(interval)
+
+
+def watch_orchestrator(pid: int, interval: float = 0.5) -> None:
+    """A daemon thread that SIGKILLs this process once the orchestrator process is gone."""
+    try:
+        create_time = psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+    threading.Thread(target=_watch, args=(pid, create_time, interval), daemon=True, name="orchestrator-watch").start()
+
+
+def guard_process(phase_dir: Path, rank: int, orchestrator_pid: int | None) -> None:
+    set_parent_death_signal()
+    record_pid(phase_dir, f"rank-{rank}")
+    if orchestrator_pid is not None:
+        watch_orchestrator(orchestrator_pid)

@@ -1,0 +1,79 @@
+"""The phase spec: the one JSON file through which the orchestrator tells a phase what to do.
+
+It is the whole contract between the control plane and the data plane (neither imports the other):
+the orchestrator writes it, every process of the phase reads it. Unknown keys are errors so that
+drift between the two sides fails loudly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelPart(_Spec):
+    path: str | None
+    config: dict[str, Any] | None
+    dtype: Literal["float32", "bfloat16", "float16"]
+    persistent: list[str] | None
+    layers: str | None
+
+
+class DataPart(_Spec):
+    path: str
+    format: Literal["tokens", "text"]
+    seq_len: int
+    batch_size: int
+    micro_batch_size: int
+    shuffle: bool
+
+
+class OptimizerPart(_Spec):
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    grad_clip: float
+    lr_kind: Literal["constant", "linear", "cosine"]
+    warmup_steps: int
+    total_steps: int
+    """The run's last global step, for the decay schedules."""
+
+
+class PhaseSpec(_Spec):
+    run_dir: str
+    phase_dir: str
+    """Where this phase's processes record their pids and the launcher its log."""
+    seed: int
+    phase: int
+    start_step: int
+    """The global step this process group starts at (inside the phase when resuming)."""
+    phase_start_step: int
+    end_step: int
+    layers: list[int]
+    restore: str | None
+    """Checkpoint to start from; None: the base model."""
+    model: ModelPart
+    data: DataPart
+    optimizer: OptimizerPart
+    zero_stage: Literal[1, 2, 3]
+    deepspeed_config: dict[str, Any]
+    every_steps: int
+    launcher: Literal["local", "deepspeed", "torchrun", "slurm"]
+    nproc: int
+    nnodes: int
+    hostfile: str | None
+    master_port: int
+    orchestrator_pid: int | None
+    """The worker stops itself when this process is gone (it may have been SIGKILLed)."""
+
+    @classmethod
+    def read(cls, path: str | Path) -> PhaseSpec:
+        return cls.model_validate(json.loads(Path(path).read_text()))

@@ -1,0 +1,96 @@
+"""Reading and writing per-parameter optimizer state of a DeepSpeed ZeRO optimizer.
+
+Facts this relies on are in ``shared/notes/deepspeed.md``: the getters and setters are
+collectives; ``step`` lives only in the wrapped optimizer's state of each flat fp32 tensor; state
+is created lazily at the first step, so a fresh engine's state is materialised here first.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.utils import (
+    safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
+from torch import nn
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def flat_partitions(engine) -> list[tuple[torch.Tensor, int]]:
+    """(flat fp32 partition, param group index) for every partition this rank's optimizer steps."""
+    opt = engine.optimizer
+    if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3: groups split into sub-groups
+        return [(t, opt.sub_group_to_group_id[i]) for i, t in enumerate(opt.fp32_partitioned_groups_flat)]
+    if hasattr(opt, "single_partition_of_fp32_groups"):  # ZeRO-1/2
+        return [(t, i) for i, t in enumerate(opt.single_partition_of_fp32_groups)]
+    if hasattr(opt, "fp32_groups_flat_partition"):  # BF16_Optimizer
+        return [(t, i) for i, t in enumerate(opt.fp32_groups_flat_partition)]
+    raise TypeError(f"unsupported DeepSpeed optimizer {type(opt).__name__}")
+
+
+def _base(engine) -> torch.optim.Optimizer:
+    return engine.optimizer.optimizer
+
+
+def materialise(engine, steps_by_group: list[int]) -> None:
+    """Creates zero moments and the given step in every flat partition, as a first step would."""
+    base = _base(engine)
+    for flat, group in flat_partitions(engine):
+        base.state[flat] = {
+            "step": torch.tensor(float(steps_by_group[group]), dtype=torch.float32),
+            "exp_avg": torch.zeros_like(flat),
+            "exp_avg_sq": torch.zeros_like(flat),
+        }
+    relink(engine)
+
+
+def relink(engine) -> None:
+    """Links per-parameter fragments to the optimizer state (upstream links only the first group)."""
+    opt = engine.optimizer
+    if hasattr(opt, "_hp_optimizer_states_linked"):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+
+
+def group_steps(engine) -> dict[int, int]:
+    """Optimizer steps taken so far, per param group (0 where the group has not stepped)."""
+    base, out = _base(engine), {}
+    for flat, group in flat_partitions(engine):
+        step = base.state.get(flat, {}).get("step", 0)
+        out[group] = int(step.item() if torch.is_tensor(step) else step)
+    return out
+
+
+def get_state(named: list[tuple[str, nn.Parameter]]) -> dict[str, dict[str, torch.Tensor]]:
+    """Full fp32 master weights and moments on the CPU. Collective: all ranks, same order."""
+    out: dict[str, dict[str, torch.Tensor]] = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for name, p in named:
+        out["master"][name] = safe_get_full_fp32_param(p).detach().float().cpu().view(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
+        for key in MOMENTS:
+            out[key][name] = safe_get_full_optimizer_state(p, key).detach().float().cpu().view(out["master"][name].shape)
+    return out
+
+
+def get_masters(named: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
+    return {n: safe_get_full_fp32_param(p).detach().float().cpu().view(p.ds_shape if hasattr(p, "ds_shape") else p.shape) for n, p in named}
+
+
+def set_state(named: list[tuple[str, nn.Parameter]], state: dict[str, dict[str, torch.Tensor]], with_moments: bool) -> None:
+    """Writes master weights (and moments) into the partitions. Collective: all ranks, same order."""
+    for name, p in named:
+        device = p.device
+        safe_set_full_fp32_param(p, state["master"][name].to(device))
+        if with_moments:
+            for key in MOMENTS:
+                safe_set_full_optimizer_state(p, state[key][name].to(device), key)
+
+
+def refresh_lp(engine) -> None:
+    """Copies the fp32 masters into the low-precision weights the forward pass uses."""
+    opt = engine.optimizer
+    if hasattr(opt, "fp32_partitioned_groups_flat"):
+        for i in range(len(opt.fp32_partitioned_groups_flat)):
+            opt._reassign_or_swap_out_partitioned_parameters(i)
+    elif hasattr(opt, "update_lp_params"):
+        opt.update_lp_params()

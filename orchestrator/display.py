@@ -1,0 +1,144 @@
+"""What a person sees: the plan table, the run's progress, its status. Plain lines off a terminal."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from orchestrator.errors import ScheduleError
+from orchestrator.journal import read_journal
+from orchestrator.schedule import LoadedSchedule, Phase, plan_phases
+
+console = Console(stderr=True)
+
+
+def print_plan(loaded: LoadedSchedule, phases: list[Phase]) -> None:
+    s = loaded.schedule
+    table = Table(title=f"{loaded.source.name}: {len(phases)} phases, {phases[-1].end_step} steps, "
+                        f"model of {loaded.num_layers} layers")
+    for col in ("phase", "steps", "global steps", "layers", "processes"):
+        table.add_column(col, justify="right" if col != "layers" else "left")
+    for p in phases:
+        table.add_row(str(p.index), str(p.steps), f"{p.start_step}-{p.end_step - 1}",
+                      ", ".join(map(str, p.layers)), str(p.nproc))
+    out = Console()
+    out.print(table)
+    out.print(f"ZeRO stage {s.deepspeed.zero_stage}, {s.model.dtype}, launcher {s.launch.launcher}, "
+              f"batch {s.data.batch_size} (micro {s.data.micro_batch_size}), run directory {loaded.output_dir}")
+
+
+class Display:
+    """Journal events as lines, and one progress bar over the run's global steps."""
+
+    def __init__(self, loaded: LoadedSchedule):
+        self.total = plan_phases(loaded)[-1].end_step
+        self.live = console.is_terminal
+        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                                  console=console, disable=not self.live)
+        self._task = self._progress.add_task("steps", total=self.total, info="")
+        self._last_plain = 0.0
+
+    def __enter__(self) -> Display:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._progress.stop()
+
+    def event(self, e: dict) -> None:
+        kind = e["event"]
+        text = {
+            "run_started": lambda: f"run started: {e['phases']} phases, {e['total_steps']} steps",
+            "resumed": lambda: f"resuming at step {e['step']}" + (f" from {e['checkpoint']}" if e.get("checkpoint") else ""),
+            "phase_started": lambda: f"phase {e['phase']} started: steps {e['start_step']}-{e['end_step'] - 1}, "
+                                     f"layers {e['layers']}, {e['nproc']} process(es)",
+            "phase_done": lambda: f"phase {e['phase']} done at step {e['step']} in {e['seconds']:.1f} s",
+            "checkpoint_skipped": lambda: f"skipping damaged checkpoint: {e['fault']}",
+            "stray_removed": lambda: f"removed a temporary left by a killed writer: {e['path']}",
+            "killed": lambda: f"stopped leftover processes {e['pids']}",
+            "preempted": lambda: f"preempted at step {e['step']}",
+            "run_done": lambda: f"all {e['step']} steps done",
+        }.get(kind)
+        if text:
+            self._progress.console.print(text()) if self.live else console.print(text(), highlight=False)
+
+    def progress(self, run_dir: Path, phase: Phase, start_step: int) -> Callable[[], None]:
+        metrics = run_dir / "metrics.jsonl"
+        offset = metrics.stat().st_size if metrics.exists() else 0
+        self._progress.update(self._task, completed=start_step,
+                              description=f"phase {phase.index} layers {list(phase.layers)}")
+
+        def tick() -> None:
+            nonlocal offset
+            if not metrics.exists():
+                return
+            with open(metrics) as f:
+                f.seek(offset)
+                chunk = f.read()
+            lines = chunk.split("\n")
+            offset += len(chunk) - len(lines[-1])
+            for line in lines[:-1]:
+                try:
+                    m = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                info = f"loss {m['loss']:.4f}  {m['tokens_per_s']:.0f} tok/s"
+                self._progress.update(self._task, completed=m["step"], info=info)
+                if not self.live and (time.time() - self._last_plain > 5 or m["step"] == phase.end_step):
+                    console.print(f"step {m['step']}/{self.total}  phase {m['phase']}  {info}", highlight=False)
+                    self._last_plain = time.time()
+
+        return tick
+
+
+def run_state(run_dir: Path, events: list[dict]) -> str:
+    lock = run_dir / "orchestrator.lock"
+    if lock.exists():
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return "running"
+        finally:
+            os.close(fd)
+    last = next((e["event"] for e in reversed(events) if e["event"] in
+                 ("run_done", "preempted", "phase_failed", "phase_started", "run_started", "resumed")), None)
+    return {"run_done": "done", "preempted": "preempted", "phase_failed": "failed", None: "not started"}.get(
+        last, "stopped (the orchestrator was killed; run again to resume)")
+
+
+def print_status(run_dir: Path) -> None:
+    from shard_tools.manifest import newest_valid
+
+    if not (run_dir / "journal.jsonl").exists():
+        raise ScheduleError(f"{run_dir}: not a relayer run directory (no journal.jsonl)")
+    events = read_journal(run_dir)
+    ckpt, manifest, skipped = newest_valid(run_dir, checksums=False)
+    out = Console()
+    out.print(f"[bold]{run_dir}[/bold]: {run_state(run_dir, events)}")
+    started = [e for e in events if e["event"] == "phase_started"]
+    if started:
+        e = started[-1]
+        out.print(f"phase {e['phase']} (steps {e['start_step']}-{e['end_step'] - 1}, layers {e['layers']})")
+    if manifest:
+        out.print(f"last checkpoint: {ckpt.name} (step {manifest.global_step}, phase {manifest.phase}, "
+                  f"{'phase end' if manifest.phase_complete else 'mid-phase'}, head step {manifest.head_step})")
+    for fault in skipped:
+        out.print(f"[red]damaged:[/red] {fault}")
+    table = Table(title="last events")
+    table.add_column("time")
+    table.add_column("event")
+    table.add_column("details")
+    for e in events[-8:]:
+        details = {k: v for k, v in e.items() if k not in ("time", "event", "records")}
+        table.add_row(time.strftime("%H:%M:%S", time.localtime(e["time"])), e["event"], json.dumps(details)[:100])
+    out.print(table)

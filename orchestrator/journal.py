@@ -1,0 +1,40 @@
+"""The run journal: one JSON object a line, appended and fsynced, read back tolerantly."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+JOURNAL = "journal.jsonl"
+
+
+class Journal:
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / JOURNAL
+
+    def write(self, event: str, **fields: Any) -> dict[str, Any]:
+        record = {"time": time.time(), "event": event, **fields}
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return record
+
+
+def read_journal(run_dir: Path) -> list[dict[str, Any]]:
+    """Every complete event; a torn last line (a writer killed mid-write) is skipped."""
+    path = Path(run_dir) / JOURNAL
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events

@@ -1,0 +1,79 @@
+"""Making sure no process of a phase survives it: every recorded pid, and the phase's session."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import psutil
+
+
+def recorded(phase_dir: Path) -> list[psutil.Process]:
+    """Live processes whose pid files are in phase_dir/pids (matched on create time: no pid reuse)."""
+    out = []
+    pids = phase_dir / "pids"
+    if not pids.is_dir():
+        return out
+    for f in sorted(pids.glob("*.json")):
+        try:
+            rec = json.loads(f.read_text())
+            p = psutil.Process(rec["pid"])
+            if abs(p.create_time() - rec["create_time"]) < 0.01:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, json.JSONDecodeError, KeyError, OSError):
+            continue
+    return out
+
+
+def in_session(sid: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and p.pid != os.getpid():
+                out.append(p)
+        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+            continue
+    return out
+
+
+def phase_processes(phase_dir: Path, session: int | None) -> list[psutil.Process]:
+    procs = {p.pid: p for p in recorded(phase_dir)}
+    if session is not None:
+        procs.update({p.pid: p for p in in_session(session)})
+    return [p for p in procs.values() if _alive(p)]
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def signal_all(procs: list[psutil.Process], sig: int) -> None:
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+
+
+def reap(phase_dir: Path, session: int | None, grace: float) -> list[int]:
+    """SIGTERM, up to ``grace`` seconds, SIGKILL; returns the pids that had to be stopped.
+
+    Raises RuntimeError if any process is still alive after SIGKILL (it would hold device memory).
+    """
+    procs = phase_processes(phase_dir, session)
+    if not procs:
+        return []
+    stopped = [p.pid for p in procs]
+    signal_all(procs, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    signal_all(alive, signal.SIGKILL)
+    _, alive = psutil.wait_procs(alive, timeout=10)
+    alive = [p for p in alive if _alive(p)]
+    if alive:
+        raise RuntimeError(f"processes {[p.pid for p in alive]} of {phase_dir} survived SIGKILL")
+    return stopped

@@ -1,0 +1,334 @@
+"""The phase loop: find where the run stands, run the next phase in a fresh process group, make
+sure all of it is gone, journal, repeat. Preemption and resume live here too.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from orchestrator import procs
+from orchestrator.errors import PhaseFailed, Preempted, RelayerError, RunLocked, ScheduleError
+from orchestrator.journal import Journal
+from orchestrator.schedule import LoadedSchedule, Phase, check_batch, plan_phases, validate_schedule
+from shard_tools.manifest import (
+    Manifest, list_checkpoints, needed_by, newest_valid, remove_stray_temporaries, verify_checkpoint,
+    write_text_atomic,
+)
+
+SCHEDULE_COPY = "schedule.toml"
+LOCK = "orchestrator.lock"
+PREEMPTED_RC = 75
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What to run next: a phase from a global step, restoring from a checkpoint (or the base)."""
+
+    phase: Phase
+    start_step: int
+    restore: Path | None
+
+
+def next_work(phases: list[Phase], ckpt: Path | None, manifest: Manifest | None) -> Work | None:
+    if manifest is None:
+        return Work(phases[0], 0, None)
+    g = manifest.global_step
+    if manifest.phase_complete:
+        for ph in phases:
+            if ph.start_step == g:
+                return Work(ph, g, ckpt)
+        if g >= phases[-1].end_step:
+            return None
+        raise ScheduleError(f"the newest checkpoint ends a phase at step {g}, where no phase of the schedule starts")
+    ph = next((p for p in phases if p.start_step <= g < p.end_step), None)
+    if ph is None or ph.index != manifest.phase or list(ph.layers) != manifest.layers:
+        raise ScheduleError(
+            f"the newest checkpoint is inside phase {manifest.phase} (layers {manifest.layers}) at step {g}, "
+            f"which the schedule no longer has"
+        )
+    return Work(ph, g, ckpt)
+
+
+class RunLock:
+    """One orchestrator per run directory: an flock the kernel drops when its holder dies."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / LOCK
+        self.fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunLocked(f"{self.path.parent}: another orchestrator (pid {holder}) is running this run") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def schedule_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        path = f"{prefix}{key}"
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += schedule_differences(a, b, path + ".")
+        elif a != b:
+            diffs.append(f"{path}: {a!r} -> {b!r}")
+    return diffs
+
+
+class Runner:
+    """Runs a schedule to completion in its run directory. ``run()`` is the whole public API."""
+
+    def __init__(self, loaded: LoadedSchedule, *, force: bool = False, on_event: Callable[[dict], None] | None = None,
+                 progress: Callable[[Path, Phase, int], Callable[[], None]] | None = None):
+        self.loaded = loaded
+        self.run_dir = loaded.output_dir
+        self.phases = plan_phases(loaded)
+        self.force = force
+        self.on_event = on_event or (lambda e: None)
+        self.progress = progress
+        self.stop_signal: int | None = None
+
+    # -- entry ---------------------------------------------------------------------------------
+    def run(self) -> None:
+        fresh = self._prepare_run_dir()
+        self.journal = Journal(self.run_dir)
+        with RunLock(self.run_dir):
+            old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+            for s in STOP_SIGNALS:
+                signal.signal(s, self._on_signal)
+            try:
+                self._loop(fresh)
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+    def _event(self, event: str, **fields) -> None:
+        self.on_event(self.journal.write(event, **fields))
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.stop_signal = signum
+
+    # -- run directory -------------------------------------------------------------------------
+    def _prepare_run_dir(self) -> bool:
+        """Creates the run directory (atomically) or checks that it belongs to this schedule."""
+        rd = self.run_dir
+        copy = rd / SCHEDULE_COPY
+        text = self.loaded.source.read_text()
+        if copy.exists():
+            self._check_same_schedule(tomllib.loads(copy.read_text()))
+            return False
+        if rd.exists() and any(p.name != LOCK for p in rd.iterdir()):
+            raise ScheduleError(f"{rd}: the output directory exists, is not empty and holds no relayer run")
+        rd.parent.mkdir(parents=True, exist_ok=True)
+        tmp = rd.parent / f".tmp-{rd.name}.{os.getpid()}"
+        tmp.mkdir(mode=0o700)
+        (tmp / SCHEDULE_COPY).write_text(text)
+        (tmp / "checkpoints").mkdir()
+        (tmp / "phases").mkdir()
+        if rd.exists():
+            rd.rmdir() if not any(rd.iterdir()) else None
+        os.replace(tmp, rd)
+        return True
+
+    def _check_same_schedule(self, old_raw: dict) -> None:
+        new_raw = self.loaded.raw
+        old_raw = {**old_raw, "run": {k: v for k, v in old_raw.get("run", {}).items() if k != "output_dir"}}
+        new_raw = {**new_raw, "run": {k: v for k, v in new_raw.get("run", {}).items() if k != "output_dir"}}
+        diffs = schedule_differences(old_raw, new_raw)
+        if not diffs:
+            return
+        _, manifest, _ = newest_valid(self.run_dir, checksums=False)
+        done_step = manifest.global_step if manifest else 0
+        old_loaded = validate_schedule(old_raw, self.loaded.source)
+        old_phases = [p for p in plan_phases(old_loaded) if p.start_step < done_step]
+        new_phases = [p for p in self.phases if p.start_step < done_step]
+        changes_done = [d for d in diffs if not d.startswith(("schedule.", "launch.", "checkpoint."))]
+        same_done = [(p.start_step, p.end_step, p.layers) for p in old_phases] == [
+            (p.start_step, p.end_step, p.layers) for p in new_phases]
+        if not same_done:
+            changes_done.append("schedule: phases already run (in part or whole) differ")
+        if changes_done and not self.force:
+            raise ScheduleError(
+                f"{self.loaded.source}: differs from the schedule this run was started with "
+                f"({self.run_dir / SCHEDULE_COPY}) in ways that alter completed work:\n  "
+                + "\n  ".join(diffs) + "\nuse --force to go on anyway"
+            )
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _loop(self, fresh: bool) -> None:
+        for stray in remove_stray_temporaries(self.run_dir):
+            self._event("stray_removed", path=str(stray))
+        for phase_dir in sorted((self.run_dir / "phases").glob("phase-*")):
+            killed = procs.reap(phase_dir, None, grace=self.loaded.schedule.launch.grace_seconds)
+            if killed:
+                self._event("killed", phase_dir=str(phase_dir), pids=killed)
+        first = True
+        while True:
+            ckpt, manifest, skipped = newest_valid(self.run_dir)
+            for fault in skipped:
+                self._event("checkpoint_skipped", fault=fault)
+            work = next_work(self.phases, ckpt, manifest)
+            if first:
+                if fresh:
+                    self._event("run_started", phases=len(self.phases), total_steps=self.phases[-1].end_step,
+                                pid=os.getpid())
+                else:
+                    self._event("resumed", step=manifest.global_step if manifest else 0,
+                                checkpoint=str(ckpt) if ckpt else None, pid=os.getpid())
+                first = False
+            if work is None:
+                self._event("run_done", step=self.phases[-1].end_step)
+                return
+            if self.stop_signal is not None:
+                self._event("preempted", step=work.start_step, signal=self.stop_signal)
+                raise Preempted(f"stopped by signal {self.stop_signal} before phase {work.phase.index}; run again to resume")
+            self._run_phase(work)
+
+    def _spec(self, work: Work, phase_dir: Path) -> dict:
+        s = self.loaded.schedule
+        ph = work.phase
+        check_batch(s.data, ph.nproc, self.loaded.source, ph.index)
+        return {
+            "run_dir": str(self.run_dir), "phase_dir": str(phase_dir), "seed": s.run.seed,
+            "phase": ph.index, "start_step": work.start_step, "phase_start_step": ph.start_step,
+            "end_step": ph.end_step, "layers": list(ph.layers),
+            "restore": str(work.restore) if work.restore else None,
+            "model": {"path": str(self.loaded.model_path) if self.loaded.model_path else None,
+                      "config": s.model.config, "dtype": s.model.dtype, "persistent": s.model.persistent,
+                      "layers": s.model.layers},
+            "data": {"path": str(self.loaded.data_path), "format": s.data.format, "seq_len": s.data.seq_len,
+                     "batch_size": s.data.batch_size, "micro_batch_size": s.data.micro_batch_size,
+                     "shuffle": s.data.shuffle},
+            "optimizer": {"lr": s.optimizer.lr, "weight_decay": s.optimizer.weight_decay,
+                          "betas": list(s.optimizer.betas), "eps": s.optimizer.eps,
+                          "grad_clip": s.optimizer.grad_clip, "lr_kind": s.lr_schedule.kind,
+                          "warmup_steps": s.lr_schedule.warmup_steps, "total_steps": self.phases[-1].end_step},
+            "zero_stage": s.deepspeed.zero_stage, "deepspeed_config": s.deepspeed.config,
+            "every_steps": s.checkpoint.every_steps, "launcher": s.launch.launcher, "nproc": ph.nproc,
+            "nnodes": s.launch.nnodes,
+            "hostfile": str((self.loaded.source.parent / s.launch.hostfile).resolve()) if s.launch.hostfile else None,
+            "master_port": free_port(), "orchestrator_pid": os.getpid(),
+        }
+
+    def _run_phase(self, work: Work) -> None:
+        ph = work.phase
+        grace = self.loaded.schedule.launch.grace_seconds
+        phase_dir = self.run_dir / "phases" / f"phase-{ph.index:04d}"
+        phase_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        shutil.rmtree(phase_dir / "pids", ignore_errors=True)
+        (phase_dir / "records.json").unlink(missing_ok=True)
+        spec_path = phase_dir / "spec.json"
+        write_text_atomic(spec_path, json.dumps(self._spec(work, phase_dir), indent=1))
+        log_path = phase_dir / "worker.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        t_start = time.time()
+        with open(log_path, "ab") as log:
+            os.chmod(log_path, 0o600)
+            proc = subprocess.Popen([sys.executable, "-m", "launch", str(spec_path)], stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
+        self._event("phase_started", phase=ph.index, start_step=work.start_step, end_step=ph.end_step,
+                    layers=list(ph.layers), nproc=ph.nproc, pid=proc.pid,
+                    restore=str(work.restore) if work.restore else None)
+        tick = self.progress(self.run_dir, ph, work.start_step) if self.progress else (lambda: None)
+        forwarded_at: float | None = None
+        try:
+            while proc.poll() is None:
+                tick()
+                if self.stop_signal is not None and forwarded_at is None:
+                    # Ranks catch SIGTERM, finish their step and write a checkpoint; launchers
+                    # would not forward it, so it goes to every recorded rank directly.
+                    ranks = [p for p in procs.recorded(phase_dir) if p.pid != proc.pid]
+                    procs.signal_all(ranks or [psutil.Process(proc.pid)], signal.SIGTERM)
+                    forwarded_at = time.time()
+                    self._event("stop_requested", phase=ph.index, signal=self.stop_signal)
+                if forwarded_at is not None and time.time() - forwarded_at > grace:
+                    break
+                time.sleep(0.1)
+            tick()
+        finally:
+            killed = procs.reap(phase_dir, proc.pid, grace=grace if forwarded_at is None else 1.0)
+            if proc.poll() is None:
+                proc.kill()
+            rc = proc.wait()
+        if killed:
+            self._event("killed", phase=ph.index, pids=killed)
+        records = self._records(phase_dir)
+        end = self.run_dir / "checkpoints" / f"step-{ph.end_step:08d}"
+        if rc == 0 and not verify_checkpoint(end, checksums=False):
+            self._event("checkpoint_committed", step=ph.end_step, path=str(end))
+            self._event("phase_done", phase=ph.index, step=ph.end_step, layers=list(ph.layers), nproc=ph.nproc,
+                        seconds=time.time() - t_start, records=records)
+            self._retain()
+            return
+        if self.stop_signal is not None:
+            _, manifest, _ = newest_valid(self.run_dir, checksums=False)
+            step = manifest.global_step if manifest else 0
+            self._event("preempted", phase=ph.index, step=step, signal=self.stop_signal, rc=rc)
+            raise Preempted(f"preempted by signal {self.stop_signal} in phase {ph.index}; "
+                            f"checkpoint at step {step}; run again to resume")
+        tail = "".join(deque(open(log_path, errors="replace"), maxlen=20))
+        self._event("phase_failed", phase=ph.index, rc=rc, log=str(log_path))
+        raise PhaseFailed(f"phase {ph.index} (steps {work.start_step}-{ph.end_step}, layers {list(ph.layers)}) "
+                          f"failed with exit code {rc}; earlier checkpoints are intact.\n"
+                          f"last lines of {log_path}:\n{tail}")
+
+    def _records(self, phase_dir: Path) -> dict:
+        try:
+            return json.loads((phase_dir / "records.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def _retain(self) -> None:
+        """Keeps the newest keep_last checkpoints and everything they still need; removes the rest."""
+        keep_last = self.loaded.schedule.checkpoint.keep_last
+        valid = [c for c in list_checkpoints(self.run_dir) if not verify_checkpoint(c, checksums=False)]
+        kept = valid[-keep_last:]
+        needed = needed_by(self.run_dir, kept)
+        for ckpt in valid:
+            if ckpt not in needed:
+                trash = ckpt.with_name(f".tmp-removing-{ckpt.name}")
+                os.replace(ckpt, trash)
+                shutil.rmtree(trash)
+                self._event("checkpoint_removed", path=str(ckpt))
+
+
+def run_schedule(loaded: LoadedSchedule, **kw) -> None:
+    """Runs (or resumes) a schedule; raises a RelayerError subclass on failure."""
+    try:
+        Runner(loaded, **kw).run()
+    except OSError as e:
+        raise RelayerError(f"{loaded.output_dir}: {e}") from e

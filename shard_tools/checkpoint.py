@@ -1,0 +1,133 @@
+"""Writing and reading checkpoint tensors (torch level).
+
+Writes are atomic at two levels: each file is written under the checkpoint's temporary directory,
+the manifest (with sizes and sha256) is written last, and only then is the directory renamed to
+``step-NNNNNNNN``. A killed writer leaves a ``.tmp-*`` directory that readers ignore.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shard_tools.manifest import (
+    MANIFEST, TMP_PREFIX, CheckpointError, FileEntry, Manifest, checkpoints_dir, fsync_dir,
+    read_manifest, sha256_file, step_dir_name,
+)
+
+HEAD = "head.safetensors"
+LAYERS = "layers.safetensors"
+BODY_OPTIM = "body_optim.safetensors"
+STATE = "state.safetensors"
+OPTIM_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(
+    run_dir: Path,
+    manifest: Manifest,
+    files: dict[str, dict[str, torch.Tensor]],
+    metadata: dict[str, dict[str, str]] | None = None,
+) -> Path:
+    """Writes ``files`` (file name -> tensors) and then the manifest; returns the checkpoint dir.
+
+    A damaged checkpoint already at the same step is moved aside (``step-N.damaged-<time>``), not
+    deleted: a valid one there is an error, since a step is written once.
+    """
+    root = checkpoints_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(manifest.global_step)
+    tmp = root / f"{TMP_PREFIX}{final.name}.{os.getpid()}"
+    tmp.mkdir(mode=0o700)
+    metadata = metadata or {}
+    entries: dict[str, FileEntry] = {}
+    for name, tensors in files.items():
+        path = tmp / name
+        contiguous = {k: v.detach().contiguous() for k, v in tensors.items()}
+        save_file(contiguous, str(path), metadata=metadata.get(name))
+        _fsync_file(path)
+        entries[name] = FileEntry(size=path.stat().st_size, sha256=sha256_file(path))
+    manifest.files = entries
+    manifest.created = time.time()
+    mpath = tmp / MANIFEST
+    with open(mpath, "w") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    if final.exists():
+        os.replace(final, root / f"{final.name}.damaged-{int(time.time())}")
+    os.replace(tmp, final)
+    fsync_dir(root)
+    return final
+
+
+def load_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Tensors of one safetensors file whose names start with ``prefix`` (prefix removed)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except Exception as e:  # safetensors raises its own SafetensorError for malformed headers
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def file_metadata(path: Path) -> dict[str, str]:
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata() or {}
+
+
+def optim_state(ckpt: Path, file: str) -> dict[str, dict[str, torch.Tensor]]:
+    """{'master'|'exp_avg'|'exp_avg_sq': {param name: fp32 tensor}} of head or body_optim."""
+    tensors = load_tensors(ckpt / file)
+    out: dict[str, dict[str, torch.Tensor]] = {k: {} for k in OPTIM_KEYS}
+    for key, t in tensors.items():
+        kind, _, name = key.partition("/")
+        if kind not in out:
+            raise CheckpointError(f"{ckpt / file}: unexpected tensor {key!r}")
+        out[kind][name] = t
+    return out
+
+
+def flatten_optim_state(state: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {f"{kind}/{name}": t for kind, by_name in state.items() for name, t in by_name.items()}
+
+
+def run_weights(run_dir: Path, ckpt: Path) -> dict[str, torch.Tensor]:
+    """What a run's checkpoint changes over the base model: each layer's newest weights, then the head.
+
+    All fp32. The base model itself is not included (see ``shard_tools.model.build_base_model``).
+    """
+    from shard_tools.manifest import layer_sources
+
+    read_manifest(ckpt)
+    weights: dict[str, torch.Tensor] = {}
+    by_source: dict[Path, list[int]] = {}
+    for layer, src in layer_sources(run_dir, ckpt).items():
+        by_source.setdefault(src, []).append(layer)
+    for src, layers in by_source.items():
+        tensors = load_tensors(src / LAYERS)
+        held = {int(k) for k in file_metadata(src / LAYERS).get("layers", "").split(",") if k}
+        missing = set(layers) - held
+        if missing:
+            raise CheckpointError(f"{src / LAYERS}: does not hold layers {sorted(missing)} its manifest lists")
+        prefix_of = file_metadata(src / LAYERS)["layers_prefix"]
+        for name, t in tensors.items():
+            idx = int(name[len(prefix_of) + 1:].split(".", 1)[0])
+            if idx in layers:
+                weights[name] = t
+    weights.update(optim_state(ckpt, HEAD)["master"])
+    return weights

@@ -1,0 +1,98 @@
+"""The base model a run starts from, and which of its parameters are head and which are body layers.
+
+Both the phase worker and ``shard-tools export`` build the base model here, so a run's weights are
+the same wherever they are composed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Known families: head prefixes and the layer list. Anything else is detected from the module tree.
+_FAMILIES: dict[str, tuple[list[str], str]] = {
+    "llama": (["model.embed_tokens", "lm_head", "model.norm"], "model.layers"),
+    "mistral": (["model.embed_tokens", "lm_head", "model.norm"], "model.layers"),
+    "qwen2": (["model.embed_tokens", "lm_head", "model.norm"], "model.layers"),
+    "qwen3": (["model.embed_tokens", "lm_head", "model.norm"], "model.layers"),
+    "gpt2": (["transformer.wte", "transformer.wpe", "transformer.ln_f", "lm_head"], "transformer.h"),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str | None
+    config: dict[str, Any] | None
+    dtype: str
+    seed: int
+
+
+def build_base_model(spec: ModelSpec) -> nn.Module:
+    """The run's starting weights on the CPU, in ``spec.dtype``.
+
+    A config-only model is a random init under ``spec.seed``: the same seed and torch version
+    give the same bytes, so no copy of the base weights is kept in the run directory.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = DTYPES[spec.dtype]
+    if spec.path is not None:
+        return AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
+    cfg = dict(spec.config or {})
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.to(dtype)
+
+
+def detect_parts(model: nn.Module, persistent: list[str] | None, layers: str | None) -> tuple[list[str], str]:
+    """(head module prefixes, attribute path of the layer list), overridable from the schedule."""
+    family = _FAMILIES.get(getattr(model.config, "model_type", ""))
+    if persistent is None:
+        persistent = family[0] if family else _detect_head(model)
+    if layers is None:
+        layers = family[1] if family else _detect_layers(model)
+    names = dict(model.named_modules())
+    for prefix in persistent:
+        if prefix not in names:
+            raise ValueError(f"model.persistent: the model has no module {prefix!r}")
+    if not isinstance(names.get(layers), nn.ModuleList):
+        raise ValueError(f"model.layers: {layers!r} is not a layer list (nn.ModuleList) of the model")
+    return list(persistent), layers
+
+
+def _detect_layers(model: nn.Module) -> str:
+    n = getattr(model.config, "num_hidden_layers", None)
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == n:
+            return name
+    raise ValueError("model.layers: cannot detect the layer list; set it in the schedule")
+
+
+def _detect_head(model: nn.Module) -> list[str]:
+    names = {id(m): n for n, m in model.named_modules()}
+    head = []
+    for mod in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if mod is not None and id(mod) in names and names[id(mod)] not in head:
+            head.append(names[id(mod)])
+    for name, _ in model.named_modules():
+        if name.split(".")[-1] in ("norm", "ln_f", "final_layernorm", "final_layer_norm") and name.count(".") <= 1:
+            head.append(name)
+    return head
+
+
+def head_param_names(model: nn.Module, persistent: list[str]) -> list[str]:
+    """Unique parameters under the head prefixes; a tied lm_head appears once (as its embedding)."""
+    return [n for n, _ in model.named_parameters() if any(n == p or n.startswith(p + ".") for p in persistent)]
+
+
+def layer_param_names(model: nn.Module, layers_attr: str, index: int) -> list[str]:
+    prefix = f"{layers_attr}.{index}."
+    return [n for n, _ in model.named_parameters() if n.startswith(prefix)]
