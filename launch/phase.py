@@ -269,6 +269,8 @@ class Phase:
             head_step=head_step, body_step=body_step, world_size=self.world, zero_stage=spec.zero_stage,
             dtype=spec.model.dtype, files={}, versions=versions(), created=0.0,
             extra={"data_position": self.step * spec.data.batch_size, "persistent": self.persistent,
+                   "base_model": {"path": spec.model.path, "config": spec.model.config, "seed": spec.seed,
+                                  "dtype": spec.model.dtype},
                    "layers_attr": self.layers_attr, "lr": lr_at(max(self.step - 1, 0), spec.optimizer)},
         )
         meta = {LAYERS: {"layers": ",".join(map(str, spec.layers)), "layers_prefix": self.layers_attr}}

@@ -1,0 +1,97 @@
+"""Shared fixtures: a tiny Llama saved as a Hugging Face directory, token data, schedules, runs.
+
+Everything is made here (no downloads). Runs go through the real CLI in a subprocess, so each
+phase is a real process with a real DeepSpeed engine on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+ROOT = Path(__file__).resolve().parent.parent
+VOCAB = 96
+SEQ = 16
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def make_llama(out: Path, layers: int = 4, tie: bool = False, seed: int = 0) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def make_tokens(out: Path, n: int = 64, seq: int = SEQ, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    with open(out, "w") as f:
+        for _ in range(n):
+            # A learnable pattern (a noisy counter) so the loss moves, not pure noise.
+            start = rng.randrange(VOCAB)
+            f.write(json.dumps({"input_ids": [(start + i * 3 + (rng.random() < 0.1)) % VOCAB for i in range(seq)]}) + "\n")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    return make_tokens(tmp_path_factory.mktemp("data") / "train.jsonl")
+
+
+def schedule_dict(model: Path, data: Path, **sections) -> dict:
+    """The tiny 3-phase schedule ([0], [1], [0] x 10 steps); ``sections`` override per section."""
+    base = {
+        "run": {"output_dir": "run", "seed": 0},
+        "model": {"path": str(model), "dtype": "float32"},
+        "data": {"path": str(data), "format": "tokens", "seq_len": SEQ, "batch_size": 8, "micro_batch_size": 4},
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.0, "grad_clip": 1.0},
+        "schedule": {"phases": [{"steps": 10, "layers": [0]}, {"steps": 10, "layers": [1]},
+                                {"steps": 10, "layers": [0]}]},
+        "deepspeed": {"zero_stage": 2},
+        "launch": {"launcher": "local", "nproc": 1, "grace_seconds": 10},
+        "checkpoint": {"every_steps": 0, "keep_last": 10},
+    }
+    for name, values in sections.items():
+        if values is None:
+            base.pop(name, None)
+        else:
+            base[name] = {**base.get(name, {}), **values}
+    return base
+
+
+def write_schedule(path: Path, schedule: dict) -> Path:
+    path.write_text(tomli_w.dumps(schedule))
+    return path
+
+
+def cli(*args: str, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+    """Runs ``orchestrator`` or ``shard-tools`` as a user would."""
+    exe = Path(sys.executable).parent / args[0]
+    return subprocess.run([str(exe), *args[1:]], capture_output=True, text=True, timeout=timeout, **kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, tiny_model, tiny_data) -> Path:
+    """A completed 3-phase run (ZeRO-2, fp32, one process); treat it as read-only."""
+    d = tmp_path_factory.mktemp("tiny-run")
+    sched = write_schedule(d / "schedule.toml", schedule_dict(tiny_model, tiny_data))
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    return d / "run"
