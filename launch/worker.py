@@ -21,7 +21,9 @@ from launch import procs
 from launch.spec import PhaseSpec
 
 def main(argv: list[str]) -> int:
-    spec = PhaseSpec.read(argv[1])
+    # The deepspeed launcher adds --local_rank=N; LOCAL_RANK in the environment says the same.
+    args = [a for a in argv[1:] if not a.startswith("--local_rank")]
+    spec = PhaseSpec.read(args[0])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     procs.guard_process(Path(spec.phase_dir), rank, spec.orchestrator_pid)
     stop = {"signal": None}

@@ -1,0 +1,113 @@
+"""The orchestrated run equals an independent plain-PyTorch LISA reference.
+
+Sensitivity of the setup (tiny Llama, lr 1e-3, 30 steps, fp32), measured by
+``test_setup_is_not_chaotic``: scaling every gradient by 1 + 1e-6 moves the final weights by
+~1e-9..1e-8, while the wrong semantics (body state carried over, head state reset) move them by
+~1e-4 or more. So a 1e-5 tolerance separates "same algorithm, other summation order" from "wrong".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from shard_tools.checkpoint import run_weights
+from shard_tools.manifest import list_checkpoints, newest_valid, read_manifest
+from tests.conftest import cli, schedule_dict, write_schedule
+from tests.reference import max_abs_diff, reference_run
+
+PHASES = [(10, [0]), (10, [1]), (10, [0])]
+TOL = 1e-5
+
+pytestmark = pytest.mark.multiprocess
+
+
+def composed(model_dir: Path, run_dir: Path, ckpt: Path | None = None) -> dict[str, torch.Tensor]:
+    """Base model + the run's trained weights as of ``ckpt`` (default: the newest)."""
+    if ckpt is None:
+        ckpt, _, _ = newest_valid(run_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    weights.update(run_weights(run_dir, ckpt))
+    return weights
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, tiny_data) -> dict[str, torch.Tensor]:
+    return reference_run(tiny_model, tiny_data, PHASES)
+
+
+def test_setup_is_not_chaotic(tiny_model, tiny_data, reference):
+    nudged = reference_run(tiny_model, tiny_data, PHASES, grad_scale=1 + 1e-6)
+    assert max_abs_diff(reference, nudged) < TOL / 10
+
+
+def test_wrong_semantics_would_fail(tiny_model, tiny_data, reference):
+    """The tolerance catches both ways of getting LISA's state wrong."""
+    carried = reference_run(tiny_model, tiny_data, PHASES, carry_body=True)
+    reset = reference_run(tiny_model, tiny_data, PHASES, reset_head=True)
+    assert max_abs_diff(reference, carried) > 10 * TOL
+    assert max_abs_diff(reference, reset) > 10 * TOL
+
+
+def test_one_process_matches_reference(tiny_run, tiny_model, reference):
+    assert max_abs_diff(reference, composed(tiny_model, tiny_run)) <= TOL
+
+
+def test_step_counters_and_layer_history(tiny_run, tiny_model):
+    ckpts = {read_manifest(c).global_step: c for c in list_checkpoints(tiny_run)}
+    assert sorted(ckpts) == [10, 20, 30]
+    last = read_manifest(ckpts[30])
+    assert (last.head_step, last.body_step, last.phase, last.layers) == (30, 10, 2, [0])
+    assert [read_manifest(ckpts[s]).head_step for s in (10, 20)] == [10, 20]
+    base = {n: t for n, t in AutoModelForCausalLM.from_pretrained(tiny_model).named_parameters()}
+    at = {s: composed(tiny_model, tiny_run, ckpts[s]) for s in (10, 20, 30)}
+
+    def layer(w, i):
+        return {n: t for n, t in w.items() if n.startswith(f"model.layers.{i}.")}
+
+    def same(a, b):
+        return all(torch.equal(a[n], b[n]) for n in a)
+
+    # Layer 1 changed in phase 1 (steps 10-19) only.
+    assert same(layer(at[10], 1), layer(base, 1))
+    assert not same(layer(at[20], 1), layer(base, 1))
+    assert same(layer(at[30], 1), layer(at[20], 1))
+    # Layer 0's phase-0 weights carried through phase 1 and into phase 2, which moved them on.
+    assert not same(layer(at[10], 0), layer(base, 0))
+    assert same(layer(at[20], 0), layer(at[10], 0))
+    assert not same(layer(at[30], 0), layer(at[10], 0))
+    # Untouched layers are the base model's.
+    assert same(layer(at[30], 2), layer(base, 2)) and same(layer(at[30], 3), layer(base, 3))
+
+
+def test_each_phase_its_own_process_and_none_survives(tiny_run):
+    events = [json.loads(line) for line in (tiny_run / "journal.jsonl").read_text().splitlines()]
+    started = [e for e in events if e["event"] == "phase_started"]
+    assert [e["phase"] for e in started] == [0, 1, 2]
+    rank_pids = []
+    for i in range(3):
+        rec = json.loads((tiny_run / "phases" / f"phase-{i:04d}" / "pids" / "rank-0.json").read_text())
+        rank_pids.append(rec["pid"])
+        try:
+            alive = psutil.Process(rec["pid"]).create_time() == rec["create_time"]
+        except psutil.NoSuchProcess:
+            alive = False
+        assert not alive, f"phase {i}'s worker {rec['pid']} is still alive"
+    assert len(set(rank_pids)) == 3
+    assert len({e["pid"] for e in started}) == 3
+
+
+def test_two_processes_match_reference(tmp_path, tiny_model, tiny_data, reference):
+    sched = write_schedule(tmp_path / "s.toml", schedule_dict(
+        tiny_model, tiny_data, launch={"launcher": "deepspeed", "nproc": 2}))
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / "run"
+    assert read_manifest(newest_valid(run)[0]).world_size == 2
+    assert max_abs_diff(reference, composed(tiny_model, run)) <= TOL

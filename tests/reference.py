@@ -1,0 +1,83 @@
+"""An independent single-process LISA reference in plain PyTorch, for the equivalence tests.
+
+Written from the contract, not from launch/: one AdamW for the head that lives through the whole
+run, a new AdamW for the body in every phase, lr a function of the global step, the documented
+data order (epochs of ``random.Random(f"relayer-data-{seed}-{epoch}")`` permutations; optimizer
+step s takes samples [s*B, (s+1)*B), micro-step m of rank r the slice starting at (m*W + r)*mb).
+
+``carry_body`` and ``reset_head`` give the two wrong semantics, so tests can show they would fail.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def load_tokens(path: Path) -> torch.Tensor:
+    return torch.tensor([json.loads(line)["input_ids"] for line in open(path) if line.strip()])
+
+
+def sample_index(g: int, n: int, seed: int) -> int:
+    epoch, pos = divmod(g, n)
+    perm = list(range(n))
+    random.Random(f"relayer-data-{seed}-{epoch}").shuffle(perm)
+    return perm[pos]
+
+
+def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]]], *, seed: int = 0,
+                  lr: float = 1e-3, batch: int = 8, micro: int = 4, grad_clip: float = 1.0,
+                  weight_decay: float = 0.0, carry_body: bool = False, reset_head: bool = False,
+                  grad_scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Final weights (fp32, by parameter name) of the LISA schedule ``phases`` = [(steps, layers)]."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    examples = load_tokens(data)
+    params = dict(model.named_parameters())
+    head = [n for n in params if n.startswith(("model.embed_tokens", "lm_head", "model.norm"))]
+
+    def adamw(names: list[str]) -> torch.optim.AdamW:
+        decay = [params[n] for n in names if params[n].ndim >= 2]
+        no_decay = [params[n] for n in names if params[n].ndim < 2]
+        groups = [{"params": g, "weight_decay": wd} for g, wd in ((decay, weight_decay), (no_decay, 0.0)) if g]
+        return torch.optim.AdamW(groups, lr=lr)
+
+    head_opt = adamw(head)
+    body_opts: dict[tuple[int, ...], torch.optim.AdamW] = {}
+    step = 0
+    for steps, layers in phases:
+        body = [n for n in params if any(n.startswith(f"model.layers.{i}.") for i in layers)]
+        trainable = set(head) | set(body)
+        for n, p in params.items():
+            p.requires_grad_(n in trainable)
+        if reset_head:
+            head_opt = adamw(head)
+        key = tuple(layers)
+        body_opt = body_opts.get(key) if carry_body else None
+        if body_opt is None:
+            body_opt = body_opts[key] = adamw(body)
+        for _ in range(steps):
+            for m in range(batch // micro):
+                first = step * batch + m * micro
+                ids = examples[[sample_index(g, len(examples), seed) for g in range(first, first + micro)]]
+                (model(input_ids=ids, labels=ids).loss / (batch // micro)).backward()
+            trainable_params = [params[n] for n in params if n in trainable]
+            if grad_scale != 1.0:
+                for p in trainable_params:
+                    p.grad.mul_(grad_scale)
+            if grad_clip:
+                torch.nn.utils.clip_grad_norm_(trainable_params, grad_clip)
+            head_opt.step()
+            body_opt.step()
+            head_opt.zero_grad(set_to_none=True)
+            body_opt.zero_grad(set_to_none=True)
+            step += 1
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), a.keys() ^ b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
