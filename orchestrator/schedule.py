@@ -6,9 +6,11 @@ this module imports torch: model facts (layer count, family) come from ``config.
 
 from __future__ import annotations
 
+import difflib
 import json
 import random
 import tomllib
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -18,6 +20,14 @@ from orchestrator.errors import ScheduleError
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class KeyProblem(ValueError):
+    """A check that spans several keys, raised inside a section; ``key`` is the dotted key to blame."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
 
 
 class Section(BaseModel):
@@ -47,9 +57,9 @@ class ModelSection(Section):
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
         if (self.path is None) == (self.config is None):
-            raise ValueError("give exactly one of model.path and model.config")
+            raise KeyProblem("model", "expected exactly one of model.path and model.config")
         if self.config is not None and "model_type" not in self.config:
-            raise ValueError("model.config needs model_type (for example \"llama\")")
+            raise KeyProblem("model.config", 'expected a model_type key (for example model_type = "llama")')
         return self
 
 
@@ -81,9 +91,9 @@ class OptimizerSection(Section):
     @field_validator("betas", mode="before")
     @classmethod
     def _betas(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            return tuple(float(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in v)
-        return v
+        if not isinstance(v, list | tuple) or len(v) != 2:
+            raise KeyProblem("optimizer.betas", f"expected two numbers [beta1, beta2], got {_show(v)}")
+        return tuple(float(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in v)
 
 
 class LrScheduleSection(Section):
@@ -95,7 +105,15 @@ class PhaseEntry(Section):
     steps: PositiveInt
     layers: Annotated[list[NonNegInt], Field(min_length=1)]
     nproc: PositiveInt | None = None
-    """Processes for this phase; None: launch.nproc (or --nproc)."""
+    """Processes per node for this phase; None: launch.nproc. --nproc overrides both."""
+
+    @field_validator("layers")
+    @classmethod
+    def _distinct(cls, v: list[int]) -> list[int]:
+        twice = sorted({x for x in v if v.count(x) > 1})
+        if twice:
+            raise ValueError(f"expected distinct layers, got {v} (layer {twice[0]} appears twice)")
+        return v
 
 
 class ScheduleSection(Section):
@@ -109,23 +127,51 @@ class ScheduleSection(Section):
     def _one_form(self) -> ScheduleSection:
         strategy_keys = {k: getattr(self, k) for k in ("total_steps", "interval", "layers_per_phase")}
         if self.phases is not None:
-            if self.strategy is not None or any(v is not None for v in strategy_keys.values()):
-                raise ValueError("give either schedule.phases or schedule.strategy with its keys, not both")
+            given = [k for k in ("strategy", *strategy_keys) if getattr(self, k) is not None]
+            if given:
+                raise KeyProblem(f"schedule.{given[0]}", "expected either schedule.phases or schedule.strategy "
+                                 "(with total_steps, interval, layers_per_phase), not both")
             if not self.phases:
-                raise ValueError("schedule.phases is empty: give at least one phase")
+                raise KeyProblem("schedule.phases", "expected at least one phase, got an empty list")
         else:
             if self.strategy is None:
-                raise ValueError("give schedule.phases or schedule.strategy")
+                raise KeyProblem("schedule", "expected schedule.phases or schedule.strategy")
             missing = [k for k, v in strategy_keys.items() if v is None]
             if missing:
-                raise ValueError(f"schedule.strategy needs {', '.join('schedule.' + m for m in missing)}")
+                raise KeyProblem(f"schedule.{missing[0]}",
+                                 f"required with schedule.strategy = {_show(self.strategy)}, but missing")
         return self
+
+
+# DeepSpeed config keys that relayer derives from the schedule; setting them twice would disagree.
+DERIVED_DEEPSPEED_KEYS = {
+    "train_batch_size": "data.batch_size",
+    "train_micro_batch_size_per_gpu": "data.micro_batch_size",
+    "gradient_accumulation_steps": "data.batch_size / (data.micro_batch_size x processes)",
+    "gradient_clipping": "optimizer.grad_clip",
+    "optimizer": "[optimizer] (relayer builds its own AdamW)",
+    "scheduler": "[lr_schedule]",
+    "zero_optimization.stage": "deepspeed.zero_stage",
+    "bf16.enabled": "model.dtype",
+    "fp16.enabled": "model.dtype",
+}
 
 
 class DeepSpeedSection(Section):
     zero_stage: Literal[1, 2, 3] = 2
     config: dict[str, Any] = Field(default_factory=dict)
     """Merged into the generated DeepSpeed config."""
+
+    @model_validator(mode="after")
+    def _not_derived(self) -> DeepSpeedSection:
+        for dotted, source in DERIVED_DEEPSPEED_KEYS.items():
+            *parents, key = dotted.split(".")
+            table = self.config
+            for parent in parents:
+                table = table.get(parent) if isinstance(table, dict) else None
+            if isinstance(table, dict) and key in table:
+                raise KeyProblem(f"deepspeed.config.{dotted}", f"set by {source}; set it there")
+        return self
 
 
 class LaunchSection(Section):
@@ -134,6 +180,7 @@ class LaunchSection(Section):
     """Processes per node."""
     nnodes: PositiveInt = 1
     hostfile: str | None = None
+    """DeepSpeed hostfile for several nodes; relative to the schedule file."""
     grace_seconds: Annotated[float, Field(gt=0)] = 30.0
     """How long a phase gets to stop after SIGTERM before SIGKILL."""
 
@@ -142,6 +189,14 @@ class LaunchSection(Section):
     def _int_is_float(cls, v: Any) -> Any:
         return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
+    @model_validator(mode="after")
+    def _nodes(self) -> LaunchSection:
+        if self.nnodes > 1 and self.launcher == "local":
+            raise KeyProblem("launch.launcher", f'expected deepspeed, torchrun or slurm for {self.nnodes} nodes: '
+                             '"local" starts processes on this node only')
+        if self.nnodes > 1 and self.launcher == "deepspeed" and self.hostfile is None:
+            raise KeyProblem("launch.hostfile", f"required with launcher deepspeed on {self.nnodes} nodes, but missing")
+        return self
 
 
 class CheckpointSection(Section):
@@ -192,24 +247,95 @@ class LoadedSchedule(BaseModel):
     """--nproc: the process count of every phase, over launch.nproc and per-phase nproc."""
 
 
-def _loc(err: dict[str, Any]) -> str:
-    parts = [str(p) for p in err["loc"] if not str(p).startswith("function-after")]
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if p.isdigit() else (("." if out else "") + p)
-    return out or "(top level)"
+def _show(v: Any) -> str:
+    """A value as the TOML file spells it, short."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, dict):
+        return "a table"
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _section_at(loc: tuple) -> type[BaseModel] | None:
+    """The section class that holds the last key of ``loc``, for suggesting the keys it takes."""
+    cls: type[BaseModel] | None = Schedule
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = cls.model_fields.get(part)
+        if field is None:
+            return None
+        todo, cls = [field.annotation], None
+        while todo:
+            t = todo.pop()
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                cls = t
+                break
+            todo.extend(typing.get_args(t))
+        if cls is None:
+            return None
+    return cls
+
+
+def _unknown_key(loc: tuple) -> str:
+    section = _section_at(loc)
+    if section is None:
+        return "unknown key"
+    known = list(section.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    if close:
+        return f"unknown key (did you mean {close[0]}?)"
+    return f"unknown key; expected one of {', '.join(known)}"
+
+
+_BOUNDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+
+
+def _bound(err: dict[str, Any]) -> str:
+    (op, limit), = ((k, v) for k, v in err["ctx"].items() if k in _BOUNDS)
+    noun = "integer" if isinstance(err["input"], int) else "number"
+    if limit == 0 and op in ("gt", "ge"):
+        return f"expected a {'positive' if op == 'gt' else 'non-negative'} {noun}"
+    return f"expected a{'n' if noun == 'integer' else ''} {noun} {_BOUNDS[op]} {limit:g}"
+
+
+_EXPECTED = {
+    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+    "float_type": "a number", "float_parsing": "a number",
+    "string_type": "a string", "bool_type": "true or false", "bool_parsing": "true or false",
+    "list_type": "a list", "tuple_type": "a list", "dict_type": "a table",
+    "model_type": "a table", "model_attributes_type": "a table",
+}
+
+
+def _plain(err: dict[str, Any]) -> tuple[str, str]:
+    """(dotted key, what is expected) for one pydantic error, in the schedule's own words."""
+    loc = tuple(p for p in err["loc"] if not str(p).startswith("function-"))
+    key = ""
+    for p in loc:
+        key += f"[{p}]" if isinstance(p, int) else (("." if key else "") + str(p))
+    kind, got = err["type"], f", got {_show(err['input'])}"
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, KeyProblem):
+        return cause.key, str(cause)
+    if kind == "extra_forbidden":
+        return key, _unknown_key(loc)
+    if kind == "missing":
+        return key, "required, but missing"
+    if kind in _EXPECTED:
+        return key, f"expected {_EXPECTED[kind]}{got}"
+    if kind == "literal_error":
+        return key, f"expected {err['ctx']['expected']}{got}"
+    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        return key, _bound(err) + got
+    if kind == "too_short":
+        return key, f"expected at least {err['ctx']['min_length']} item(s){got}"
+    return key, err["msg"].removeprefix("Value error, ")
 
 
 def _format_validation(err: ValidationError, source: Path) -> str:
-    lines = []
-    for e in err.errors():
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key"
-        elif e["type"] == "missing":
-            msg = "required key is missing"
-        lines.append(f"{source}: {_loc(e)}: {msg}")
-    return "\n".join(lines)
+    return "\n".join(f"{source}: {key or '(top level)'}: {msg}" for key, msg in map(_plain, err.errors()))
 
 
 def _read_model_config(model: ModelSection, model_path: Path | None, source: Path) -> dict[str, Any]:
@@ -218,32 +344,42 @@ def _read_model_config(model: ModelSection, model_path: Path | None, source: Pat
     assert model_path is not None
     cfg = model_path / "config.json"
     if not model_path.is_dir():
-        raise ScheduleError(f"{source}: model.path: {model_path} is not a directory")
+        raise ScheduleError(f"{source}: model.path: expected a Hugging Face model directory, {model_path} "
+                            f"{'is not a directory' if model_path.exists() else 'does not exist'}")
     if not cfg.is_file():
-        raise ScheduleError(f"{source}: model.path: {cfg} not found (a Hugging Face model directory needs config.json)")
+        raise ScheduleError(f"{source}: model.path: expected a Hugging Face model directory with config.json, "
+                            f"{cfg} does not exist")
     try:
-        return json.loads(cfg.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ScheduleError(f"{source}: model.path: {cfg} is not valid JSON: {e}") from e
+        config = json.loads(cfg.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ScheduleError(f"{source}: model.path: {cfg} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ScheduleError(f"{source}: model.path: {cfg} is not valid: expected a JSON object")
+    return config
 
 
 def num_layers_of(config: dict[str, Any]) -> int | None:
     for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        if isinstance(config.get(key), int):
-            return config[key]
+        n = config.get(key)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
     text = config.get("text_config")
     return num_layers_of(text) if isinstance(text, dict) else None
 
 
-def load_schedule(path: str | Path, *, output_dir: str | Path | None = None, nproc: int | None = None) -> LoadedSchedule:
+def load_schedule(
+    path: str | Path, *, output_dir: str | Path | None = None, nproc: int | None = None
+) -> LoadedSchedule:
     """Reads and validates a schedule file; raises ScheduleError naming the file and key."""
     source = Path(path).resolve()
     try:
-        text = source.read_text()
+        text = source.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ScheduleError(f"{path}: schedule file not found") from None
     except OSError as e:
-        raise ScheduleError(f"{path}: cannot read: {e.strerror}") from None
+        raise ScheduleError(f"{path}: cannot read the schedule file: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ScheduleError(f"{path}: expected a UTF-8 TOML file: {e.reason} at byte {e.start}") from None
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -254,8 +390,9 @@ def load_schedule(path: str | Path, *, output_dir: str | Path | None = None, npr
 def validate_schedule(
     raw: dict[str, Any], source: Path, *, output_dir: str | Path | None = None, nproc: int | None = None
 ) -> LoadedSchedule:
+    """Checks a parsed schedule against the model, the data and the launch it names; touches nothing."""
     if nproc is not None and nproc < 1:
-        raise ScheduleError(f"--nproc: must be at least 1, got {nproc}")
+        raise ScheduleError(f"--nproc: expected a positive integer, got {nproc}")
     try:
         sched = Schedule.model_validate(raw)
     except ValidationError as e:
@@ -265,11 +402,20 @@ def validate_schedule(
     config = _read_model_config(sched.model, model_path, source)
     n_layers = num_layers_of(config)
     if n_layers is None:
-        raise ScheduleError(f"{source}: model: the model config has no num_hidden_layers (or n_layer)")
+        where = f"model.path: {model_path / 'config.json'}" if model_path else "model.config"
+        raise ScheduleError(f"{source}: {where}: expected num_hidden_layers (or n_layer, num_layers), "
+                            "a positive integer")
     data_path = (base / sched.data.path).resolve()
     if not data_path.is_file():
-        raise ScheduleError(f"{source}: data.path: {data_path} not found")
+        raise ScheduleError(f"{source}: data.path: expected a data file, {data_path} "
+                            f"{'is not a file' if data_path.exists() else 'does not exist'}")
+    launch = sched.launch
+    if launch.hostfile is not None and not (base / launch.hostfile).is_file():
+        raise ScheduleError(f"{source}: launch.hostfile: {(base / launch.hostfile).resolve()} does not exist")
     out = Path(output_dir).resolve() if output_dir is not None else (base / sched.run.output_dir).resolve()
+    if out.exists() and not out.is_dir():
+        key = "--output-dir" if output_dir is not None else f"{source}: run.output_dir"
+        raise ScheduleError(f"{key}: expected a directory, {out} is a file")
     loaded = LoadedSchedule(
         source=source, schedule=sched, raw=raw, num_layers=n_layers,
         model_path=model_path, data_path=data_path, output_dir=out, nproc_override=nproc,
@@ -279,17 +425,21 @@ def validate_schedule(
         for layer in ph.layers:
             if layer >= n_layers:
                 key = f"schedule.phases[{ph.index}].layers" if sched.schedule.phases else "schedule.layers_per_phase"
-                raise ScheduleError(f"{source}: {key}: layer {layer} is out of range: the model has {n_layers} layers (0..{n_layers - 1})")
-        check_batch(sched.data, ph.nproc, source, ph.index)
+                raise ScheduleError(f"{source}: {key}: layer {layer} is out of range: the model has {n_layers} "
+                                    f"layers (0..{n_layers - 1})")
+        check_batch(sched.data, ph.nproc, source, ph.index, nnodes=launch.nnodes)
     return loaded
 
 
-def check_batch(data: DataSection, nproc: int, source: Path, phase: int) -> None:
-    per_step = data.micro_batch_size * nproc
+def check_batch(data: DataSection, nproc: int, source: Path, phase: int, *, nnodes: int = 1) -> None:
+    """batch_size must split into whole micro-batches on every process: gradient accumulation is an integer."""
+    world = nproc * nnodes
+    per_step = data.micro_batch_size * world
     if data.batch_size % per_step:
+        nodes = f" ({nproc} per node x {nnodes} nodes)" if nnodes > 1 else ""
         raise ScheduleError(
-            f"{source}: data.batch_size: {data.batch_size} is not divisible by micro_batch_size x processes "
-            f"= {data.micro_batch_size} x {nproc} = {per_step} (phase {phase})"
+            f"{source}: data.batch_size: expected a multiple of micro_batch_size x processes = "
+            f"{data.micro_batch_size} x {world}{nodes} = {per_step}, got {data.batch_size} (phase {phase})"
         )
 
 
@@ -300,7 +450,7 @@ def plan_phases(loaded: LoadedSchedule) -> list[Phase]:
     if s.schedule.phases is not None:
         phases, step = [], 0
         for i, p in enumerate(s.schedule.phases):
-            nproc = loaded.nproc_override or p.nproc or nproc_default
+            nproc = loaded.nproc_override or p.nproc or s.launch.nproc
             phases.append(Phase(index=i, start_step=step, end_step=step + p.steps, layers=tuple(p.layers), nproc=nproc))
             step += p.steps
         return phases
@@ -308,7 +458,8 @@ def plan_phases(loaded: LoadedSchedule) -> list[Phase]:
     n, k = loaded.num_layers, sc.layers_per_phase
     assert sc.total_steps and sc.interval and k
     if k > n:
-        raise ScheduleError(f"{loaded.source}: schedule.layers_per_phase: {k} is more than the model's {n} layers")
+        raise ScheduleError(f"{loaded.source}: schedule.layers_per_phase: expected at most the model's {n} layers, "
+                            f"got {k}")
     rng = random.Random(f"relayer-lisa-{s.run.seed}")
     phases, step, i = [], 0, 0
     while step < sc.total_steps:
