@@ -59,3 +59,10 @@ def guard_process(phase_dir: Path, rank: int, orchestrator_pid: int | None) -> N
     record_pid(phase_dir, f"rank-{rank}")
     if orchestrator_pid is not None:
         watch_orchestrator(orchestrator_pid)
+
+
+def report_error(phase_dir: Path, rank: int, error: BaseException) -> None:
+    """Leaves the reason a rank failed where the orchestrator looks for it (errors/rank-N.txt)."""
+    errors = phase_dir / "errors"
+    errors.mkdir(parents=True, exist_ok=True)
+    (errors / f"rank-{rank}.txt").write_text(f"{type(error).__name__}: {error}\n")

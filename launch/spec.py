@@ -73,6 +73,8 @@ class PhaseSpec(_Spec):
     master_port: int
     orchestrator_pid: int | None
     """The worker stops itself when this process is gone (it may have been SIGKILLed)."""
+    orchestrator_host: str | None = None
+    """Where orchestrator_pid lives: ranks on other nodes cannot watch it (their launcher does)."""
 
     @classmethod
     def read(cls, path: str | Path) -> PhaseSpec:

@@ -14,18 +14,22 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
 from launch import procs
+from launch.commands import rank_env_from_slurm
 from launch.spec import PhaseSpec
 
+
 def main(argv: list[str]) -> int:
-    # The deepspeed launcher adds --local_rank=N; LOCAL_RANK in the environment says the same.
-    args = [a for a in argv[1:] if not a.startswith("--local_rank")]
-    spec = PhaseSpec.read(args[0])
+    spec = PhaseSpec.read(argv[1])
+    if spec.launcher == "slurm":
+        os.environ.update(rank_env_from_slurm(os.environ))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    procs.guard_process(Path(spec.phase_dir), rank, spec.orchestrator_pid)
+    same_host = spec.orchestrator_host in (None, socket.gethostname())
+    procs.guard_process(Path(spec.phase_dir), rank, spec.orchestrator_pid if same_host else None)
     stop = {"signal": None}
 
     def _request_stop(signum, _frame):
@@ -33,9 +37,13 @@ def main(argv: list[str]) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, _request_stop)
-    from launch.phase import run_phase
+    try:
+        from launch.phase import run_phase
 
-    return run_phase(spec, rank, world, stop)
+        return run_phase(spec, rank, world, stop)
+    except BaseException as e:
+        procs.report_error(Path(spec.phase_dir), rank, e)
+        raise
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ from orchestrator.errors import ScheduleError
 from orchestrator.journal import read_journal
 from orchestrator.schedule import LoadedSchedule, Phase, plan_phases
 
-console = Console(stderr=True)
+# Off a terminal, lines are logs: never wrap them (rich would at 80 columns).
+console = Console(stderr=True, soft_wrap=True)
 
 
 def print_plan(loaded: LoadedSchedule, phases: list[Phase]) -> None:

@@ -10,13 +10,16 @@ from pathlib import Path
 import psutil
 
 
-def recorded(phase_dir: Path) -> list[psutil.Process]:
-    """Live processes whose pid files are in phase_dir/pids (matched on create time: no pid reuse)."""
+def recorded(phase_dir: Path, prefix: str = "") -> list[psutil.Process]:
+    """Live processes whose pid files are in phase_dir/pids (matched on create time: no pid reuse).
+
+    Ranks record themselves as ``rank-N``, the launcher as ``launcher``.
+    """
     out = []
     pids = phase_dir / "pids"
     if not pids.is_dir():
         return out
-    for f in sorted(pids.glob("*.json")):
+    for f in sorted(pids.glob(f"{prefix}*.json")):
         try:
             rec = json.loads(f.read_text())
             p = psutil.Process(rec["pid"])

@@ -26,8 +26,8 @@ from orchestrator.errors import PhaseFailed, Preempted, RelayerError, RunLocked,
 from orchestrator.journal import Journal
 from orchestrator.schedule import LoadedSchedule, Phase, check_batch, plan_phases, validate_schedule
 from shard_tools.manifest import (
-    Manifest, list_checkpoints, needed_by, newest_valid, remove_stray_temporaries, verify_checkpoint,
-    write_text_atomic,
+    Manifest, layer_sources, list_checkpoints, needed_by, newest_valid, read_manifest, remove_stray_temporaries,
+    verify_checkpoint, write_text_atomic,
 )
 
 SCHEDULE_COPY = "schedule.toml"
@@ -120,6 +120,7 @@ class Runner:
         self.on_event = on_event or (lambda e: None)
         self.progress = progress
         self.stop_signal: int | None = None
+        self.verified: set[Path] = set()
 
     # -- entry ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -175,7 +176,8 @@ class Runner:
         old_loaded = validate_schedule(old_raw, self.loaded.source)
         old_phases = [p for p in plan_phases(old_loaded) if p.start_step < done_step]
         new_phases = [p for p in self.phases if p.start_step < done_step]
-        changes_done = [d for d in diffs if not d.startswith(("schedule.", "launch.", "checkpoint."))]
+        # Where and how the work runs does not change what it computes; phases are compared below.
+        changes_done = [d for d in diffs if not d.startswith(("schedule.", "launch.", "checkpoint.", "deepspeed.zero_stage"))]
         same_done = [(p.start_step, p.end_step, p.layers) for p in old_phases] == [
             (p.start_step, p.end_step, p.layers) for p in new_phases]
         if not same_done:
@@ -197,9 +199,7 @@ class Runner:
                 self._event("killed", phase_dir=str(phase_dir), pids=killed)
         first = True
         while True:
-            ckpt, manifest, skipped = newest_valid(self.run_dir)
-            for fault in skipped:
-                self._event("checkpoint_skipped", fault=fault)
+            ckpt, manifest = self._restore_point()
             work = next_work(self.phases, ckpt, manifest)
             if first:
                 if fresh:
@@ -217,10 +217,36 @@ class Runner:
                 raise Preempted(f"stopped by signal {self.stop_signal} before phase {work.phase.index}; run again to resume")
             self._run_phase(work)
 
+    def _restore_point(self) -> tuple[Path | None, Manifest | None]:
+        """The newest checkpoint that is whole, and whose layer sources are whole too.
+
+        Damaged ones are journaled and skipped, never deleted. Checksums are read once per
+        checkpoint per orchestrator: what this process verified or committed stays trusted.
+        """
+        for ckpt in reversed(list_checkpoints(self.run_dir)):
+            sources = {ckpt}
+            faults = self._verify(ckpt)
+            if not faults:
+                sources |= set(layer_sources(self.run_dir, ckpt).values())
+                faults = [f for src in sorted(sources - {ckpt}) for f in self._verify(src)]
+            if not faults:
+                return ckpt, read_manifest(ckpt)
+            for fault in faults:
+                self._event("checkpoint_skipped", checkpoint=str(ckpt), fault=fault)
+        return None, None
+
+    def _verify(self, ckpt: Path) -> list[str]:
+        if ckpt in self.verified:
+            return []
+        faults = verify_checkpoint(ckpt)
+        if not faults:
+            self.verified.add(ckpt)
+        return faults
+
     def _spec(self, work: Work, phase_dir: Path) -> dict:
         s = self.loaded.schedule
         ph = work.phase
-        check_batch(s.data, ph.nproc, self.loaded.source, ph.index)
+        check_batch(s.data, ph.nproc, self.loaded.source, ph.index, nnodes=s.launch.nnodes)
         return {
             "run_dir": str(self.run_dir), "phase_dir": str(phase_dir), "seed": s.run.seed,
             "phase": ph.index, "start_step": work.start_step, "phase_start_step": ph.start_step,
@@ -240,7 +266,7 @@ class Runner:
             "every_steps": s.checkpoint.every_steps, "launcher": s.launch.launcher, "nproc": ph.nproc,
             "nnodes": s.launch.nnodes,
             "hostfile": str((self.loaded.source.parent / s.launch.hostfile).resolve()) if s.launch.hostfile else None,
-            "master_port": free_port(), "orchestrator_pid": os.getpid(),
+            "master_port": free_port(), "orchestrator_pid": os.getpid(), "orchestrator_host": socket.gethostname(),
         }
 
     def _run_phase(self, work: Work) -> None:
@@ -249,6 +275,7 @@ class Runner:
         phase_dir = self.run_dir / "phases" / f"phase-{ph.index:04d}"
         phase_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         shutil.rmtree(phase_dir / "pids", ignore_errors=True)
+        shutil.rmtree(phase_dir / "errors", ignore_errors=True)
         (phase_dir / "records.json").unlink(missing_ok=True)
         spec_path = phase_dir / "spec.json"
         write_text_atomic(spec_path, json.dumps(self._spec(work, phase_dir), indent=1))
@@ -265,19 +292,25 @@ class Runner:
                     restore=str(work.restore) if work.restore else None)
         tick = self.progress(self.run_dir, ph, work.start_step) if self.progress else (lambda: None)
         forwarded_at: float | None = None
+        signalled: set[int] = set()
         try:
             while proc.poll() is None:
                 tick()
-                if self.stop_signal is not None and forwarded_at is None:
-                    # Ranks catch SIGTERM, finish their step and write a checkpoint; launchers
-                    # would not forward it, so it goes to every recorded rank directly.
-                    ranks = [p for p in procs.recorded(phase_dir) if p.pid != proc.pid]
-                    procs.signal_all(ranks or [psutil.Process(proc.pid)], signal.SIGTERM)
-                    forwarded_at = time.time()
-                    self._event("stop_requested", phase=ph.index, signal=self.stop_signal)
-                if forwarded_at is not None and time.time() - forwarded_at > grace:
-                    break
+                if self.stop_signal is not None:
+                    if forwarded_at is None:
+                        forwarded_at = time.time()
+                        self._event("stop_requested", phase=ph.index, signal=self.stop_signal)
+                    # Ranks catch SIGTERM, finish their step and write a checkpoint. Launchers do
+                    # not forward it, so it goes to every rank directly, also to late starters.
+                    ranks = [p for p in procs.recorded(phase_dir, "rank-") if p.pid not in signalled]
+                    procs.signal_all(ranks, signal.SIGTERM)
+                    signalled.update(p.pid for p in ranks)
+                    if time.time() - forwarded_at > grace:
+                        break
                 time.sleep(0.1)
+            if forwarded_at is not None:
+                # The launcher may be gone while its ranks still write their checkpoint.
+                psutil.wait_procs(procs.recorded(phase_dir, "rank-"), timeout=max(0.0, forwarded_at + grace - time.time()))
             tick()
         finally:
             killed = procs.reap(phase_dir, proc.pid, grace=grace if forwarded_at is None else 1.0)
@@ -289,6 +322,7 @@ class Runner:
         records = self._records(phase_dir)
         end = self.run_dir / "checkpoints" / f"step-{ph.end_step:08d}"
         if rc == 0 and not verify_checkpoint(end, checksums=False):
+            self.verified.add(end)
             self._event("checkpoint_committed", step=ph.end_step, path=str(end))
             self._event("phase_done", phase=ph.index, step=ph.end_step, layers=list(ph.layers), nproc=ph.nproc,
                         seconds=time.time() - t_start, records=records)
@@ -301,9 +335,11 @@ class Runner:
             raise Preempted(f"preempted by signal {self.stop_signal} in phase {ph.index}; "
                             f"checkpoint at step {step}; run again to resume")
         tail = "".join(deque(open(log_path, errors="replace"), maxlen=20))
-        self._event("phase_failed", phase=ph.index, rc=rc, log=str(log_path))
+        reasons = sorted({f.read_text().strip() for f in (phase_dir / "errors").glob("rank-*.txt")})
+        self._event("phase_failed", phase=ph.index, rc=rc, log=str(log_path), reasons=reasons)
+        why = "".join(f"\n  {r}" for r in reasons)
         raise PhaseFailed(f"phase {ph.index} (steps {work.start_step}-{ph.end_step}, layers {list(ph.layers)}) "
-                          f"failed with exit code {rc}; earlier checkpoints are intact.\n"
+                          f"failed with exit code {rc}; earlier checkpoints are intact.{why}\n"
                           f"last lines of {log_path}:\n{tail}")
 
     def _records(self, phase_dir: Path) -> dict:

@@ -8,11 +8,13 @@ the manifest (with sizes and sha256) is written last, and only then is the direc
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from shard_tools.manifest import (
@@ -51,7 +53,26 @@ def write_checkpoint(
     final = root / step_dir_name(manifest.global_step)
     tmp = root / f"{TMP_PREFIX}{final.name}.{os.getpid()}"
     tmp.mkdir(mode=0o700)
-    metadata = metadata or {}
+    try:
+        _write_files(tmp, manifest, files, metadata or {})
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = getattr(e, "strerror", None) or str(e).rsplit("I/O error: ", 1)[-1]
+        raise CheckpointError(
+            f"{final}: could not write the checkpoint ({reason}); nothing of it was kept and "
+            f"earlier checkpoints are intact"
+        ) from e
+    if final.exists():
+        os.replace(final, root / f"{final.name}.damaged-{int(time.time())}")
+    os.replace(tmp, final)
+    fsync_dir(root)
+    return final
+
+
+def _write_files(tmp: Path, manifest: Manifest, files: dict[str, dict[str, torch.Tensor]],
+                 metadata: dict[str, dict[str, str]]) -> None:
+    # Fault injection for the crash tests: SIGKILL this process right after writing one file.
+    kill_after = os.environ.get("RELAYER_TEST_KILL_AFTER")
     entries: dict[str, FileEntry] = {}
     for name, tensors in files.items():
         path = tmp / name
@@ -59,19 +80,15 @@ def write_checkpoint(
         save_file(contiguous, str(path), metadata=metadata.get(name))
         _fsync_file(path)
         entries[name] = FileEntry(size=path.stat().st_size, sha256=sha256_file(path))
+        if kill_after == name:
+            os.kill(os.getpid(), signal.SIGKILL)
     manifest.files = entries
     manifest.created = time.time()
-    mpath = tmp / MANIFEST
-    with open(mpath, "w") as f:
+    with open(tmp / MANIFEST, "w") as f:
         f.write(manifest.to_json())
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(tmp)
-    if final.exists():
-        os.replace(final, root / f"{final.name}.damaged-{int(time.time())}")
-    os.replace(tmp, final)
-    fsync_dir(root)
-    return final
 
 
 def load_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:

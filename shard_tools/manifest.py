@@ -18,6 +18,7 @@ from typing import Any, Iterator
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
+JOURNAL = "journal.jsonl"
 TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -208,3 +209,23 @@ def write_text_atomic(path: Path, text: str, mode: int = 0o600) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+class InputError(Exception):
+    """A command was given a path or value it does not take; the message names it and says what is expected."""
+
+
+def path_kind(path: Path) -> str:
+    """``"checkpoint"`` or ``"run"``: what a path given to a command is; InputError for anything else."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        raise InputError(f"{path}: not a directory; expected a run directory or a checkpoint directory")
+    # A step directory without its manifest is still a checkpoint, an incomplete one, so it is reported as such.
+    if (path / MANIFEST).exists() or is_checkpoint_dir(path):
+        return "checkpoint"
+    if checkpoints_dir(path).is_dir() or (path / JOURNAL).exists():
+        return "run"
+    raise InputError(f"{path}: neither a run directory (no checkpoints/ or journal.jsonl) "
+                     f"nor a checkpoint (no {MANIFEST})")

@@ -81,3 +81,21 @@ def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), a.keys() ^ b.keys()
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def composed(model_dir: Path, run_dir: Path, ckpt: Path | None = None) -> dict[str, torch.Tensor]:
+    """A run's weights as the contract defines them: the base model, then each layer's newest
+    trained weights, then the head, as of ``ckpt`` (default: the newest valid checkpoint)."""
+    from shard_tools.checkpoint import run_weights
+    from shard_tools.manifest import newest_valid
+
+    if ckpt is None:
+        ckpt, _, _ = newest_valid(run_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    weights.update(run_weights(run_dir, ckpt))
+    return weights
+
+
+def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -16,25 +16,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from shard_tools.checkpoint import run_weights
 from shard_tools.manifest import list_checkpoints, newest_valid, read_manifest
 from tests.conftest import cli, schedule_dict, write_schedule
-from tests.reference import max_abs_diff, reference_run
+from tests.reference import composed, max_abs_diff, reference_run
 
 PHASES = [(10, [0]), (10, [1]), (10, [0])]
 TOL = 1e-5
 
 pytestmark = pytest.mark.multiprocess
-
-
-def composed(model_dir: Path, run_dir: Path, ckpt: Path | None = None) -> dict[str, torch.Tensor]:
-    """Base model + the run's trained weights as of ``ckpt`` (default: the newest)."""
-    if ckpt is None:
-        ckpt, _, _ = newest_valid(run_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    weights.update(run_weights(run_dir, ckpt))
-    return weights
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,33 @@
+"""Device memory as the driver sees it, without a CUDA context: NVML (``nvidia-ml-py``, optional).
+
+After a phase's processes are gone the orchestrator records what the device still holds, and
+which processes hold it. Without NVML (CPU machines, or the extra not installed) it records
+nothing and the next worker's own start-of-phase reading stands in.
+"""
+
+from __future__ import annotations
+
+
+def snapshot(pids: set[int] | None = None) -> dict | None:
+    """{"devices": [{index, used, total, processes: [{pid, used}]}], "held_by_phase": bytes} or None."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        devices, held = [], 0
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            procs = [{"pid": p.pid, "used": p.usedGpuMemory or 0} for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
+            held += sum(p["used"] for p in procs if pids and p["pid"] in pids)
+            devices.append({"index": i, "used": mem.used, "total": mem.total, "processes": procs})
+        return {"devices": devices, "held_by_phase": held}
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()

@@ -1,0 +1,249 @@
+"""Kill anything at any moment; running again finishes with exactly the uninterrupted result.
+
+Every run here is real: the orchestrator CLI in its own session, phase workers with DeepSpeed
+engines on the CPU, real SIGKILL / SIGTERM, real files damaged on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from shard_tools.manifest import list_checkpoints, read_manifest, verify_checkpoint
+from tests.conftest import cli, schedule_dict, write_schedule
+from tests.reference import bitwise_equal, composed, max_abs_diff
+
+pytestmark = pytest.mark.multiprocess
+ORCH = str(Path(sys.executable).parent / "orchestrator")
+EVERY = 3  # mid-phase checkpoints every 3 steps: kills lose at most 2 steps
+
+
+def schedule(tmp: Path, model: Path, data: Path, name: str = "s.toml", **sections) -> Path:
+    sections.setdefault("checkpoint", {"every_steps": EVERY, "keep_last": 100})
+    return write_schedule(tmp / name, schedule_dict(model, data, **sections))
+
+
+def events(run: Path) -> list[dict]:
+    path = run / "journal.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def metrics_steps(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def rank_pids(run: Path) -> list[dict]:
+    return [json.loads(f.read_text()) for f in (run / "phases").glob("phase-*/pids/*.json")]
+
+
+def alive(rec: dict) -> bool:
+    try:
+        return psutil.Process(rec["pid"]).create_time() == rec["create_time"]
+    except psutil.NoSuchProcess:
+        return False
+
+
+def start(sched: Path, env: dict | None = None, **kw) -> subprocess.Popen:
+    return subprocess.Popen([ORCH, "run", str(sched)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True, **kw)
+
+
+def wait_for(cond, timeout: float = 120, what: str = "condition") -> None:
+    end = time.time() + timeout
+    while not cond():
+        if time.time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_model, tiny_data) -> Path:
+    d = tmp_path_factory.mktemp("uninterrupted")
+    r = cli("orchestrator", "run", str(schedule(d, tiny_model, tiny_data)))
+    assert r.returncode == 0, r.stderr
+    return d / "run"
+
+
+@pytest.fixture(scope="module")
+def final(uninterrupted, tiny_model):
+    return composed(tiny_model, uninterrupted)
+
+
+def test_random_kill_chain_resumes_bitwise(tmp_path, tiny_model, tiny_data, final):
+    """12 kills at seeded random moments across one run; the last restart finishes it."""
+    rng = random.Random(1234)
+    kinds = ["worker_sigkill", "write_sigkill", "orchestrator_sigkill", "orchestrator_sigterm"] * 3
+    rng.shuffle(kinds)
+    sched = schedule(tmp_path, tiny_model, tiny_data)
+    run = tmp_path / "run"
+    seen = []
+    for kind in kinds:
+        if any(e["event"] == "run_done" for e in events(run)):
+            break
+        before = metrics_steps(run)
+        # Files every checkpoint has, so the kill comes at the attempt's first write.
+        env = {"RELAYER_TEST_KILL_AFTER": rng.choice(["head.safetensors", "layers.safetensors", "state.safetensors"])} \
+            if kind == "write_sigkill" else None
+        orch = start(sched, env)
+        if kind != "write_sigkill":
+            wait_for(lambda: metrics_steps(run) >= before + rng.randint(1, 3) or orch.poll() is not None,
+                     what="training steps")
+        if kind == "worker_sigkill":
+            live = [r for r in rank_pids(run) if alive(r)]
+            for r in live:
+                os.kill(r["pid"], signal.SIGKILL)
+        elif kind == "orchestrator_sigkill":
+            orch.kill()
+        elif kind == "orchestrator_sigterm":
+            orch.terminate()
+        rc = orch.wait(timeout=120)
+        _, err = orch.communicate()
+        seen.append((kind, rc))
+        if kind == "orchestrator_sigterm" and rc != 0:
+            assert rc == 75, err
+            assert events(run)[-1]["event"] == "preempted"
+        if kind in ("worker_sigkill", "write_sigkill") and rc != 0:
+            assert rc == 1 and "failed" in err, err
+        # Whatever died, no process of the run may outlive it for long (watchdog, parent-death signal).
+        wait_for(lambda: not any(alive(r) for r in rank_pids(run)), timeout=10, what="workers to die")
+    assert len(seen) >= 10, seen
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    assert bitwise_equal(composed(tiny_model, run), final)
+    kinds_seen = {e["event"] for e in events(run)}
+    assert {"preempted", "resumed", "phase_failed"} <= kinds_seen, kinds_seen
+
+
+def test_two_processes_preempt_and_resume(tmp_path, tiny_model, tiny_data):
+    launch = {"launcher": "deepspeed", "nproc": 2, "grace_seconds": 20}
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    r = cli("orchestrator", "run", str(schedule(ref_dir, tiny_model, tiny_data, launch=launch)))
+    assert r.returncode == 0, r.stderr
+    sched = schedule(tmp_path, tiny_model, tiny_data, launch=launch)
+    run = tmp_path / "run"
+    for target in (12, 24):
+        orch = start(sched)
+        wait_for(lambda: metrics_steps(run) >= target, what=f"step {target}")
+        orch.terminate()
+        assert orch.wait(timeout=120) == 75, orch.communicate()[1]
+        assert not any(alive(p) for p in rank_pids(run))
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    assert max_abs_diff(composed(tiny_model, run), composed(tiny_model, ref_dir / "run")) <= 1e-6
+
+
+def truncated_copy(src: Path, dst: Path, keep_upto: int) -> Path:
+    """A copy of a run as it was at step ``keep_upto``: later checkpoints removed."""
+    shutil.copytree(src, dst)
+    for ckpt in list_checkpoints(dst):
+        if read_manifest(ckpt).global_step > keep_upto:
+            shutil.rmtree(ckpt)
+    return dst
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(data)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped_byte", "missing_manifest", "temp_dir_left"])
+def test_damaged_newest_checkpoint_is_skipped(tmp_path, uninterrupted, tiny_model, final, damage):
+    run = truncated_copy(uninterrupted, tmp_path / "run", keep_upto=21)
+    newest = run / "checkpoints" / "step-00000021"
+    if damage == "truncated":
+        f = newest / "head.safetensors"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif damage == "flipped_byte":
+        flip_byte(newest / "layers.safetensors")
+    elif damage == "missing_manifest":
+        (newest / "manifest.json").unlink()
+    else:
+        shutil.copytree(newest, run / "checkpoints" / ".tmp-step-00000024.12345")
+    if damage != "temp_dir_left":
+        faults = verify_checkpoint(newest)
+        assert faults and str(newest) in faults[0]
+        r = cli("shard-tools", "verify", str(newest))
+        assert r.returncode == 1 and str(newest) in r.stdout + r.stderr
+    sched = run / "schedule.toml"
+    r = cli("orchestrator", "run", str(sched), "--output-dir", str(run))
+    assert r.returncode == 0, r.stderr
+    assert bitwise_equal(composed(tiny_model, run), final)
+    ev = events(run)
+    if damage == "temp_dir_left":
+        assert any(e["event"] == "stray_removed" for e in ev)
+        assert not list((run / "checkpoints").glob(".tmp-*"))
+    else:
+        resumed = [e for e in ev if e["event"] == "resumed"][-1]
+        assert resumed["checkpoint"].endswith("step-00000020")
+        assert any(e["event"] == "checkpoint_skipped" for e in ev)
+        # Nothing is deleted on the way: the damaged checkpoint was moved aside, not removed.
+        assert list((run / "checkpoints").glob("step-00000021.damaged-*"))
+
+
+def test_disk_full_keeps_previous_checkpoint(tmp_path, uninterrupted):
+    run = truncated_copy(uninterrupted, tmp_path / "run", keep_upto=10)
+
+    def limit():  # files over 40 kB cannot grow: the head file (~75 kB) hits it
+        resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000))
+
+    r = subprocess.run([ORCH, "run", str(run / "schedule.toml"), "--output-dir", str(run)], capture_output=True,
+                       text=True, preexec_fn=limit, timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert "could not write the checkpoint" in r.stderr and "earlier checkpoints are intact" in r.stderr
+    assert [read_manifest(c).global_step for c in list_checkpoints(run)] == [3, 6, 9, 10]
+    assert all(not verify_checkpoint(c) for c in list_checkpoints(run))
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+def test_second_orchestrator_is_refused(tmp_path, tiny_model, tiny_data):
+    sched = schedule(tmp_path, tiny_model, tiny_data)
+    run = tmp_path / "run"
+    first = start(sched)
+    wait_for(lambda: any(e["event"] == "phase_started" for e in events(run)), what="first phase")
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 1
+    assert f"another orchestrator (pid {first.pid}) is running this run" in r.stderr
+    first.terminate()
+    assert first.wait(timeout=120) == 75
+    r = cli("orchestrator", "status", str(run))
+    assert r.returncode == 0 and "preempted" in r.stdout
+
+
+def test_changed_schedule_is_refused_unless_it_only_changes_the_future(tmp_path, uninterrupted, tiny_model, tiny_data):
+    run = truncated_copy(uninterrupted, tmp_path / "run", keep_upto=20)
+    changed = schedule(tmp_path, tiny_model, tiny_data, "lr.toml", optimizer={"lr": 2e-3})
+    r = cli("orchestrator", "run", str(changed), "--output-dir", str(run))
+    assert r.returncode == 2
+    assert "optimizer.lr: 0.001 -> 0.002" in r.stderr and "--force" in r.stderr
+    phases = [{"steps": 10, "layers": [0]}, {"steps": 10, "layers": [1]}, {"steps": 10, "layers": [0]},
+              {"steps": 4, "layers": [3]}]
+    longer = schedule(tmp_path, tiny_model, tiny_data, "longer.toml", schedule={"phases": phases})
+    r = cli("orchestrator", "run", str(longer), "--output-dir", str(run))
+    assert r.returncode == 0, r.stderr
+    assert read_manifest(list_checkpoints(run)[-1]).global_step == 34
+
+
+def test_retention_keeps_what_kept_checkpoints_need(tmp_path, tiny_model, tiny_data, final):
+    sched = schedule(tmp_path, tiny_model, tiny_data, checkpoint={"every_steps": EVERY, "keep_last": 2})
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / "run"
+    # The last two, and step 20: the newest weights of layer 1, which step 30's model is made of.
+    assert [read_manifest(c).global_step for c in list_checkpoints(run)] == [20, 27, 30]
+    assert bitwise_equal(composed(tiny_model, run), final)
+    r = cli("orchestrator", "status", str(run))
+    assert r.returncode == 0 and "done" in r.stdout
