@@ -1,0 +1,128 @@
+"""The ``shard-tools`` command: inspect, verify, diff, export. Domain errors become exit codes only here.
+
+    shard-tools inspect runs/tiny
+    shard-tools verify runs/tiny
+    shard-tools diff runs/tiny/checkpoints/step-00000010 runs/tiny/checkpoints/step-00000030
+    shard-tools export runs/tiny --out exported/tiny
+
+inspect and verify never import torch, so they answer at once; diff and export import it when they run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from shard_tools.manifest import CheckpointError, InputError
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except InputError as e:
+            _fail(str(e), 2)
+        except CheckpointError as e:
+            _fail(str(e), 1)
+        except OSError as e:
+            if e.filename is None:
+                raise
+            _fail(f"{e.filename}: {e.strerror}", 1)
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"shard-tools: {message}", err=True)
+    sys.exit(code)
+
+
+def _console():
+    from rich.console import Console
+
+    # Piped output gets a wide console so that long tensor names are not wrapped mid-name.
+    return Console(width=None if sys.stdout.isatty() else 200)
+
+
+def _quiet_transformers() -> None:
+    """Loading the base model would draw a progress bar on stderr for every command."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
+def _print_json(report: dict) -> None:
+    click.echo(json.dumps(report, indent=2))
+
+
+@click.group(cls=_Group)
+def main() -> None:
+    """relayer's checkpoint tools: inspect, verify, diff and export runs and checkpoints."""
+
+
+path_arg = click.argument("path", type=click.Path(path_type=Path))
+json_opt = click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+
+
+@main.command()
+@path_arg
+@json_opt
+def inspect(path: Path, as_json: bool) -> None:
+    """A run's phase table, or one checkpoint's tensors, steps and versions."""
+    from shard_tools.inspect import inspect_path, render
+
+    report = inspect_path(path)
+    if as_json:
+        _print_json(report)
+    else:
+        render(report, _console())
+
+
+@main.command()
+@path_arg
+def verify(path: Path) -> None:
+    """Completeness and checksums of one checkpoint or of every checkpoint of a run; exit 1 on any fault."""
+    from shard_tools.inspect import human_bytes
+    from shard_tools.verify import verify_path
+
+    report = verify_path(path)
+    for fault in report.faults:
+        click.echo(fault)
+    n = len(report.checkpoints)
+    if report.faults:
+        raise CheckpointError(f"{path}: {len(report.faults)} fault(s) in {n} checkpoint(s)")
+    click.echo(f"ok: {path}: {n} checkpoint(s), {report.files} files, {human_bytes(report.bytes)}; "
+               f"sizes and sha256 match their manifests")
+
+
+@main.command()
+@click.argument("a", type=click.Path(path_type=Path))
+@click.argument("b", type=click.Path(path_type=Path))
+@json_opt
+def diff(a: Path, b: Path, as_json: bool) -> None:
+    """Per tensor, what changed from A to B (checkpoints, or runs: their newest whole checkpoint)."""
+    from shard_tools.diff import diff_paths, render
+
+    _quiet_transformers()
+    report = diff_paths(a, b)
+    if as_json:
+        _print_json(report)
+    else:
+        render(report, _console())
+
+
+@main.command()
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="The model directory to write.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Weights' dtype (default: the run's).")
+@click.option("--force", is_flag=True, help="Replace a non-empty --out.")
+@click.option("--max-shard-size", help="Largest weights file, e.g. 500MB (default 5GB); bigger models are sharded.")
+def export(source: Path, out: Path, dtype: str | None, force: bool, max_shard_size: str | None) -> None:
+    """A Hugging Face model directory from a run (its newest whole checkpoint) or a checkpoint."""
+    from shard_tools.export import export as export_model
+
+    _quiet_transformers()
+    ckpt = export_model(source, out, dtype=dtype, force=force, max_shard_size=max_shard_size)
+    click.echo(f"exported {ckpt} to {out}")

@@ -1,0 +1,89 @@
+"""``shard-tools verify``: is every file of a checkpoint, or of every checkpoint of a run, present with
+the size and sha256 its manifest records?
+
+    shard-tools verify runs/tiny                              # exit 1 naming each faulty file
+    shard-tools verify runs/tiny/checkpoints/step-00000030
+
+No torch here: checksums are over the files' bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from shard_tools.manifest import (
+    CHECKPOINTS, CheckpointError, InputError, Manifest, list_checkpoints, newest_valid, path_kind, read_manifest,
+    step_of, stray_temporaries, verify_checkpoint,
+)
+
+
+@dataclass
+class Report:
+    checkpoints: list[Path]
+    faults: list[str]
+    files: int
+    bytes: int
+
+
+def verify_path(path: Path) -> Report:
+    path = Path(path)
+    is_run = path_kind(path) == "run"
+    checkpoints = list_checkpoints(path) if is_run else [path]
+    report = Report(checkpoints, [], 0, 0)
+    for ckpt in checkpoints:
+        faults = verify_checkpoint(ckpt)
+        report.faults += faults
+        if not faults:
+            sizes = [e.size for e in read_manifest(ckpt).files.values()]
+            report.files += len(sizes)
+            report.bytes += sum(sizes)
+    if is_run:
+        report.faults += [f"{p}: stray temporary left by an interrupted writer (the orchestrator removes it on its "
+                          f"next run)" for p in stray_temporaries(path)]
+    return report
+
+
+def trusted_checkpoint(path: Path) -> tuple[Path, Path, Manifest]:
+    """(run dir, checkpoint, manifest) whose composed weights can be trusted.
+
+    ``path`` is a checkpoint, or a run (its newest whole checkpoint). The checkpoint and every earlier
+    one its layers compose from must verify with checksums: loading alone would miss a flipped byte in
+    tensor data, and skipping a damaged source would silently compose an older layer instead.
+    """
+    path = Path(path)
+    if path_kind(path) == "run":
+        run_dir = path
+        ckpt, manifest, skipped = newest_valid(run_dir)
+        if ckpt is None:
+            raise CheckpointError(f"{run_dir}: no whole checkpoint" + "".join(f"\n  {f}" for f in skipped))
+    else:
+        if step_of(path) is None or path.absolute().parent.name != CHECKPOINTS:
+            raise InputError(f"{path}: not inside a run's {CHECKPOINTS}/ as step-NNNNNNNN; a checkpoint's "
+                             f"weights compose from its run's earlier checkpoints")
+        ckpt = path.absolute()
+        run_dir = ckpt.parent.parent
+        faults = verify_checkpoint(ckpt)
+        if faults:
+            raise CheckpointError("\n".join(faults))
+        manifest = read_manifest(ckpt)
+    faults = [f for src in sorted(_layer_sources(run_dir, ckpt) - {ckpt}) for f in verify_checkpoint(src)]
+    if faults:
+        raise CheckpointError(f"{ckpt}: composes its layers from damaged checkpoints:\n  " + "\n  ".join(faults))
+    return run_dir, ckpt, manifest
+
+
+def _layer_sources(run_dir: Path, upto: Path) -> set[Path]:
+    """Checkpoints the layers of ``upto`` come from, judged by manifests alone, damaged ones included."""
+    limit = step_of(upto)
+    newest: dict[int, Path] = {}
+    for ckpt in list_checkpoints(run_dir):
+        if (step_of(ckpt) or 0) > limit:
+            continue
+        try:
+            m = read_manifest(ckpt)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}; {upto.name} may compose layers from it") from None
+        if "layers.safetensors" in m.files:
+            newest.update(dict.fromkeys(m.layers, ckpt))
+    return set(newest.values())

@@ -1,0 +1,89 @@
+"""Every command on damaged or wrong inputs: one clear message naming the file, exit 1 or 2, no traceback."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+
+from shard_tools.manifest import MANIFEST
+from tests.shard_tools.conftest import assert_fails, ckpt, flip_byte, invoke, truncate
+
+DAMAGE = {
+    # Keeps the 8-byte length and the start of the JSON header.
+    "truncated_header": (lambda c: truncate(c / "head.safetensors", 40), "head.safetensors"),
+    "flipped_byte": (lambda c: flip_byte(c / "layers.safetensors"), "layers.safetensors: checksum mismatch"),
+    "missing_file": (lambda c: (c / "state.safetensors").unlink(), "state.safetensors: missing"),
+    "missing_manifest": (lambda c: (c / MANIFEST).unlink(), f"{MANIFEST}: missing"),
+}
+COMMANDS = ["inspect", "verify", "diff", "export"]
+
+
+def _args(command: str, target, run, tmp_path) -> list:
+    return {"inspect": ["inspect", target], "verify": ["verify", target], "diff": ["diff", ckpt(run, 10), target],
+            "export": ["export", target, "--out", tmp_path / "out"]}[command]
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+@pytest.mark.parametrize("command", COMMANDS)
+def test_damaged_checkpoint(command, damage, run_copy, tmp_path):
+    target = ckpt(run_copy, 30)
+    apply, fault = DAMAGE[damage]
+    apply(target)
+    result = invoke(*_args(command, target, run_copy, tmp_path))
+    if command == "inspect" and damage == "flipped_byte":
+        # inspect reads headers only; checking the data is verify's job.
+        assert result.exit_code == 0, result.output
+        return
+    assert_fails(result, 1, target / fault.split(":")[0], fault)
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_not_a_checkpoint(command, run_copy, tmp_path):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "notes.txt").write_text("not a checkpoint\n")
+    result = invoke(*_args(command, plain, run_copy, tmp_path))
+    assert_fails(result, 2, plain, "neither a run directory")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_no_such_path(command, run_copy, tmp_path):
+    missing = tmp_path / "nope"
+    assert_fails(invoke(*_args(command, missing, run_copy, tmp_path)), 2, missing, "no such file or directory")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_file_instead_of_a_directory(command, run_copy, tmp_path):
+    target = ckpt(run_copy, 30) / "head.safetensors"
+    assert_fails(invoke(*_args(command, target, run_copy, tmp_path)), 2, target, "not a directory")
+
+
+def test_inspect_run_shows_damaged_checkpoints_as_incomplete(run_copy):
+    (ckpt(run_copy, 20) / "state.safetensors").unlink()
+    (ckpt(run_copy, 30) / MANIFEST).unlink()
+    result = invoke("inspect", run_copy)
+    assert result.exit_code == 0, result.output
+    assert re.search(r"step-00000020 [\d.]+ KiB \(incomplete\)", result.stdout), result.stdout
+    assert f"incomplete checkpoint: {ckpt(run_copy, 20) / 'state.safetensors'}: missing" in result.stdout
+    assert f"incomplete checkpoint: {ckpt(run_copy, 30) / MANIFEST}: missing" in result.stdout
+
+
+def test_torn_journal_line_is_skipped(run_copy):
+    with open(run_copy / "journal.jsonl", "a") as f:
+        f.write('{"event": "phase_sta')
+    result = invoke("inspect", run_copy, "--json")
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("command", ["diff", "export"])
+def test_checkpoint_outside_a_run(command, run_copy, tmp_path):
+    loose = tmp_path / "loose" / "step-00000030"
+    shutil.copytree(ckpt(run_copy, 30), loose)
+    # Its weights compose from earlier checkpoints of its run, which a loose copy no longer has.
+    assert_fails(invoke(*_args(command, loose, run_copy, tmp_path)), 2, loose, "not inside a run's checkpoints/")
+    assert invoke("inspect", loose).exit_code == 0 and invoke("verify", loose).exit_code == 0

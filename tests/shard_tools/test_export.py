@@ -1,0 +1,152 @@
+"""``shard-tools export``: a Hugging Face directory that loads to exactly the run's composed model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from shard_tools.checkpoint import run_weights
+from shard_tools.export import TOKENIZER_FILES, export
+from shard_tools.inspect import tensor_headers
+from tests.conftest import VOCAB, cli, make_llama, schedule_dict, write_schedule
+from tests.shard_tools.conftest import assert_fails, ckpt, flip_byte, invoke, rewrite_manifests
+
+IDS = torch.tensor([[(7 * i + 3) % VOCAB for i in range(16)]])
+
+
+def _reference(run: Path, step: int, base_path: Path) -> torch.nn.Module:
+    """Base model plus run_weights, built by hand: what an export must reproduce."""
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, t in run_weights(run, ckpt(run, step)).items():
+            params[name].copy_(t)
+    return model.eval()
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(IDS).logits
+
+
+def _no_temporaries(parent: Path) -> bool:
+    return not [p for p in parent.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_round_trip(tiny_run, tiny_model, tmp_path):
+    out = tmp_path / "export"
+    result = invoke("export", tiny_run, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert str(ckpt(tiny_run, 30)) in result.stdout
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(_logits(exported), _logits(_reference(tiny_run, 30, tiny_model)))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    assert not torch.equal(_logits(exported), _logits(base))
+    assert json.loads((out / "relayer.json").read_text())["global_step"] == 30
+    assert _no_temporaries(tmp_path)
+
+
+def test_a_checkpoint_sharded(tiny_run, tiny_model, tmp_path):
+    out = tmp_path / "export"
+    export(ckpt(tiny_run, 20), out, max_shard_size="50KB")
+    assert (out / "model.safetensors.index.json").exists() and len(list(out.glob("model-*.safetensors"))) > 1
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(_logits(exported), _logits(_reference(tiny_run, 20, tiny_model)))
+
+
+def test_dtype(tiny_run, tmp_path):
+    out = tmp_path / "export"
+    assert invoke("export", tiny_run, "--out", out, "--dtype", "bfloat16").exit_code == 0
+    header, _ = tensor_headers(out / "model.safetensors")
+    assert {t["dtype"] for t in header.values()} == {"BF16"}
+    assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16
+
+
+def test_refuses_a_non_empty_out_without_force(tiny_run, tmp_path):
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine\n")
+    assert_fails(invoke("export", tiny_run, "--out", out), 2, out, "--force")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert invoke("export", tiny_run, "--out", out, "--force").exit_code == 0
+    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    assert _no_temporaries(tmp_path)
+
+
+def test_out_is_a_file(tiny_run, tmp_path):
+    out = tmp_path / "export"
+    out.write_text("a file\n")
+    assert_fails(invoke("export", tiny_run, "--out", out, "--force"), 2, out, "not a directory")
+
+
+def test_run_falls_back_to_its_newest_whole_checkpoint(run_copy, tmp_path):
+    flip_byte(ckpt(run_copy, 30) / "head.safetensors")
+    result = invoke("export", run_copy, "--out", tmp_path / "export")
+    assert result.exit_code == 0, result.output
+    assert str(ckpt(run_copy, 20)) in result.stdout
+
+
+def test_refuses_a_damaged_layer_source(run_copy, tmp_path):
+    # step-20 trained layer 1 only; its layer 0 comes from step-10.
+    flip_byte(ckpt(run_copy, 10) / "layers.safetensors")
+    result = invoke("export", ckpt(run_copy, 20), "--out", tmp_path / "export")
+    assert_fails(result, 1, ckpt(run_copy, 10) / "layers.safetensors: checksum mismatch", "damaged")
+    assert not (tmp_path / "export").exists() and _no_temporaries(tmp_path)
+
+
+def test_base_model_gone(run_copy, tmp_path):
+    gone = tmp_path / "moved-away"
+    rewrite_manifests(run_copy, lambda m: m["extra"]["base_model"].update(path=str(gone)))
+    result = invoke("export", run_copy, "--out", tmp_path / "export")
+    assert_fails(result, 1, gone, "cannot build the base model")
+    assert not (tmp_path / "export").exists()
+
+
+def _save_tokenizer(model_dir: Path) -> None:
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def tied_run(tmp_path_factory, tiny_data) -> tuple[Path, Path]:
+    """(run dir, base model dir) of a two-phase run of a tied-embedding model with a tokenizer."""
+    d = tmp_path_factory.mktemp("tied")
+    model = make_llama(d / "tied-llama", tie=True)
+    _save_tokenizer(model)
+    schedule = schedule_dict(model, tiny_data, schedule={"phases": [{"steps": 3, "layers": [0]},
+                                                                    {"steps": 3, "layers": [2]}]})
+    r = cli("orchestrator", "run", str(write_schedule(d / "schedule.toml", schedule)))
+    assert r.returncode == 0, r.stderr
+    return d / "run", model
+
+
+def test_tied_embeddings_stay_tied(tied_run, tmp_path):
+    run, base = tied_run
+    out = tmp_path / "export"
+    assert invoke("export", run, "--out", out).exit_code == 0
+    header, _ = tensor_headers(out / "model.safetensors")
+    assert "lm_head.weight" not in header and "model.embed_tokens.weight" in header
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    assert exported.config.tie_word_embeddings
+    assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()
+    reference = _reference(run, 6, base)
+    assert torch.equal(_logits(exported), _logits(reference))
+    base_embedding = AutoModelForCausalLM.from_pretrained(base).model.embed_tokens.weight
+    assert not torch.equal(exported.model.embed_tokens.weight, base_embedding)
+
+
+def test_tokenizer_files_are_copied(tied_run, tmp_path):
+    run, base = tied_run
+    out = tmp_path / "export"
+    export(run, out)
+    copied = [n for n in TOKENIZER_FILES if (base / n).exists()]
+    assert "tokenizer.json" in copied
+    for name in copied:
+        assert (out / name).read_bytes() == (base / name).read_bytes(), name
+    assert AutoTokenizer.from_pretrained(out)("t1 t2")["input_ids"] == [1, 2]

@@ -1,0 +1,39 @@
+"""``shard-tools verify``: a one-line summary when whole, each faulty file named and exit 1 otherwise."""
+
+from __future__ import annotations
+
+from shard_tools.verify import verify_path
+from tests.shard_tools.conftest import assert_fails, ckpt, flip_byte, invoke
+
+
+def test_whole_run(tiny_run):
+    result = invoke("verify", tiny_run)
+    assert result.exit_code == 0, result.output
+    [line] = result.stdout.splitlines()
+    assert line.startswith(f"ok: {tiny_run}: 3 checkpoint(s), 9 files")
+
+
+def test_whole_checkpoint(tiny_run):
+    result = invoke("verify", ckpt(tiny_run, 20))
+    assert result.exit_code == 0, result.output
+    assert "1 checkpoint(s), 3 files" in result.stdout
+
+
+def test_every_fault_of_a_run_is_named(run_copy):
+    flip_byte(ckpt(run_copy, 10) / "head.safetensors")
+    (ckpt(run_copy, 30) / "layers.safetensors").unlink()
+    stray = run_copy / "checkpoints" / ".tmp-step-00000040.1234"
+    stray.mkdir()
+    result = invoke("verify", run_copy)
+    assert_fails(result, 1, ckpt(run_copy, 10) / "head.safetensors: checksum mismatch",
+                 ckpt(run_copy, 30) / "layers.safetensors: missing", f"{stray}: stray temporary",
+                 "3 fault(s) in 3 checkpoint(s)")
+    assert "step-00000020" not in result.stdout
+    assert len(verify_path(run_copy).faults) == 3
+
+
+def test_run_without_checkpoints(tmp_path):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    result = invoke("verify", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    assert "0 checkpoint(s)" in result.stdout
