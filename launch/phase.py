@@ -18,14 +18,16 @@ import transformers
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from launch import zero_state
+from launch import procs, zero_state
 from launch.data import SampleOrder, load_examples, micro_batch
 from launch.spec import PhaseSpec
 from shard_tools.checkpoint import (
-    BODY_OPTIM, HEAD, LAYERS, STATE, flatten_optim_state, load_tensors, optim_state, run_weights, write_checkpoint,
+    BODY_OPTIM, HEAD, LAYERS, STATE, flatten_optim_state, layer_weights, load_tensors, optim_state, write_checkpoint,
 )
-from shard_tools.manifest import Manifest, read_manifest
-from shard_tools.model import ModelSpec, build_base_model, detect_parts, head_param_names, layer_param_names
+from shard_tools.manifest import Manifest, layer_sources, read_manifest
+from shard_tools.model import (
+    DTYPES, ModelSpec, build_base_model, detect_parts, head_param_names, layer_param_names,
+)
 
 PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint was written, run again to go on
 HEAD_DECAY, HEAD_NO_DECAY, BODY_DECAY, BODY_NO_DECAY = range(4)
@@ -119,31 +121,75 @@ class Phase:
     def __init__(self, spec: PhaseSpec, rank: int, world: int):
         self.spec, self.rank, self.world = spec, rank, world
         self.run_dir = Path(spec.run_dir)
+        self.restore_path = spec.restore
         self.records: dict = {"rank": rank, "world_size": world, "t_process_start": psutil.Process().create_time()}
 
     # -- build ---------------------------------------------------------------------------------
-    def build(self) -> None:
+    def prepare(self) -> None:
+        """Everything that does not depend on the predecessor's result: imports, process group,
+        DeepSpeed's one-time costs, the model with every weight known before this phase starts."""
         spec = self.spec
         accel = get_accelerator()
         deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
         if accel.device_name() == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        self.device = torch.device(accel.device_name(), int(os.environ.get("LOCAL_RANK", 0)) if accel.device_name() == "cuda" else None) if accel.device_name() == "cuda" else torch.device("cpu")
-        self.records["memory_start"] = memory_now()
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+        else:
+            self.device = torch.device("cpu")
         m = spec.model
         model = build_base_model(ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=spec.seed))
         model.config.use_cache = False
         self.persistent, self.layers_attr = detect_parts(model, m.persistent, m.layers)
         self.head_names = head_param_names(model, self.persistent)
         self.body_names = [n for i in spec.layers for n in layer_param_names(model, self.layers_attr, i)]
-        self.restored: Manifest | None = read_manifest(Path(spec.restore)) if spec.restore else None
-        # Trained weights in fp32 (layers' newest, head masters); loaded before the engine so the
-        # low-precision copy is right, and kept to set the fp32 masters exactly after it.
-        self.trained = run_weights(self.run_dir, Path(spec.restore)) if spec.restore else {}
-        params = dict(model.named_parameters())
+        self.model = model
+        # fp32 weights of the trainable parameters, to set the fp32 masters exactly after the engine
+        # is built (the module itself may hold them in bf16).
+        self.trained: dict[str, torch.Tensor] = {}
+        preload = Path(spec.preload) if spec.preload else (Path(spec.restore) if spec.restore else None)
+        self.preloaded = layer_sources(self.run_dir, preload) if preload else {}
+        self._overlay(layer_weights(self.preloaded))
+        if spec.prewarm:
+            self._warm_up_deepspeed()
+            if self.device.type == "cuda":
+                for p in model.parameters():
+                    p.data = p.data.pin_memory()
+
+    def _overlay(self, weights: dict[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        keep = set(self.head_names) | set(self.body_names)
         with torch.no_grad():
-            for name, t in self.trained.items():
+            for name, t in weights.items():
                 params[name].copy_(t.to(params[name].dtype))
+                if name in keep:
+                    self.trained[name] = t
+
+    def _warm_up_deepspeed(self) -> None:
+        """Pays the first ``deepspeed.initialize`` of a process (seconds) on a throwaway engine."""
+        toy = nn.Linear(8, 8).to(DTYPES[self.spec.model.dtype])
+        cfg = deepspeed_config(self.spec, self.world, 64)
+        engine, *_ = deepspeed.initialize(model=toy, optimizer=torch.optim.AdamW(toy.parameters()), config=cfg)
+        engine.destroy()
+
+    def await_go(self) -> None:
+        """A pre-warmed process waits here until its predecessor's processes are gone."""
+        go = procs.wait_for_go(Path(self.spec.go_fifo))
+        self.restore_path = go["restore"]
+        self.records["t_go"] = time.time()
+
+    def assemble(self) -> None:
+        """Reads what the predecessor changed (its layers and the head) and builds the engine."""
+        spec = self.spec
+        self.records["memory_start"] = memory_now()
+        restore = Path(self.restore_path) if self.restore_path else None
+        self.restored: Manifest | None = read_manifest(restore) if restore else None
+        if self.restored is not None:
+            sources = layer_sources(self.run_dir, restore)
+            self._overlay(layer_weights({l: s for l, s in sources.items() if self.preloaded.get(l) != s}))
+            self.head_state = optim_state(restore, HEAD)
+            self._overlay(self.head_state["master"])
+        model = self.model
         trainable = set(self.head_names) | set(self.body_names)
         for name, p in model.named_parameters():
             p.requires_grad_(name in trainable)
@@ -166,12 +212,12 @@ class Phase:
         if m is None:
             return
         spec = self.spec
-        ckpt = Path(spec.restore)
+        ckpt = Path(self.restore_path)
         same_phase = not m.phase_complete and m.phase == spec.phase
         body_step = m.body_step if same_phase else 0
         steps = [m.head_step if role in (HEAD_DECAY, HEAD_NO_DECAY) else body_step for role in self.roles]
         zero_state.materialise(self.engine, steps)
-        zero_state.set_state(self.head, optim_state(ckpt, HEAD), with_moments=True)
+        zero_state.set_state(self.head, self.head_state, with_moments=True)
         body_masters = {n: self.trained[n] for n, _ in self.body if n in self.trained}
         if same_phase:
             body = optim_state(ckpt, BODY_OPTIM)
@@ -315,7 +361,10 @@ class Phase:
 def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict) -> int:
     phase = Phase(spec, rank, world)
     try:
-        phase.build()
+        phase.prepare()
+        if spec.prewarm:
+            phase.await_go()
+        phase.assemble()
         phase.restore()
         done = phase.train(stop)
         phase.save(phase_complete=done)

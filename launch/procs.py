@@ -61,6 +61,26 @@ def guard_process(phase_dir: Path, rank: int, orchestrator_pid: int | None) -> N
         watch_orchestrator(orchestrator_pid)
 
 
+GO_RECORD = 1024
+"""Size of one go message; below PIPE_BUF, so each write reaches one reader whole."""
+
+
+def wait_for_go(fifo: Path) -> dict:
+    """Blocks until the orchestrator writes a go record to ``fifo`` (one per rank); EOF means the
+    orchestrator is gone, and so this process goes too."""
+    fd = os.open(fifo, os.O_RDONLY)
+    try:
+        data = b""
+        while len(data) < GO_RECORD:
+            chunk = os.read(fd, GO_RECORD - len(data))
+            if not chunk:
+                raise SystemExit(f"{fifo}: closed before the go: the orchestrator is gone")
+            data += chunk
+    finally:
+        os.close(fd)
+    return json.loads(data.decode())
+
+
 def report_error(phase_dir: Path, rank: int, error: BaseException) -> None:
     """Leaves the reason a rank failed where the orchestrator looks for it (errors/rank-N.txt)."""
     errors = phase_dir / "errors"

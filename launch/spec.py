@@ -59,7 +59,12 @@ class PhaseSpec(_Spec):
     end_step: int
     layers: list[int]
     restore: str | None
-    """Checkpoint to start from; None: the base model."""
+    """Checkpoint to start from; None: the base model. A pre-warmed phase learns it at its go."""
+    prewarm: bool = False
+    """Start early, prepare, then wait on ``go_fifo`` until the predecessor's processes are gone."""
+    preload: str | None = None
+    """Pre-warmed: the checkpoint whose layers are known before the go (the predecessor's start)."""
+    go_fifo: str | None = None
     model: ModelPart
     data: DataPart
     optimizer: OptimizerPart

@@ -21,7 +21,7 @@ from typing import Callable
 
 import psutil
 
-from orchestrator import procs
+from orchestrator import devmem, procs
 from orchestrator.errors import PhaseFailed, Preempted, RelayerError, RunLocked, ScheduleError
 from orchestrator.journal import Journal
 from orchestrator.schedule import LoadedSchedule, Phase, check_batch, plan_phases, validate_schedule
@@ -31,6 +31,8 @@ from shard_tools.manifest import (
 )
 
 SCHEDULE_COPY = "schedule.toml"
+GO_FIFO = "go"
+GO_RECORD = 1024  # one go message; below PIPE_BUF, so each write reaches one reader whole
 LOCK = "orchestrator.lock"
 PREEMPTED_RC = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -63,6 +65,20 @@ def next_work(phases: list[Phase], ckpt: Path | None, manifest: Manifest | None)
             f"which the schedule no longer has"
         )
     return Work(ph, g, ckpt)
+
+
+@dataclass
+class Group:
+    """One phase's process group, from its launcher's start until all of it is gone."""
+
+    work: Work
+    phase_dir: Path
+    proc: subprocess.Popen
+    log_path: Path
+    t_start: float
+    go_fd: int | None
+    world: int
+    prewarmed: bool = False
 
 
 class RunLock:
@@ -194,10 +210,12 @@ class Runner:
         for stray in remove_stray_temporaries(self.run_dir):
             self._event("stray_removed", path=str(stray))
         for phase_dir in sorted((self.run_dir / "phases").glob("phase-*")):
+            (phase_dir / GO_FIFO).unlink(missing_ok=True)  # left by an orchestrator that was killed
             killed = procs.reap(phase_dir, None, grace=self.loaded.schedule.launch.grace_seconds)
             if killed:
                 self._event("killed", phase_dir=str(phase_dir), pids=killed)
         first = True
+        successor: Group | None = None
         while True:
             ckpt, manifest = self._restore_point()
             work = next_work(self.phases, ckpt, manifest)
@@ -210,12 +228,46 @@ class Runner:
                                 checkpoint=str(ckpt) if ckpt else None, pid=os.getpid())
                 first = False
             if work is None:
+                self._abort(successor)
                 self._event("run_done", step=self.phases[-1].end_step)
                 return
             if self.stop_signal is not None:
+                self._abort(successor)
                 self._event("preempted", step=work.start_step, signal=self.stop_signal)
                 raise Preempted(f"stopped by signal {self.stop_signal} before phase {work.phase.index}; run again to resume")
-            self._run_phase(work)
+            current = self._take(successor, work)
+            successor = self._prewarm_next(work)
+            try:
+                self._supervise(current)
+            except BaseException:
+                self._abort(successor)
+                raise
+            self._retain(protect={successor.work.restore} if successor and successor.work.restore else set())
+
+    def _take(self, successor: Group | None, work: Work) -> Group:
+        """The group to run ``work``: the pre-warmed successor when it was made for it, else a new one."""
+        if successor is not None:
+            fits = successor.work.phase == work.phase and successor.work.start_step == work.start_step
+            if fits and successor.proc.poll() is None:
+                self._go(successor, work.restore)
+                successor.work = work
+                successor.prewarmed = True
+                return successor
+            self._event("prewarm_unused", phase=successor.work.phase.index, rc=successor.proc.poll())
+            self._abort(successor)
+        return self._spawn(work, prewarm=False)
+
+    def _prewarm_next(self, work: Work) -> Group | None:
+        """Starts the next phase's group now, to prepare while this one trains (``[launch] prewarm``).
+
+        It preloads every weight as of this phase's start; at its go it reads only this phase's
+        delta (its layers and the head). Local only: the go channel is a FIFO on this machine.
+        """
+        launch = self.loaded.schedule.launch
+        nxt = next((p for p in self.phases if p.start_step == work.phase.end_step), None)
+        if nxt is None or not launch.prewarm or launch.nnodes > 1 or launch.launcher == "slurm":
+            return None
+        return self._spawn(Work(nxt, nxt.start_step, work.restore), prewarm=True)
 
     def _restore_point(self) -> tuple[Path | None, Manifest | None]:
         """The newest checkpoint that is whole, and whose layer sources are whole too.
@@ -269,27 +321,68 @@ class Runner:
             "master_port": free_port(), "orchestrator_pid": os.getpid(), "orchestrator_host": socket.gethostname(),
         }
 
-    def _run_phase(self, work: Work) -> None:
+    def _spawn(self, work: Work, prewarm: bool) -> Group:
+        """Starts one phase's launcher in a session of its own. Pre-warmed, it prepares and waits
+        for its go (``_go``); otherwise it trains from ``work.restore`` at once."""
         ph = work.phase
-        grace = self.loaded.schedule.launch.grace_seconds
         phase_dir = self.run_dir / "phases" / f"phase-{ph.index:04d}"
         phase_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         shutil.rmtree(phase_dir / "pids", ignore_errors=True)
         shutil.rmtree(phase_dir / "errors", ignore_errors=True)
         (phase_dir / "records.json").unlink(missing_ok=True)
+        spec = self._spec(work, phase_dir)
+        go_fd = None
+        if prewarm:
+            fifo = phase_dir / GO_FIFO
+            fifo.unlink(missing_ok=True)
+            os.mkfifo(fifo, 0o600)
+            # Held open read-write: ranks can open it at once, and see EOF if this process dies.
+            go_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+            spec.update(prewarm=True, restore=None, go_fifo=str(fifo),
+                        preload=str(work.restore) if work.restore else None)
         spec_path = phase_dir / "spec.json"
-        write_text_atomic(spec_path, json.dumps(self._spec(work, phase_dir), indent=1))
+        write_text_atomic(spec_path, json.dumps(spec, indent=1))
         log_path = phase_dir / "worker.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        t_start = time.time()
         with open(log_path, "ab") as log:
             os.chmod(log_path, 0o600)
             proc = subprocess.Popen([sys.executable, "-m", "launch", str(spec_path)], stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=True)
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        return Group(work=work, phase_dir=phase_dir, proc=proc, log_path=log_path, t_start=time.time(),
+                     go_fd=go_fd, world=ph.nproc * self.loaded.schedule.launch.nnodes)
+
+    def _go(self, group: Group, restore: Path | None) -> None:
+        """Tells a pre-warmed group its checkpoint; called only once its predecessor is gone."""
+        record = json.dumps({"restore": str(restore) if restore else None}).encode().ljust(GO_RECORD)
+        # The records wait in the pipe for ranks still preparing; the FIFO stays open until the
+        # group is gone, since a pipe's data goes with its last open descriptor.
+        for _ in range(group.world):
+            os.write(group.go_fd, record)
+        group.t_start = time.time()
+
+    def _close_go(self, group: Group) -> None:
+        if group.go_fd is not None:
+            os.close(group.go_fd)
+            group.go_fd = None
+            (group.phase_dir / GO_FIFO).unlink(missing_ok=True)
+
+    def _abort(self, group: Group | None) -> None:
+        """Takes a group down (a pre-warmed successor whose predecessor failed or stopped)."""
+        if group is None:
+            return
+        killed = procs.reap(group.phase_dir, group.proc.pid, grace=1.0)
+        group.proc.wait()
+        self._close_go(group)
+        if killed:
+            self._event("successor_stopped", phase=group.work.phase.index, pids=killed)
+
+    def _supervise(self, group: Group) -> None:
+        """Waits for a phase's group, makes sure all of it is gone, and judges the result."""
+        work, ph, phase_dir, proc = group.work, group.work.phase, group.phase_dir, group.proc
+        grace = self.loaded.schedule.launch.grace_seconds
         self._event("phase_started", phase=ph.index, start_step=work.start_step, end_step=ph.end_step,
                     layers=list(ph.layers), nproc=ph.nproc, pid=proc.pid,
-                    restore=str(work.restore) if work.restore else None)
+                    restore=str(work.restore) if work.restore else None, prewarmed=group.prewarmed)
         tick = self.progress(self.run_dir, ph, work.start_step) if self.progress else (lambda: None)
         forwarded_at: float | None = None
         signalled: set[int] = set()
@@ -307,26 +400,28 @@ class Runner:
                     signalled.update(p.pid for p in ranks)
                     if time.time() - forwarded_at > grace:
                         break
-                time.sleep(0.1)
+                time.sleep(0.02)
             if forwarded_at is not None:
                 # The launcher may be gone while its ranks still write their checkpoint.
                 psutil.wait_procs(procs.recorded(phase_dir, "rank-"), timeout=max(0.0, forwarded_at + grace - time.time()))
             tick()
         finally:
+            pids = {p.pid for p in procs.recorded(phase_dir)}
             killed = procs.reap(phase_dir, proc.pid, grace=grace if forwarded_at is None else 1.0)
             if proc.poll() is None:
                 proc.kill()
             rc = proc.wait()
+            self._close_go(group)
+        t_gone = time.time()
         if killed:
             self._event("killed", phase=ph.index, pids=killed)
-        records = self._records(phase_dir)
+        records = {**self._records(phase_dir), "t_gone": t_gone, "device_after": devmem.snapshot(pids)}
         end = self.run_dir / "checkpoints" / f"step-{ph.end_step:08d}"
         if rc == 0 and not verify_checkpoint(end, checksums=False):
             self.verified.add(end)
             self._event("checkpoint_committed", step=ph.end_step, path=str(end))
             self._event("phase_done", phase=ph.index, step=ph.end_step, layers=list(ph.layers), nproc=ph.nproc,
-                        seconds=time.time() - t_start, records=records)
-            self._retain()
+                        seconds=t_gone - group.t_start, records=records)
             return
         if self.stop_signal is not None:
             _, manifest, _ = newest_valid(self.run_dir, checksums=False)
@@ -334,13 +429,13 @@ class Runner:
             self._event("preempted", phase=ph.index, step=step, signal=self.stop_signal, rc=rc)
             raise Preempted(f"preempted by signal {self.stop_signal} in phase {ph.index}; "
                             f"checkpoint at step {step}; run again to resume")
-        tail = "".join(deque(open(log_path, errors="replace"), maxlen=20))
+        tail = "".join(deque(open(group.log_path, errors="replace"), maxlen=20))
         reasons = sorted({f.read_text().strip() for f in (phase_dir / "errors").glob("rank-*.txt")})
-        self._event("phase_failed", phase=ph.index, rc=rc, log=str(log_path), reasons=reasons)
+        self._event("phase_failed", phase=ph.index, rc=rc, log=str(group.log_path), reasons=reasons)
         why = "".join(f"\n  {r}" for r in reasons)
         raise PhaseFailed(f"phase {ph.index} (steps {work.start_step}-{ph.end_step}, layers {list(ph.layers)}) "
                           f"failed with exit code {rc}; earlier checkpoints are intact.{why}\n"
-                          f"last lines of {log_path}:\n{tail}")
+                          f"last lines of {group.log_path}:\n{tail}")
 
     def _records(self, phase_dir: Path) -> dict:
         try:
@@ -348,12 +443,15 @@ class Runner:
         except (OSError, json.JSONDecodeError):
             return {}
 
-    def _retain(self) -> None:
-        """Keeps the newest keep_last checkpoints and everything they still need; removes the rest."""
+    def _retain(self, protect: set[Path]) -> None:
+        """Keeps the newest keep_last checkpoints and everything they still need; removes the rest.
+
+        ``protect``: checkpoints a pre-warmed successor may still be reading.
+        """
         keep_last = self.loaded.schedule.checkpoint.keep_last
         valid = [c for c in list_checkpoints(self.run_dir) if not verify_checkpoint(c, checksums=False)]
         kept = valid[-keep_last:]
-        needed = needed_by(self.run_dir, kept)
+        needed = needed_by(self.run_dir, kept + sorted(protect))
         for ckpt in valid:
             if ckpt not in needed:
                 trash = ckpt.with_name(f".tmp-removing-{ckpt.name}")

@@ -183,6 +183,8 @@ class LaunchSection(Section):
     """DeepSpeed hostfile for several nodes; relative to the schedule file."""
     grace_seconds: Annotated[float, Field(gt=0)] = 30.0
     """How long a phase gets to stop after SIGTERM before SIGKILL."""
+    prewarm: bool = True
+    """Start each phase's processes while the previous one trains, to hide imports and setup."""
 
     @field_validator("grace_seconds", mode="before")
     @classmethod

@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from shard_tools.manifest import (
-    MANIFEST, TMP_PREFIX, CheckpointError, FileEntry, Manifest, checkpoints_dir, fsync_dir,
+    MANIFEST, TMP_PREFIX, CheckpointError, FileEntry, Manifest, checkpoints_dir, fsync_dir, layer_sources,
     read_manifest, sha256_file, step_dir_name,
 )
 
@@ -123,28 +123,30 @@ def flatten_optim_state(state: dict[str, dict[str, torch.Tensor]]) -> dict[str, 
     return {f"{kind}/{name}": t for kind, by_name in state.items() for name, t in by_name.items()}
 
 
+def layer_weights(sources: dict[int, Path]) -> dict[str, torch.Tensor]:
+    """fp32 weights of the given layers, each from its source checkpoint's layers file."""
+    by_source: dict[Path, set[int]] = {}
+    for layer, src in sources.items():
+        by_source.setdefault(src, set()).add(layer)
+    weights: dict[str, torch.Tensor] = {}
+    for src, layers in by_source.items():
+        meta = file_metadata(src / LAYERS)
+        held = {int(k) for k in meta.get("layers", "").split(",") if k}
+        if layers - held:
+            raise CheckpointError(f"{src / LAYERS}: does not hold layers {sorted(layers - held)} its manifest lists")
+        prefix = meta["layers_prefix"] + "."
+        for name, t in load_tensors(src / LAYERS).items():
+            if int(name[len(prefix):].split(".", 1)[0]) in layers:
+                weights[name] = t
+    return weights
+
+
 def run_weights(run_dir: Path, ckpt: Path) -> dict[str, torch.Tensor]:
     """What a run's checkpoint changes over the base model: each layer's newest weights, then the head.
 
     All fp32. The base model itself is not included (see ``shard_tools.model.build_base_model``).
     """
-    from shard_tools.manifest import layer_sources
-
     read_manifest(ckpt)
-    weights: dict[str, torch.Tensor] = {}
-    by_source: dict[Path, list[int]] = {}
-    for layer, src in layer_sources(run_dir, ckpt).items():
-        by_source.setdefault(src, []).append(layer)
-    for src, layers in by_source.items():
-        tensors = load_tensors(src / LAYERS)
-        held = {int(k) for k in file_metadata(src / LAYERS).get("layers", "").split(",") if k}
-        missing = set(layers) - held
-        if missing:
-            raise CheckpointError(f"{src / LAYERS}: does not hold layers {sorted(missing)} its manifest lists")
-        prefix_of = file_metadata(src / LAYERS)["layers_prefix"]
-        for name, t in tensors.items():
-            idx = int(name[len(prefix_of) + 1:].split(".", 1)[0])
-            if idx in layers:
-                weights[name] = t
+    weights = layer_weights(layer_sources(run_dir, ckpt))
     weights.update(optim_state(ckpt, HEAD)["master"])
     return weights
