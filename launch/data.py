@@ -78,11 +78,13 @@ def _text(path: Path, seq_len: int, model_path: str | None, cache_dir: Path) -> 
     if cached.exists():
         return load_file(str(cached))["examples"].long()
     tok = AutoTokenizer.from_pretrained(model_path)
+    docs = _documents(path)
+    eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
     stream: list[int] = []
-    for doc in _documents(path):
-        stream.extend(tok(doc, add_special_tokens=False)["input_ids"])
-        if tok.eos_token_id is not None:
-            stream.append(tok.eos_token_id)
+    # A fast tokenizer encodes a list of documents in parallel; one document a call is several times slower.
+    for i in range(0, len(docs), 1024):
+        for ids in tok(docs[i:i + 1024], add_special_tokens=False)["input_ids"]:
+            stream.extend(ids + eos)
     n = len(stream) // seq_len
     if n == 0:
         raise DataError(f"{path}: {len(stream)} tokens, fewer than one example of data.seq_len = {seq_len}")

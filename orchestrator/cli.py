@@ -1,4 +1,4 @@
-"""The ``orchestrator`` command: run, plan, status. Domain errors become exit codes only here."""
+"""The ``orchestrator`` command: run, plan, status, report. Domain errors become exit codes only here."""
 
 from __future__ import annotations
 
@@ -48,13 +48,37 @@ def run(schedule: Path, output_dir: Path | None, nproc: int | None, force: bool)
 @main.command()
 @schedule_arg
 @click.option("--nproc", type=int, help="Processes for every phase.")
-def plan(schedule: Path, nproc: int | None) -> None:
+@click.option("--device-memory", metavar="SIZE",
+              help="Memory of one device (80GiB, 80GB, 141e9): adds each phase's estimated memory per process "
+                   "and warns where a phase will not fit.")
+def plan(schedule: Path, nproc: int | None, device_memory: str | None) -> None:
     """Print the phase table of SCHEDULE and check the file, without starting anything."""
     from orchestrator.display import print_plan
+    from orchestrator.estimate import EstimateError, estimate_plan, format_bytes, parse_size
     from orchestrator.schedule import load_schedule, plan_phases
 
+    device = parse_size(device_memory, "--device-memory") if device_memory is not None else None
     loaded = load_schedule(schedule, nproc=nproc)
-    print_plan(loaded, plan_phases(loaded))
+    phases = plan_phases(loaded)
+    if device is None:
+        print_plan(loaded, phases)
+        return
+    try:
+        estimate = estimate_plan(loaded, phases)
+    except EstimateError as e:
+        print_plan(loaded, phases)
+        click.echo(f"orchestrator: warning: no memory estimate: {e}", err=True)
+        return
+    print_plan(loaded, phases, estimate, device)
+    if estimate.unsized:
+        click.echo(f"orchestrator: warning: the estimate counts nothing for model.persistent "
+                   f"{', '.join(estimate.unsized)}", err=True)
+    over = [(p.index, m.total) for p, m in zip(phases, estimate.phases) if m.total > device]
+    if over:
+        named = ", ".join(str(i) for i, _ in over[:10]) + (f" and {len(over) - 10} more" if len(over) > 10 else "")
+        click.echo(f"orchestrator: warning: phase{'s' if len(over) > 1 else ''} {named} will not fit: "
+                   f"estimated {format_bytes(max(t for _, t in over))} per process, more than --device-memory "
+                   f"{format_bytes(device)}", err=True)
 
 
 @main.command()
@@ -64,3 +88,13 @@ def status(run_dir: Path) -> None:
     from orchestrator.display import print_status
 
     print_status(run_dir)
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="The PNG to write (default RUN_DIR/report.png).")
+def report(run_dir: Path, out: Path | None) -> None:
+    """Plot RUN_DIR: loss per step with its phases, memory per phase, overhead per switch."""
+    from orchestrator.report import write_report
+
+    click.echo(f"report written: {write_report(run_dir, out)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -14,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from orchestrator.errors import ScheduleError
+from orchestrator.estimate import PlanEstimate, format_bytes
 from orchestrator.journal import read_journal
 from orchestrator.schedule import LoadedSchedule, Phase, plan_phases
 
@@ -21,19 +23,32 @@ from orchestrator.schedule import LoadedSchedule, Phase, plan_phases
 console = Console(stderr=True, soft_wrap=True)
 
 
-def print_plan(loaded: LoadedSchedule, phases: list[Phase]) -> None:
+def print_plan(loaded: LoadedSchedule, phases: list[Phase], estimate: PlanEstimate | None = None,
+               device_memory: int | None = None) -> None:
     s = loaded.schedule
     table = Table(title=f"{loaded.source.name}: {len(phases)} phases, {phases[-1].end_step} steps, "
                         f"model of {loaded.num_layers} layers")
-    for col in ("phase", "steps", "global steps", "layers", "processes"):
+    memory_cols = ("weights", "optimizer", "gradients", "activations", "total") if estimate else ()
+    for col in ("phase", "steps", "global steps", "layers", "processes", *memory_cols):
         table.add_column(col, justify="right" if col != "layers" else "left")
-    for p in phases:
-        table.add_row(str(p.index), str(p.steps), f"{p.start_step}-{p.end_step - 1}",
-                      ", ".join(map(str, p.layers)), str(p.nproc))
-    out = Console()
+    for i, p in enumerate(phases):
+        cells = [str(p.index), str(p.steps), f"{p.start_step}-{p.end_step - 1}", ", ".join(map(str, p.layers)),
+                 str(p.nproc)]
+        style = None
+        if estimate:
+            m = estimate.phases[i]
+            cells += [format_bytes(b) for b in (m.weights, m.optimizer, m.gradients, m.activations, m.total)]
+            style = "red" if device_memory is not None and m.total > device_memory else None
+        table.add_row(*cells, style=style)
+    # Piped, the table keeps one line a phase (rich would wrap it at 80 columns) for scripts to read.
+    out = Console(width=None if sys.stdout.isatty() else 200)
     out.print(table)
     out.print(f"ZeRO stage {s.deepspeed.zero_stage}, {s.model.dtype}, launcher {s.launch.launcher}, "
               f"batch {s.data.batch_size} (micro {s.data.micro_batch_size}), run directory {loaded.output_dir}")
+    if estimate:
+        device = f", device {format_bytes(device_memory)}" if device_memory is not None else ""
+        out.print(f"estimated device memory per process: {estimate.count.total:,} parameters, activations without "
+                  f"gradient checkpointing; CUDA context, buffers and logits not counted{device}")
 
 
 class Display:

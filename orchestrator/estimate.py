@@ -1,0 +1,201 @@
+"""How much device memory each phase needs, per process, from config.json and the schedule alone.
+
+    orchestrator plan schedule.toml --device-memory 80GiB
+
+Per process, for one phase of a model with P parameters of which T train (head + the phase's layers):
+
+    weights      P x dtype bytes; partitioned over the processes under ZeRO-3
+    optimizer    T x 12 bytes (fp32 master weights, Adam exp_avg, exp_avg_sq); partitioned under ZeRO >= 1
+    gradients    T x dtype bytes; partitioned under ZeRO >= 2
+    activations  micro_batch x seq_len x hidden x layers x ACTIVATION_VALUES x dtype bytes
+
+Not counted: the CUDA context and allocator slack, DeepSpeed's reduce/all-gather buckets, the
+layers ZeRO-3 gathers while they run, and the logits (micro_batch x seq_len x vocab, in fp32 for
+the loss), which matter with large vocabularies. Treat the total as a lower bound with a margin.
+
+Parameter counts follow the modules transformers builds for each family; tests compare them with
+real models. No torch here: the orchestrator never imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.errors import ScheduleError
+from orchestrator.schedule import LoadedSchedule, Phase, num_layers_of
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ADAM_BYTES = 12
+# Values a transformer layer keeps for backward per token per hidden unit, without gradient
+# checkpointing: 34 bytes per token per hidden unit in 16-bit in Korthikanti et al. 2022
+# ("Reducing Activation Recomputation in Large Transformer Models", table 2), without the
+# attention-score term that SDPA / flash attention no longer keep. Every layer counts, trained or
+# frozen: the embedding trains, so the backward pass runs through the whole stack.
+ACTIVATION_VALUES = 17
+
+# Config defaults of each family's transformers config class, for keys a config.json leaves out.
+_LLAMA = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
+          "num_key_value_heads": None, "head_dim": None, "tie_word_embeddings": False, "attention_bias": False,
+          "mlp_bias": False}
+_DEFAULTS = {
+    "llama": _LLAMA,
+    "mistral": {**_LLAMA, "intermediate_size": 14336, "num_key_value_heads": 8},
+    "qwen2": {**_LLAMA, "vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32},
+    "qwen3": {**_LLAMA, "vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32, "head_dim": 128},
+    "gpt2": {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_head": 12, "n_inner": None,
+             "tie_word_embeddings": True},
+}
+# Families whose attention projections carry biases whatever the config says (q, k, v; not o).
+_QKV_BIAS = {"qwen2"}
+SUPPORTED = tuple(_DEFAULTS)
+
+
+class EstimateError(ValueError):
+    """The model's config cannot be sized (an unknown family or a missing key)."""
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters of a model by part: each head module, one body layer, and how many layers."""
+
+    head: dict[str, int]
+    """Module prefix -> parameters; a tied lm_head counts 0 (its weight is the embedding's)."""
+    per_layer: int
+    num_layers: int
+    hidden: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.head.values()) + self.per_layer * self.num_layers
+
+
+def _int(cfg: dict[str, Any], key: str) -> int:
+    value = cfg.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise EstimateError(f"{key}: expected a positive integer, got {value!r}")
+    return value
+
+
+def param_count(config: dict[str, Any]) -> ParamCount:
+    """Parameter counts from a Hugging Face config dict (config.json or an inline model.config)."""
+    family = config.get("model_type")
+    if family not in _DEFAULTS:
+        raise EstimateError(f"model type {family!r} has no parameter count formula "
+                            f"(known: {', '.join(SUPPORTED)})")
+    cfg = {**_DEFAULTS[family], **config}
+    layers = num_layers_of(cfg)
+    if layers is None:
+        raise EstimateError("num_hidden_layers: expected a positive integer")
+    if family == "gpt2":
+        return _gpt2(cfg, layers)
+    return _llama_like(cfg, family, layers)
+
+
+def _llama_like(cfg: dict[str, Any], family: str, layers: int) -> ParamCount:
+    vocab, hidden, inter = _int(cfg, "vocab_size"), _int(cfg, "hidden_size"), _int(cfg, "intermediate_size")
+    heads = _int(cfg, "num_attention_heads")
+    kv_heads = cfg["num_key_value_heads"] or heads
+    head_dim = cfg["head_dim"] or hidden // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attention = hidden * q + 2 * hidden * kv + q * hidden
+    if family in _QKV_BIAS:
+        attention += q + 2 * kv
+    elif cfg.get("attention_bias"):
+        attention += q + 2 * kv + hidden
+    mlp = 3 * hidden * inter + (2 * inter + hidden if cfg.get("mlp_bias") else 0)
+    qk_norms = 2 * head_dim if family == "qwen3" else 0
+    per_layer = attention + mlp + qk_norms + 2 * hidden
+    embed = vocab * hidden
+    head = {"model.embed_tokens": embed, "lm_head": 0 if cfg["tie_word_embeddings"] else embed, "model.norm": hidden}
+    return ParamCount(head=head, per_layer=per_layer, num_layers=layers, hidden=hidden)
+
+
+def _gpt2(cfg: dict[str, Any], layers: int) -> ParamCount:
+    vocab, positions, hidden = _int(cfg, "vocab_size"), _int(cfg, "n_positions"), _int(cfg, "n_embd")
+    inner = cfg["n_inner"] or 4 * hidden
+    # ln_1, c_attn, attn.c_proj, ln_2, c_fc, mlp.c_proj (Conv1D: weight and bias each).
+    per_layer = 2 * hidden + (hidden * 3 * hidden + 3 * hidden) + (hidden * hidden + hidden) + 2 * hidden \
+        + (hidden * inner + inner) + (inner * hidden + hidden)
+    embed = vocab * hidden
+    head = {"transformer.wte": embed, "transformer.wpe": positions * hidden, "transformer.ln_f": 2 * hidden,
+            "lm_head": 0 if cfg["tie_word_embeddings"] else embed}
+    return ParamCount(head=head, per_layer=per_layer, num_layers=layers, hidden=hidden)
+
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """Estimated bytes one process of a phase holds on its device."""
+
+    weights: int
+    optimizer: int
+    gradients: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.optimizer + self.gradients + self.activations
+
+
+def phase_memory(count: ParamCount, trainable: int, *, dtype: str, zero_stage: int, world: int,
+                 micro_batch: int, seq_len: int) -> PhaseMemory:
+    width = DTYPE_BYTES[dtype]
+    return PhaseMemory(
+        weights=math.ceil(count.total * width / (world if zero_stage >= 3 else 1)),
+        optimizer=math.ceil(trainable * ADAM_BYTES / world),
+        gradients=math.ceil(trainable * width / (world if zero_stage >= 2 else 1)),
+        activations=micro_batch * seq_len * count.hidden * count.num_layers * ACTIVATION_VALUES * width,
+    )
+
+
+def model_config(loaded: LoadedSchedule) -> dict[str, Any]:
+    if loaded.schedule.model.config is not None:
+        return loaded.schedule.model.config
+    assert loaded.model_path is not None
+    return json.loads((loaded.model_path / "config.json").read_text())
+
+
+@dataclass(frozen=True)
+class PlanEstimate:
+    phases: list[PhaseMemory]
+    count: ParamCount
+    unsized: list[str]
+    """model.persistent entries that are not a head module the formula knows: counted as 0."""
+
+
+def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
+    """Per phase, the memory one of its processes needs; raises EstimateError for an unknown family."""
+    s = loaded.schedule
+    count = param_count(model_config(loaded))
+    persistent = s.model.persistent if s.model.persistent is not None else list(count.head)
+    head = sum(count.head.get(p, 0) for p in persistent)
+    out = [phase_memory(count, head + len(ph.layers) * count.per_layer, dtype=s.model.dtype,
+                        zero_stage=s.deepspeed.zero_stage, world=ph.nproc * s.launch.nnodes,
+                        micro_batch=s.data.micro_batch_size, seq_len=s.data.seq_len) for ph in phases]
+    return PlanEstimate(phases=out, count=count, unsized=[p for p in persistent if p not in count.head])
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_size(text: str, option: str) -> int:
+    """Bytes from 80GiB, 80GB, 141e9 or 1.5TiB; a ScheduleError naming ``option`` otherwise."""
+    m = _SIZE.fullmatch(text)
+    if m and m.group(2).lower() in _UNITS:
+        size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        if size > 0:
+            return size
+    raise ScheduleError(f"{option}: expected a size such as 80GiB, 80GB or 141e9 (bytes), got {text!r}")
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -1,0 +1,148 @@
+"""Training data: text packed into examples, the token cache, the sample order, micro-batches.
+
+The tokenizer is the tiny example's real one (a byte-level BPE that make_model.py trains).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import AutoTokenizer
+
+from launch.data import DataError, SampleOrder, load_examples, micro_batch
+from launch.spec import DataPart
+from tests.conftest import ROOT
+
+DOCS = [
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk.",
+    "On clear nights the beam reached far across the water.",
+    "The island was small. A path ran from the landing to the tower, past a garden of potatoes and beans.",
+    "Fog.",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-model")
+    subprocess.run([sys.executable, str(ROOT / "examples" / "tiny" / "make_model.py"), str(out)], check=True,
+                   capture_output=True, timeout=300)
+    return out
+
+
+def text_part(path: Path, seq_len: int) -> DataPart:
+    return DataPart(path=str(path), format="text", seq_len=seq_len, batch_size=8, micro_batch_size=2, shuffle=True)
+
+
+def write_txt(path: Path, docs: list[str]) -> Path:
+    path.write_text("\n\n".join(docs) + "\n")
+    return path
+
+
+def packed_by_hand(tokenizer_dir: Path, docs: list[str], seq_len: int) -> tuple[torch.Tensor, int]:
+    """(the examples, the tokens dropped): each document, then EOS, all in one stream, cut into rows."""
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    stream = [t for doc in docs for t in tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+    n = len(stream) // seq_len
+    return torch.tensor(stream[: n * seq_len]).view(n, seq_len), len(stream) - n * seq_len
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_text_is_packed(tmp_path, tokenizer_dir, suffix):
+    seq_len = 16
+    path = tmp_path / f"train{suffix}"
+    if suffix == ".txt":
+        write_txt(path, DOCS)
+    else:
+        path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    examples = load_examples(text_part(path, seq_len), str(tokenizer_dir), tmp_path / "cache")
+    expected, dropped = packed_by_hand(tokenizer_dir, DOCS, seq_len)
+    assert dropped > 0, "the case should have a remainder to drop"
+    assert examples.dtype == torch.int64
+    assert torch.equal(examples, expected)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ends, at = [], -1
+    for doc in DOCS:
+        at += len(tok(doc, add_special_tokens=False)["input_ids"]) + 1
+        ends.append(at)
+    # An EOS closes every document, wherever it falls; those past the last whole row are dropped.
+    flat = examples.view(-1)
+    assert (flat == tok.eos_token_id).nonzero().view(-1).tolist() == [e for e in ends if e < flat.numel()]
+
+
+def test_cache_is_reused_without_tokenizing(tmp_path, tokenizer_dir, monkeypatch):
+    path = write_txt(tmp_path / "train.txt", DOCS)
+    cache = tmp_path / "cache"
+    first = load_examples(text_part(path, 16), str(tokenizer_dir), cache)
+    (cached,) = cache.iterdir()
+    mtime = cached.stat().st_mtime_ns
+
+    loads = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def counting(*args, **kw):
+        loads.append(args)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counting)
+    again = load_examples(text_part(path, 16), str(tokenizer_dir), cache)
+    assert torch.equal(again, first) and again.dtype == torch.int64
+    assert loads == []
+    assert list(cache.iterdir()) == [cached] and cached.stat().st_mtime_ns == mtime
+
+    # Another seq_len, or other text, is other examples: a new cache entry, tokenized again.
+    load_examples(text_part(path, 8), str(tokenizer_dir), cache)
+    write_txt(path, DOCS[:3])
+    load_examples(text_part(path, 16), str(tokenizer_dir), cache)
+    assert len(loads) == 2 and len(list(cache.iterdir())) == 3
+    assert cached.stat().st_mtime_ns == mtime
+
+
+def test_too_little_text(tmp_path, tokenizer_dir):
+    path = write_txt(tmp_path / "train.txt", ["Fog."])
+    with pytest.raises(DataError, match=r"train\.txt: \d+ tokens, fewer than one example of data.seq_len = 512"):
+        load_examples(text_part(path, 512), str(tokenizer_dir), tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_text_needs_a_tokenizer(tmp_path):
+    path = write_txt(tmp_path / "train.txt", DOCS)
+    with pytest.raises(DataError, match='needs a tokenizer in model.path'):
+        load_examples(text_part(path, 16), str(tmp_path), tmp_path / "cache")
+
+
+def test_sample_order_is_a_function_of_seed_and_index():
+    n = 10
+    forward = SampleOrder(n, seed=3, shuffle=True)
+    a = [forward[g] for g in range(5 * n)]
+    # Random access (as a resumed run does, or another rank) sees the same order.
+    backward = SampleOrder(n, seed=3, shuffle=True)
+    assert [backward[g] for g in reversed(range(5 * n))] == a[::-1]
+    epochs = [a[e * n:(e + 1) * n] for e in range(5)]
+    assert all(sorted(e) == list(range(n)) for e in epochs)
+    assert len({tuple(e) for e in epochs}) == 5, "each epoch should be shuffled afresh"
+    assert [SampleOrder(n, seed=4, shuffle=True)[g] for g in range(n)] != epochs[0]
+    assert [SampleOrder(n, seed=3, shuffle=False)[g] for g in range(3 * n)] == list(range(n)) * 3
+
+
+def _step(examples, order, step, batch, world, mb) -> torch.Tensor:
+    """Every rank's micro-batches of one optimizer step, in (micro-step, rank) order."""
+    return torch.cat([micro_batch(examples, order, step, batch, micro, rank, world, mb)
+                      for micro in range(batch // (mb * world)) for rank in range(world)])
+
+
+@pytest.mark.parametrize("world,mb", [(2, 2), (2, 4), (4, 1), (4, 2)])
+def test_micro_batches_of_all_ranks_are_the_step_of_one_rank(world, mb):
+    n, batch = 13, 8
+    # Row i holds i, so a batch shows which examples it took.
+    examples = torch.arange(n).view(n, 1)
+    order = SampleOrder(n, seed=0, shuffle=True)
+    for step in range(4):  # 32 samples over 13 examples: steps cross epoch boundaries
+        one = _step(examples, order, step, batch, 1, 4)
+        assert torch.equal(_step(examples, order, step, batch, world, mb), one)
+        assert one.view(-1).tolist() == [order[g] for g in range(step * batch, (step + 1) * batch)]

@@ -1,0 +1,191 @@
+"""``orchestrator plan --device-memory``: parameter counts from config.json against real models,
+the memory arithmetic per ZeRO stage, size strings, and the plan table with its warning.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import (
+    AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
+)
+
+from orchestrator.cli import main
+from orchestrator.errors import ScheduleError
+from orchestrator.estimate import (
+    ACTIVATION_VALUES, EstimateError, ParamCount, format_bytes, param_count, parse_size, phase_memory,
+)
+from tests.conftest import ROOT, SEQ, schedule_dict, write_schedule
+
+_SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**_SMALL, num_key_value_heads=2),
+    "llama-biases-tied-head-dim": lambda: LlamaConfig(**_SMALL, attention_bias=True, mlp_bias=True,
+                                                      tie_word_embeddings=True, head_dim=16),
+    "mistral": lambda: MistralConfig(**_SMALL, num_key_value_heads=2),
+    "qwen2-tied": lambda: Qwen2Config(**_SMALL, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3": lambda: Qwen3Config(**_SMALL, num_key_value_heads=2, head_dim=8),
+    "gpt2": lambda: GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                               bos_token_id=None, eos_token_id=None),
+    "gpt2-untied-n-inner": lambda: GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                              n_inner=48, tie_word_embeddings=False,
+                                              bos_token_id=None, eos_token_id=None),
+}
+
+
+def _numel(model: torch.nn.Module, prefix: str) -> int:
+    # named_parameters lists a tied weight once, under the embedding: a tied lm_head owns none.
+    return sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefix + "."))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_param_count_matches_the_real_model(name, tmp_path):
+    model = AutoModelForCausalLM.from_config(CONFIGS[name]())
+    model.save_pretrained(tmp_path)
+    count = param_count(json.loads((tmp_path / "config.json").read_text()))
+    assert count.total == sum(p.numel() for p in model.parameters())
+    for prefix, n in count.head.items():
+        assert n == _numel(model, prefix), prefix
+    layers = "transformer.h" if model.config.model_type == "gpt2" else "model.layers"
+    assert count.per_layer == _numel(model, f"{layers}.0")
+
+
+@pytest.mark.parametrize("config", [
+    # Keys left out take the family's defaults, as transformers fills them in.
+    {"model_type": "mistral", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+     "num_attention_heads": 8},
+    {"model_type": "qwen3", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+     "num_attention_heads": 4, "num_key_value_heads": 2},
+    {"model_type": "qwen2", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
+     "num_attention_heads": 4},
+    {"model_type": "gpt2", "vocab_size": 100, "n_embd": 32, "n_layer": 2, "n_head": 4},
+], ids=lambda c: c["model_type"])
+def test_param_count_of_a_partial_inline_config(config):
+    cfg = dict(config)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    assert param_count(config).total == sum(p.numel() for p in model.parameters())
+
+
+def test_param_count_of_llama_3_1_8b():
+    # The published size of Meta-Llama-3.1-8B, from its config.json values.
+    config = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "tie_word_embeddings": False}
+    assert param_count(config).total == 8_030_261_248
+
+
+def test_unknown_family_is_named():
+    with pytest.raises(EstimateError, match="model type 'phi3' has no parameter count formula"):
+        param_count({"model_type": "phi3", "num_hidden_layers": 2})
+
+
+COUNT = ParamCount(head={"embed": 1000, "lm_head": 1000, "norm": 10}, per_layer=500, num_layers=4, hidden=10)
+
+
+@pytest.mark.parametrize("stage,weights,optimizer,gradients", [
+    # 4010 parameters, 2510 trainable (head + 1 layer), bf16 (2 bytes), 4 processes.
+    (1, 4010 * 2, 2510 * 12 / 4, 2510 * 2),
+    (2, 4010 * 2, 2510 * 12 / 4, 2510 * 2 / 4),
+    (3, 4010 * 2 / 4, 2510 * 12 / 4, 2510 * 2 / 4),
+])
+def test_phase_memory_partitions_by_zero_stage(stage, weights, optimizer, gradients):
+    m = phase_memory(COUNT, 2510, dtype="bfloat16", zero_stage=stage, world=4, micro_batch=2, seq_len=8)
+    assert (m.weights, m.optimizer, m.gradients) == (weights, optimizer, gradients)
+    assert m.activations == 2 * 8 * 10 * 4 * ACTIVATION_VALUES * 2
+    assert m.total == m.weights + m.optimizer + m.gradients + m.activations
+
+
+@pytest.mark.parametrize("text,size", [
+    ("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("141e9", 141 * 10**9), ("1.5TiB", int(1.5 * 2**40)),
+    ("512 MiB", 512 * 2**20), ("80gib", 80 * 2**30), ("4096", 4096), ("1KB", 1000),
+])
+def test_parse_size(text, size):
+    assert parse_size(text, "--device-memory") == size
+
+
+@pytest.mark.parametrize("text", ["80G", "eighty", "", "-5GiB", "0", "80 GiB GiB", "GiB"])
+def test_parse_size_refuses(text):
+    with pytest.raises(ScheduleError) as e:
+        parse_size(text, "--device-memory")
+    assert str(e.value) == f"--device-memory: expected a size such as 80GiB, 80GB or 141e9 (bytes), got {text!r}"
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def table_rows(stdout: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip("│").split("│")] for line in stdout.splitlines()
+            if line.startswith("│")]
+
+
+@pytest.fixture
+def schedule(tmp_path, tiny_model, tiny_data) -> Path:
+    return write_schedule(tmp_path / "schedule.toml", schedule_dict(tiny_model, tiny_data))
+
+
+def test_plan_prints_the_estimate(schedule, tiny_model, tmp_path):
+    r = invoke("plan", str(schedule), "--device-memory", "80GiB")
+    assert r.exit_code == 0, r.output
+    assert r.stderr == ""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    total = sum(p.numel() for p in model.parameters())
+    head = _numel(model, "model.embed_tokens") + _numel(model, "lm_head") + _numel(model, "model.norm")
+    trainable = head + _numel(model, "model.layers.0")
+    # The tiny schedule: fp32, ZeRO-2, one process, micro-batch 4 of 16 tokens, 4 layers of width 32.
+    expect = [format_bytes(b) for b in (total * 4, trainable * 12, trainable * 4, 4 * SEQ * 32 * 4 * ACTIVATION_VALUES * 4)]
+    expect.append(format_bytes(total * 4 + trainable * 16 + 4 * SEQ * 32 * 4 * ACTIVATION_VALUES * 4))
+    rows = table_rows(r.stdout)
+    assert [row[:5] for row in rows] == [["0", "10", "0-9", "0", "1"], ["1", "10", "10-19", "1", "1"],
+                                         ["2", "10", "20-29", "0", "1"]]
+    assert all(row[5:] == expect for row in rows)
+    assert f"{total:,} parameters" in r.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_plan_warns_when_a_phase_will_not_fit(tmp_path, tiny_model, tiny_data):
+    phases = [{"steps": 10, "layers": [0]}, {"steps": 10, "layers": [0, 1, 2, 3]}, {"steps": 10, "layers": [1]}]
+    path = write_schedule(tmp_path / "schedule.toml", schedule_dict(tiny_model, tiny_data, schedule={"phases": phases}))
+    r = invoke("plan", str(path), "--device-memory", "1MiB")
+    assert r.exit_code == 0, r.output
+    totals = [row[9] for row in table_rows(r.stdout)]
+    # Each trained layer adds its Adam state and gradients: only the phase of all four is over 1 MiB.
+    assert totals[0] == totals[2] and totals[0] != totals[1]
+    assert r.stderr == (f"orchestrator: warning: phase 1 will not fit: estimated {totals[1]} per process, "
+                        f"more than --device-memory 1.0 MiB\n")
+
+
+def test_plan_refuses_a_bad_size(schedule, tmp_path):
+    r = invoke("plan", str(schedule), "--device-memory", "lots")
+    assert r.exit_code == 2
+    assert r.stderr == "orchestrator: --device-memory: expected a size such as 80GiB, 80GB or 141e9 (bytes), got 'lots'\n"
+    assert r.stdout == ""
+
+
+def test_plan_of_an_unknown_family_warns_and_prints_the_table(tmp_path, tiny_data):
+    sched = schedule_dict(Path("unused"), tiny_data)
+    sched["model"] = {"config": {"model_type": "phi3", "num_hidden_layers": 4}, "dtype": "float32"}
+    path = write_schedule(tmp_path / "schedule.toml", sched)
+    r = invoke("plan", str(path), "--device-memory", "80GiB")
+    assert r.exit_code == 0, r.output
+    assert len(table_rows(r.stdout)) == 3
+    assert r.stderr == ("orchestrator: warning: no memory estimate: model type 'phi3' has no parameter count formula "
+                        "(known: llama, mistral, qwen2, qwen3, gpt2)\n")
+
+
+def test_plan_with_an_estimate_imports_no_torch(schedule):
+    code = ('import sys; from orchestrator.cli import main\n'
+            'try:\n    main(["plan", sys.argv[1], "--device-memory", "80GiB"])\n'
+            'except SystemExit as e:\n    assert not e.code, e.code\n'
+            'heavy = {"torch", "deepspeed", "transformers"} & set(sys.modules); assert not heavy, heavy')
+    r = subprocess.run([sys.executable, "-c", code, str(schedule)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "optimizer" in r.stdout

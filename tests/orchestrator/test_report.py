@@ -1,0 +1,95 @@
+"""``orchestrator report``: a PNG drawn from a real run's metrics and journal."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from matplotlib.image import imread
+
+from orchestrator.cli import main
+from orchestrator.report import memory_series, read_metrics, read_run
+
+
+def invoke(*args: str | Path):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture
+def run_copy(tiny_run, tmp_path) -> Path:
+    """A copy of the tiny run this test may write into or edit."""
+    return Path(shutil.copytree(tiny_run, tmp_path / "run"))
+
+
+def test_report_of_a_real_run(run_copy):
+    r = invoke("report", run_copy)
+    assert r.exit_code == 0, r.output
+    png = run_copy / "report.png"
+    assert r.stdout == f"report written: {png}\n"
+    assert png.stat().st_size > 20_000
+    image = imread(png)
+    assert image.shape[:2] == (1100, 1100)
+    colours = np.unique(image.reshape(-1, image.shape[-1]), axis=0)
+    # Lines, bars, legend and antialiased text: a blank or one-colour image has a handful at most.
+    assert len(colours) > 50
+    assert not list(run_copy.glob(".tmp-*"))
+
+
+def test_report_to_another_file(tiny_run, tmp_path):
+    out = tmp_path / "plots" / "tiny.png"
+    r = invoke("report", tiny_run, "--out", out)
+    assert r.exit_code == 0, r.output
+    assert imread(out).shape[:2] == (1100, 1100)
+    assert not (tiny_run / "report.png").exists()
+
+
+def test_what_the_report_plots(tiny_run):
+    report = read_run(tiny_run)
+    assert list(report.loss) == list(range(1, 31))
+    assert [(p.index, p.start_step, p.end_step, p.layers) for p in report.phases] == [
+        (0, 0, 10, [0]), (1, 10, 20, [1]), (2, 20, 30, [0])]
+    # Each switch costs a fresh process (imports, engine build): well over a second, under a minute.
+    assert sorted(report.switch_seconds) == [1, 2]
+    assert all(1 < s < 60 for s in report.switch_seconds.values()), report.switch_seconds
+    series = memory_series(report.phases)
+    assert set(series) == {"start rss", "engine rss", "peak"}
+    assert all(sorted(s) == [0, 1, 2] for s in series.values())
+
+
+def test_a_step_run_twice_keeps_its_last_loss(run_copy):
+    metrics = run_copy / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    again = {**json.loads(lines[14]), "loss": 123.0}
+    metrics.write_text("\n".join(lines + [json.dumps(again), '{"step": 16, "lo']) + "\n")
+    loss = read_metrics(run_copy)
+    assert list(loss) == list(range(1, 31))
+    assert loss[15] == 123.0
+
+
+def test_a_switch_across_a_resume_is_not_measured(run_copy):
+    journal = run_copy / "journal.jsonl"
+    events = [json.loads(line) for line in journal.read_text().splitlines()]
+    at = next(i for i, e in enumerate(events) if e["event"] == "phase_started" and e["phase"] == 2)
+    events.insert(at, {"time": events[at]["time"], "event": "resumed", "step": 20})
+    journal.write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert sorted(read_run(run_copy).switch_seconds) == [1]
+
+
+def test_a_directory_that_is_not_a_run(tmp_path):
+    r = invoke("report", tmp_path)
+    assert r.exit_code == 2
+    assert r.stderr == f"orchestrator: {tmp_path}: not a relayer run directory (no journal.jsonl)\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_without_steps(run_copy):
+    (run_copy / "metrics.jsonl").unlink()
+    r = invoke("report", run_copy)
+    assert r.exit_code == 2
+    assert r.stderr == (f"orchestrator: {run_copy}: no training steps recorded yet "
+                        f"({run_copy / 'metrics.jsonl'} is missing or empty)\n")
+    assert not (run_copy / "report.png").exists()
