@@ -130,13 +130,14 @@ class Phase:
         DeepSpeed's one-time costs, the model with every weight known before this phase starts."""
         spec = self.spec
         accel = get_accelerator()
-        deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
         if accel.device_name() == "cuda":
+            # Before the process group, so NCCL binds each rank to its own device.
             local = int(os.environ.get("LOCAL_RANK", 0))
             torch.cuda.set_device(local)
             self.device = torch.device("cuda", local)
         else:
             self.device = torch.device("cpu")
+        deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
         m = spec.model
         model = build_base_model(ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=spec.seed))
         model.config.use_cache = False
@@ -189,6 +190,7 @@ class Phase:
             self._overlay(layer_weights({l: s for l, s in sources.items() if self.preloaded.get(l) != s}))
             self.head_state = optim_state(restore, HEAD)
             self._overlay(self.head_state["master"])
+        self.records["t_delta_loaded"] = time.time()
         model = self.model
         trainable = set(self.head_names) | set(self.body_names)
         for name, p in model.named_parameters():
@@ -204,6 +206,7 @@ class Phase:
         self.head = [(n, named[n]) for n in self.head_names]
         self.body = [(n, named[n]) for n in self.body_names]
         self.records["memory_engine"] = memory_now()
+        self.records["t_engine_built"] = time.time()
 
     # -- restore -------------------------------------------------------------------------------
     def restore(self) -> None:
@@ -229,6 +232,7 @@ class Phase:
         zero_state.refresh_lp(self.engine)
         if same_phase:
             self._restore_rng(ckpt)
+        self.records["t_restored"] = time.time()
 
     def _restore_rng(self, ckpt: Path) -> None:
         saved = load_tensors(ckpt / STATE, "rng/")
@@ -306,6 +310,7 @@ class Phase:
             files[LAYERS] = body.pop("master")
             files[BODY_OPTIM] = flatten_optim_state(body)
         files[STATE] = self._state_tensors()
+        t_gathered = time.time()
         if self.rank != 0:
             torch.distributed.barrier()
             return None
@@ -321,7 +326,8 @@ class Phase:
         )
         meta = {LAYERS: {"layers": ",".join(map(str, spec.layers)), "layers_prefix": self.layers_attr}}
         path = write_checkpoint(self.run_dir, manifest, files, meta)
-        self.records.setdefault("checkpoints", []).append({"step": self.step, "seconds": time.time() - t0})
+        self.records.setdefault("checkpoints", []).append(
+            {"step": self.step, "gather_seconds": t_gathered - t0, "write_seconds": time.time() - t_gathered})
         torch.distributed.barrier()
         return path
 

@@ -62,18 +62,39 @@ def group_steps(engine) -> dict[int, int]:
     return out
 
 
+def _to_host(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """fp32 host copy; from a GPU into pinned memory, several times faster than pageable."""
+    t = t.detach().float().view(shape)
+    if t.device.type == "cpu":
+        return t  # the accessors return a fresh gathered tensor, not a view of the optimizer's
+    host = torch.empty(shape, dtype=torch.float32, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def _shape(p: nn.Parameter) -> torch.Size:
+    return p.ds_shape if hasattr(p, "ds_shape") else p.shape  # ZeRO-3 keeps the full shape aside
+
+
 def get_state(named: list[tuple[str, nn.Parameter]]) -> dict[str, dict[str, torch.Tensor]]:
-    """Full fp32 master weights and moments on the CPU. Collective: all ranks, same order."""
-    out: dict[str, dict[str, torch.Tensor]] = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    """Full fp32 master weights and moments on the host. Collective: all ranks, same order."""
+    out: dict[str, dict[str, torch.Tensor]] = {"master": get_masters(named), "exp_avg": {}, "exp_avg_sq": {}}
     for name, p in named:
-        out["master"][name] = safe_get_full_fp32_param(p).detach().float().cpu().view(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
         for key in MOMENTS:
-            out[key][name] = safe_get_full_optimizer_state(p, key).detach().float().cpu().view(out["master"][name].shape)
+            out[key][name] = _to_host(safe_get_full_optimizer_state(p, key), _shape(p))
+    _sync()
     return out
 
 
 def get_masters(named: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
-    return {n: safe_get_full_fp32_param(p).detach().float().cpu().view(p.ds_shape if hasattr(p, "ds_shape") else p.shape) for n, p in named}
+    out = {n: _to_host(safe_get_full_fp32_param(p), _shape(p)) for n, p in named}
+    _sync()
+    return out
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the non-blocking copies must land before anyone reads them
 
 
 def set_state(named: list[tuple[str, nn.Parameter]], state: dict[str, dict[str, torch.Tensor]], with_moments: bool) -> None:

@@ -238,9 +238,9 @@ class Runner:
             current = self._take(successor, work)
             successor = self._prewarm_next(work)
             try:
-                self._supervise(current)
+                self._supervise(current, successor)
             except BaseException:
-                self._abort(successor)
+                self._abort(successor)  # already done, unless this process itself failed
                 raise
             self._retain(protect={successor.work.restore} if successor and successor.work.restore else set())
 
@@ -368,7 +368,7 @@ class Runner:
 
     def _abort(self, group: Group | None) -> None:
         """Takes a group down (a pre-warmed successor whose predecessor failed or stopped)."""
-        if group is None:
+        if group is None or group.proc.returncode is not None:
             return
         killed = procs.reap(group.phase_dir, group.proc.pid, grace=1.0)
         group.proc.wait()
@@ -376,8 +376,9 @@ class Runner:
         if killed:
             self._event("successor_stopped", phase=group.work.phase.index, pids=killed)
 
-    def _supervise(self, group: Group) -> None:
-        """Waits for a phase's group, makes sure all of it is gone, and judges the result."""
+    def _supervise(self, group: Group, successor: Group | None) -> None:
+        """Waits for a phase's group, makes sure all of it is gone, and judges the result; a
+        successor goes down with a phase that failed or stopped."""
         work, ph, phase_dir, proc = group.work, group.work.phase, group.phase_dir, group.proc
         grace = self.loaded.schedule.launch.grace_seconds
         self._event("phase_started", phase=ph.index, start_step=work.start_step, end_step=ph.end_step,
@@ -423,6 +424,7 @@ class Runner:
             self._event("phase_done", phase=ph.index, step=ph.end_step, layers=list(ph.layers), nproc=ph.nproc,
                         seconds=t_gone - group.t_start, records=records)
             return
+        self._abort(successor)
         if self.stop_signal is not None:
             _, manifest, _ = newest_valid(self.run_dir, checksums=False)
             step = manifest.global_step if manifest else 0
