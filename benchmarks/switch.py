@@ -173,7 +173,7 @@ def write_schedule(path: Path, setup: dict) -> None:
         "lr_schedule": {"kind": "constant"},
         "schedule": {"phases": setup["phases"]},
         "deepspeed": {"zero_stage": setup["zero_stage"]},
-        "launch": {"launcher": "local", "nproc": 1},
+        "launch": {"launcher": "local", "nproc": 1, "prewarm_depth": setup["prewarm_depth"]},
         "checkpoint": {"every_steps": 0, "keep_last": 2},
     }
     text = "".join(f"[{name}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in body.items()) + "\n"
@@ -505,6 +505,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds any one process may run")
     ap.add_argument("--zero-stage", type=int, default=2, choices=(1, 2))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prewarm-depth", type=int, default=2, help="relayer's [launch] prewarm_depth")
     args = ap.parse_args(argv)
     bad = [w for w in args.ways.split(",") if w not in WAYS]
     if bad or not args.ways:
@@ -540,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = {
         "seed": args.seed, "model_config": shape["model"], "model_dir": str(work / "model"),
         "data_path": str(work / "train.jsonl"), "work_dir": str(work), "setup_path": str(work / "setup.json"),
-        "dtype": "bfloat16" if cuda else "float32", "zero_stage": args.zero_stage,
+        "dtype": "bfloat16" if cuda else "float32", "zero_stage": args.zero_stage, "prewarm_depth": args.prewarm_depth,
         "seq_len": shape["seq_len"], "batch_size": shape["batch_size"], "micro_batch_size": shape["micro_batch_size"],
         "lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "grad_clip": 1.0,
         "phases": [{"steps": steps, "layers": [k % layers]} for k in range(n_phases)],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -22,7 +24,8 @@ from launch import procs, zero_state
 from launch.data import SampleOrder, load_examples, micro_batch
 from launch.spec import PhaseSpec
 from shard_tools.checkpoint import (
-    BODY_OPTIM, HEAD, LAYERS, STATE, flatten_optim_state, layer_weights, load_tensors, optim_state, write_checkpoint,
+    BODY_OPTIM, HEAD, LAYERS, STATE, flatten_optim_state, last_write_timing, layer_weights, load_tensors, optim_state,
+    write_checkpoint,
 )
 from shard_tools.manifest import Manifest, layer_sources, read_manifest
 from shard_tools.model import (
@@ -139,7 +142,10 @@ class Phase:
             self.device = torch.device("cpu")
         deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
         m = spec.model
-        model = build_base_model(ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=spec.seed))
+        # Nothing in training draws random numbers today, but a phase's stream must not depend on
+        # how its process was started; mid-phase resumes restore the saved states instead.
+        torch.manual_seed(hash_seed(spec.seed, spec.phase, self.rank))
+        model = base_model(ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=spec.seed))
         model.config.use_cache = False
         self.persistent, self.layers_attr = detect_parts(model, m.persistent, m.layers)
         self.head_names = head_param_names(model, self.persistent)
@@ -148,6 +154,8 @@ class Phase:
         # fp32 weights of the trainable parameters, to set the fp32 masters exactly after the engine
         # is built (the module itself may hold them in bf16).
         self.trained: dict[str, torch.Tensor] = {}
+        self.examples = load_examples(spec.data, m.path, self.run_dir / "data-cache")
+        self.order = SampleOrder(len(self.examples), spec.seed, spec.data.shuffle)
         preload = Path(spec.preload) if spec.preload else (Path(spec.restore) if spec.restore else None)
         self.preloaded = layer_sources(self.run_dir, preload) if preload else {}
         self._overlay(layer_weights(self.preloaded))
@@ -156,6 +164,11 @@ class Phase:
             if self.device.type == "cuda":
                 for p in model.parameters():
                     p.data = p.data.pin_memory()
+                # Host buffers the phase-end gather lands in: allocating pinned memory then would
+                # cost tenths of a second per GB on the switch's critical path.
+                params = dict(model.named_parameters())
+                zero_state.reserve_host({n: params[n].shape for n in self.head_names}, zero_state.KEYS)
+                zero_state.reserve_host({n: params[n].shape for n in self.body_names}, ("master",))
 
     def _overlay(self, weights: dict[str, torch.Tensor]) -> None:
         params = dict(self.model.named_parameters())
@@ -167,11 +180,24 @@ class Phase:
                     self.trained[name] = t
 
     def _warm_up_deepspeed(self) -> None:
-        """Pays the first ``deepspeed.initialize`` of a process (seconds) on a throwaway engine."""
-        toy = nn.Linear(8, 8).to(DTYPES[self.spec.model.dtype])
-        cfg = deepspeed_config(self.spec, self.world, 64)
+        """Pays a process's one-time costs on a throwaway engine: the first ``deepspeed.initialize``
+        (seconds), the communicator, the BLAS handles of a first forward, backward and step."""
+        toy = nn.Linear(64, 64).to(DTYPES[self.spec.model.dtype])
+        cfg = deepspeed_config(self.spec, self.world, 64 * 65)
         engine, *_ = deepspeed.initialize(model=toy, optimizer=torch.optim.AdamW(toy.parameters()), config=cfg)
+        for _ in range(self.ds_gas(cfg)):
+            x = torch.zeros(self.spec.data.micro_batch_size, 64, device=self.device, dtype=DTYPES[self.spec.model.dtype])
+            engine.backward(engine(x).float().pow(2).mean())
+            engine.step()
+        torch.distributed.all_reduce(torch.zeros(2, device=self.device))
         engine.destroy()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    @staticmethod
+    def ds_gas(cfg: dict) -> int:
+        return cfg["gradient_accumulation_steps"]
 
     def await_go(self) -> None:
         """A pre-warmed process waits here until its predecessor's processes are gone."""
@@ -246,8 +272,7 @@ class Phase:
     def train(self, stop: dict) -> bool:
         """Runs to the phase end; returns False when a stop was requested (a checkpoint follows)."""
         spec, d = self.spec, self.spec.data
-        examples = load_examples(d, spec.model.path, self.run_dir / "data-cache")
-        order = SampleOrder(len(examples), spec.seed, d.shuffle)
+        examples, order = self.examples, self.order
         base = self.engine.optimizer.optimizer
         metrics = self.run_dir / "metrics.jsonl"
         step_times: list[float] = []
@@ -325,9 +350,11 @@ class Phase:
                    "layers_attr": self.layers_attr, "lr": lr_at(max(self.step - 1, 0), spec.optimizer)},
         )
         meta = {LAYERS: {"layers": ",".join(map(str, spec.layers)), "layers_prefix": self.layers_attr}}
-        path = write_checkpoint(self.run_dir, manifest, files, meta)
+        # A phase end is made durable by the orchestrator, after the next phase has its go.
+        path = write_checkpoint(self.run_dir, manifest, files, meta, durable=not phase_complete)
         self.records.setdefault("checkpoints", []).append(
-            {"step": self.step, "gather_seconds": t_gathered - t0, "write_seconds": time.time() - t_gathered})
+            {"step": self.step, "gather_seconds": t_gathered - t0, "write_seconds": time.time() - t_gathered,
+             **{f"{k}_seconds": v for k, v in last_write_timing.items()}})
         torch.distributed.barrier()
         return path
 
@@ -365,17 +392,32 @@ class Phase:
 
 
 def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict) -> int:
+    # The process group is not destroyed: the process exits right after (launch.worker), which
+    # frees it and all device memory; an orderly NCCL teardown would only delay the next phase.
     phase = Phase(spec, rank, world)
-    try:
-        phase.prepare()
-        if spec.prewarm:
-            phase.await_go()
-        phase.assemble()
-        phase.restore()
-        done = phase.train(stop)
-        phase.save(phase_complete=done)
-        phase.write_records()
-        return 0 if done else PREEMPTED
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    phase.prepare()
+    if spec.prewarm:
+        phase.await_go()
+    phase.assemble()
+    phase.restore()
+    done = phase.train(stop)
+    phase.save(phase_complete=done)
+    phase.write_records()
+    return 0 if done else PREEMPTED
+
+
+def hash_seed(*parts: int) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
+
+
+PREBUILT: dict[str, nn.Module] = {}
+"""Set by ``launch.zygote``: base models built before it forks phase processes, by ``model_key``."""
+
+
+def model_key(spec: ModelSpec) -> str:
+    return json.dumps(dataclasses.asdict(spec), sort_keys=True)
+
+
+def base_model(spec: ModelSpec) -> nn.Module:
+    prebuilt = PREBUILT.pop(model_key(spec), None)
+    return prebuilt if prebuilt is not None else build_base_model(spec)

@@ -62,12 +62,25 @@ def group_steps(engine) -> dict[int, int]:
     return out
 
 
-def _to_host(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+KEYS = ("master", *MOMENTS)
+_host: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def reserve_host(shapes: dict[str, torch.Size], keys: tuple[str, ...]) -> None:
+    """Pre-allocates the pinned host buffers that ``get_state``/``get_masters`` copy into."""
+    for name, shape in shapes.items():
+        for key in keys:
+            _host[(name, key)] = torch.empty(shape, dtype=torch.float32, pin_memory=True)
+
+
+def _to_host(t: torch.Tensor, shape: torch.Size, name: str, key: str) -> torch.Tensor:
     """fp32 host copy; from a GPU into pinned memory, several times faster than pageable."""
     t = t.detach().float().view(shape)
     if t.device.type == "cpu":
         return t  # the accessors return a fresh gathered tensor, not a view of the optimizer's
-    host = torch.empty(shape, dtype=torch.float32, pin_memory=True)
+    host = _host.get((name, key))
+    if host is None or host.shape != shape:
+        host = torch.empty(shape, dtype=torch.float32, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
 
@@ -81,13 +94,13 @@ def get_state(named: list[tuple[str, nn.Parameter]]) -> dict[str, dict[str, torc
     out: dict[str, dict[str, torch.Tensor]] = {"master": get_masters(named), "exp_avg": {}, "exp_avg_sq": {}}
     for name, p in named:
         for key in MOMENTS:
-            out[key][name] = _to_host(safe_get_full_optimizer_state(p, key), _shape(p))
+            out[key][name] = _to_host(safe_get_full_optimizer_state(p, key), _shape(p), name, key)
     _sync()
     return out
 
 
 def get_masters(named: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
-    out = {n: _to_host(safe_get_full_fp32_param(p), _shape(p)) for n, p in named}
+    out = {n: _to_host(safe_get_full_fp32_param(p), _shape(p), n, "master") for n, p in named}
     _sync()
     return out
 

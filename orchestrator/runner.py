@@ -15,7 +15,7 @@ import sys
 import time
 import tomllib
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -26,12 +26,14 @@ from orchestrator.errors import PhaseFailed, Preempted, RelayerError, RunLocked,
 from orchestrator.journal import Journal
 from orchestrator.schedule import LoadedSchedule, Phase, check_batch, plan_phases, validate_schedule
 from shard_tools.manifest import (
-    Manifest, layer_sources, list_checkpoints, needed_by, newest_valid, read_manifest, remove_stray_temporaries,
-    verify_checkpoint, write_text_atomic,
+    Manifest, layer_sources, list_checkpoints, make_durable, needed_by, newest_valid, read_manifest,
+    remove_stray_temporaries, verify_checkpoint, write_text_atomic,
 )
 
 SCHEDULE_COPY = "schedule.toml"
 GO_FIFO = "go"
+ZYGOTE_FIFO = "zygote.fifo"
+ZYGOTE_REQUEST = 4096  # PIPE_BUF: each request arrives whole
 GO_RECORD = 1024  # one go message; below PIPE_BUF, so each write reaches one reader whole
 LOCK = "orchestrator.lock"
 PREEMPTED_RC = 75
@@ -67,18 +69,59 @@ def next_work(phases: list[Phase], ckpt: Path | None, manifest: Manifest | None)
     return Work(ph, g, ckpt)
 
 
+class ForkedProc:
+    """A phase whose ranks the zygote forked: the Popen calls the supervisor uses, from the exit
+    files the zygote writes (the ranks are its children, not ours)."""
+
+    def __init__(self, phase_dir: Path, nproc: int, zygote: subprocess.Popen):
+        self.phase_dir, self.nproc, self.zygote = phase_dir, nproc, zygote
+        self.pid: int | None = None
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            codes = []
+            for r in range(self.nproc):
+                try:
+                    codes.append(json.loads((self.phase_dir / "exit" / f"rank-{r}.json").read_text())["rc"])
+                except (OSError, json.JSONDecodeError):
+                    break
+            if len(codes) == self.nproc:
+                self.returncode = next((c for c in codes if c != 0), 0)
+            elif self.zygote.poll() is not None:  # its children die with it (parent-death signal)
+                self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        end = None if timeout is None else time.time() + timeout
+        while self.poll() is None:
+            if end is not None and time.time() > end:
+                return None
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self) -> None:
+        procs.signal_all(procs.recorded(self.phase_dir, "rank-"), signal.SIGKILL)
+
+
 @dataclass
 class Group:
     """One phase's process group, from its launcher's start until all of it is gone."""
 
     work: Work
     phase_dir: Path
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProc
     log_path: Path
     t_start: float
     go_fd: int | None
     world: int
+    preload: Path | None = None
+    """A pre-warmed group's weights as of this checkpoint, read before its go."""
     prewarmed: bool = False
+    pids: set[int] = field(default_factory=set)
+    records: dict = field(default_factory=dict)
+    end: Path | None = None
+    """The phase-end checkpoint, committed by the group, not yet durable and journaled."""
 
 
 class RunLock:
@@ -137,6 +180,9 @@ class Runner:
         self.progress = progress
         self.stop_signal: int | None = None
         self.verified: set[Path] = set()
+        self.zygote: subprocess.Popen | None = None
+        self.live_pending: list[Group] = []
+        self.zygote_fd = -1
 
     # -- entry ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -149,6 +195,7 @@ class Runner:
             try:
                 self._loop(fresh)
             finally:
+                self._stop_zygote()
                 for s, h in old.items():
                     signal.signal(s, h)
 
@@ -215,7 +262,8 @@ class Runner:
             if killed:
                 self._event("killed", phase_dir=str(phase_dir), pids=killed)
         first = True
-        successor: Group | None = None
+        pending: list[Group] = []  # pre-warmed groups of the next phases, in order
+        finished: Group | None = None
         while True:
             ckpt, manifest = self._restore_point()
             work = next_work(self.phases, ckpt, manifest)
@@ -228,46 +276,74 @@ class Runner:
                                 checkpoint=str(ckpt) if ckpt else None, pid=os.getpid())
                 first = False
             if work is None:
-                self._abort(successor)
+                self._abort(pending)
+                self._after_switch(finished, None)
                 self._event("run_done", step=self.phases[-1].end_step)
                 return
             if self.stop_signal is not None:
-                self._abort(successor)
+                self._abort(pending)
+                self._after_switch(finished, None)
                 self._event("preempted", step=work.start_step, signal=self.stop_signal)
                 raise Preempted(f"stopped by signal {self.stop_signal} before phase {work.phase.index}; run again to resume")
-            current = self._take(successor, work)
-            successor = self._prewarm_next(work)
+            current = self._take(pending, work)
+            self._after_switch(finished, current)
+            self._prewarm_ahead(pending, work)
             try:
-                self._supervise(current, successor)
+                self._supervise(current, pending)
             except BaseException:
-                self._abort(successor)  # already done, unless this process itself failed
+                self._abort(pending)  # already done, unless this process itself failed
                 raise
-            self._retain(protect={successor.work.restore} if successor and successor.work.restore else set())
+            finished = current
 
-    def _take(self, successor: Group | None, work: Work) -> Group:
-        """The group to run ``work``: the pre-warmed successor when it was made for it, else a new one."""
-        if successor is not None:
-            fits = successor.work.phase == work.phase and successor.work.start_step == work.start_step
-            if fits and successor.proc.poll() is None:
-                self._go(successor, work.restore)
-                successor.work = work
-                successor.prewarmed = True
-                return successor
-            self._event("prewarm_unused", phase=successor.work.phase.index, rc=successor.proc.poll())
-            self._abort(successor)
+    def _after_switch(self, finished: Group | None, current: Group | None) -> None:
+        """What can wait until the next phase has its go: the finished phase's device check (NVML
+        is slow to start) and retention (which must spare what ``current`` may still be loading)."""
+        if finished is None or finished.end is None:
+            return
+        ph = finished.work.phase
+        make_durable(finished.end)
+        self._event("checkpoint_committed", step=ph.end_step, path=str(finished.end))
+        self._event("phase_done", phase=ph.index, step=ph.end_step, layers=list(ph.layers), nproc=ph.nproc,
+                    seconds=finished.records["t_gone"] - finished.t_start, records=finished.records)
+        finished.end = None
+        self._event("device_after_phase", phase=ph.index, nvml=devmem.snapshot(finished.pids))
+        protect = {g.preload for g in (current, *self.live_pending) if g is not None and g.preload}
+        self._retain(protect=protect)
+
+    def _take(self, pending: list[Group], work: Work) -> Group:
+        """The group to run ``work``: the first pre-warmed one when it was made for it, else a new one
+        (and then the others, made for a future that did not come, go too)."""
+        if pending:
+            first = pending[0]
+            fits = first.work.phase == work.phase and first.work.start_step == work.start_step
+            if fits and first.proc.poll() is None:
+                pending.pop(0)
+                self._go(first, work.restore)
+                first.work = work
+                first.prewarmed = True
+                return first
+            self._event("prewarm_unused", phase=first.work.phase.index, rc=first.proc.poll())
+            self._abort(pending)
         return self._spawn(work, prewarm=False)
 
-    def _prewarm_next(self, work: Work) -> Group | None:
-        """Starts the next phase's group now, to prepare while this one trains (``[launch] prewarm``).
+    def _prewarm_ahead(self, pending: list[Group], work: Work) -> None:
+        """Starts the next ``prewarm_depth`` phases' groups, to prepare while this one trains.
 
-        It preloads every weight as of this phase's start; at its go it reads only this phase's
-        delta (its layers and the head). Local only: the go channel is a FIFO on this machine.
+        Each preloads every weight as of this phase's start; at its go it reads only what changed
+        since (the layers of the phases between, and the head). Local only: the go channel is a
+        FIFO on this machine.
         """
         launch = self.loaded.schedule.launch
-        nxt = next((p for p in self.phases if p.start_step == work.phase.end_step), None)
-        if nxt is None or not launch.prewarm or launch.nnodes > 1 or launch.launcher == "slurm":
-            return None
-        return self._spawn(Work(nxt, nxt.start_step, work.restore), prewarm=True)
+        self.live_pending = pending
+        if not launch.prewarm or launch.nnodes > 1 or launch.launcher == "slurm":
+            return
+        last = pending[-1].work.phase if pending else work.phase
+        while len(pending) < launch.prewarm_depth:
+            nxt = next((p for p in self.phases if p.start_step == last.end_step), None)
+            if nxt is None:
+                return
+            pending.append(self._spawn(Work(nxt, nxt.start_step, work.restore), prewarm=True))
+            last = nxt
 
     def _restore_point(self) -> tuple[Path | None, Manifest | None]:
         """The newest checkpoint that is whole, and whose layer sources are whole too.
@@ -343,13 +419,64 @@ class Runner:
         spec_path = phase_dir / "spec.json"
         write_text_atomic(spec_path, json.dumps(spec, indent=1))
         log_path = phase_dir / "worker.log"
-        with open(log_path, "ab") as log:
-            os.chmod(log_path, 0o600)
-            proc = subprocess.Popen([sys.executable, "-m", "launch", str(spec_path)], stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        shutil.rmtree(phase_dir / "exit", ignore_errors=True)
+        zygote = self._zygote(spec_path)
+        if zygote is not None:
+            request = json.dumps({"spec": str(spec_path), "nproc": ph.nproc}).encode().ljust(ZYGOTE_REQUEST)
+            os.write(self.zygote_fd, request)
+            proc: subprocess.Popen | ForkedProc = ForkedProc(phase_dir, ph.nproc, zygote)
+        else:
+            with open(log_path, "ab") as log:
+                os.chmod(log_path, 0o600)
+                proc = subprocess.Popen([sys.executable, "-m", "launch", str(spec_path)], stdout=log,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
         return Group(work=work, phase_dir=phase_dir, proc=proc, log_path=log_path, t_start=time.time(),
-                     go_fd=go_fd, world=ph.nproc * self.loaded.schedule.launch.nnodes)
+                     go_fd=go_fd, world=ph.nproc * self.loaded.schedule.launch.nnodes,
+                     preload=work.restore if prewarm else None)
+
+    def _zygote(self, spec_path: Path) -> subprocess.Popen | None:
+        """The run's fork server (``launch.zygote``), started on first use, for one-node local runs
+        with prewarm on; None where phases start as launcher processes instead."""
+        launch = self.loaded.schedule.launch
+        if not (launch.prewarm and launch.launcher == "local" and launch.nnodes == 1):
+            return None
+        if self.zygote is None:
+            fifo = self.run_dir / ZYGOTE_FIFO
+            fifo.unlink(missing_ok=True)
+            os.mkfifo(fifo, 0o600)
+            self.zygote_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+            log = open(self.run_dir / "zygote.log", "ab")
+            os.chmod(log.name, 0o600)
+            self.zygote = subprocess.Popen([sys.executable, "-m", "launch.zygote", str(spec_path), str(fifo)],
+                                           stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+            log.close()
+            self._event("zygote_started", pid=self.zygote.pid)
+        return self.zygote
+
+    def _stop_zygote(self) -> None:
+        if self.zygote is None:
+            return
+        try:
+            os.killpg(self.zygote.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.zygote.wait()
+        os.close(self.zygote_fd)
+        (self.run_dir / ZYGOTE_FIFO).unlink(missing_ok=True)
+        self.zygote = None
+
+    def _wait(self, proc: subprocess.Popen | ForkedProc, timeout: float) -> int:
+        """The exit code. A forked group with a rank the zygote has not reported (not forked yet,
+        or still going) is ended by ending the zygote and everything it forked."""
+        if isinstance(proc, subprocess.Popen):
+            return proc.wait()
+        rc = proc.wait(timeout)
+        if rc is None:
+            self._stop_zygote()
+            rc = proc.wait()
+        return rc
 
     def _go(self, group: Group, restore: Path | None) -> None:
         """Tells a pre-warmed group its checkpoint; called only once its predecessor is gone."""
@@ -366,19 +493,23 @@ class Runner:
             group.go_fd = None
             (group.phase_dir / GO_FIFO).unlink(missing_ok=True)
 
-    def _abort(self, group: Group | None) -> None:
-        """Takes a group down (a pre-warmed successor whose predecessor failed or stopped)."""
-        if group is None or group.proc.returncode is not None:
+    def _abort(self, pending: list[Group]) -> None:
+        """Takes pre-warmed groups down (their predecessor failed or stopped, or the plan moved on)."""
+        while pending:
+            self._abort_one(pending.pop())
+
+    def _abort_one(self, group: Group) -> None:
+        if group.proc.returncode is not None:
             return
         killed = procs.reap(group.phase_dir, group.proc.pid, grace=1.0)
-        group.proc.wait()
+        self._wait(group.proc, 1.0)
         self._close_go(group)
         if killed:
             self._event("successor_stopped", phase=group.work.phase.index, pids=killed)
 
-    def _supervise(self, group: Group, successor: Group | None) -> None:
-        """Waits for a phase's group, makes sure all of it is gone, and judges the result; a
-        successor goes down with a phase that failed or stopped."""
+    def _supervise(self, group: Group, pending: list[Group]) -> None:
+        """Waits for a phase's group, makes sure all of it is gone, and judges the result; the
+        pre-warmed successors go down with a phase that failed or stopped."""
         work, ph, phase_dir, proc = group.work, group.work.phase, group.phase_dir, group.proc
         grace = self.loaded.schedule.launch.grace_seconds
         self._event("phase_started", phase=ph.index, start_step=work.start_step, end_step=ph.end_step,
@@ -411,20 +542,20 @@ class Runner:
             killed = procs.reap(phase_dir, proc.pid, grace=grace if forwarded_at is None else 1.0)
             if proc.poll() is None:
                 proc.kill()
-            rc = proc.wait()
+            rc = self._wait(proc, grace)
             self._close_go(group)
         t_gone = time.time()
         if killed:
             self._event("killed", phase=ph.index, pids=killed)
-        records = {**self._records(phase_dir), "t_gone": t_gone, "device_after": devmem.snapshot(pids)}
+        group.pids = pids
+        records = {**self._records(phase_dir), "t_gone": t_gone}
         end = self.run_dir / "checkpoints" / f"step-{ph.end_step:08d}"
         if rc == 0 and not verify_checkpoint(end, checksums=False):
+            # Journaled by _after_switch, once the next phase has its go and the checkpoint is durable.
             self.verified.add(end)
-            self._event("checkpoint_committed", step=ph.end_step, path=str(end))
-            self._event("phase_done", phase=ph.index, step=ph.end_step, layers=list(ph.layers), nproc=ph.nproc,
-                        seconds=t_gone - group.t_start, records=records)
+            group.records, group.end = records, end
             return
-        self._abort(successor)
+        self._abort(pending)
         if self.stop_signal is not None:
             _, manifest, _ = newest_valid(self.run_dir, checksums=False)
             step = manifest.global_step if manifest else 0

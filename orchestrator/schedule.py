@@ -184,7 +184,10 @@ class LaunchSection(Section):
     grace_seconds: Annotated[float, Field(gt=0)] = 30.0
     """How long a phase gets to stop after SIGTERM before SIGKILL."""
     prewarm: bool = True
-    """Start each phase's processes while the previous one trains, to hide imports and setup."""
+    """Start each phase's processes while earlier ones train, to hide imports and setup."""
+    prewarm_depth: PositiveInt = 2
+    """How many phases ahead to start: more where a phase trains for less time than a start takes
+    (each waiting phase holds a CUDA context and a pinned host copy of the model)."""
 
     @field_validator("grace_seconds", mode="before")
     @classmethod

@@ -6,7 +6,6 @@ A checkpoint is the directory ``checkpoints/step-NNNNNNNN``; it counts only when
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -14,6 +13,8 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
+
+from shard_tools.digest import digest_file
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -30,7 +31,8 @@ class CheckpointError(Exception):
 @dataclass
 class FileEntry:
     size: int
-    sha256: str
+    sha256_chunked: str
+    """sha256 over the sha256 digests of the file's 64 MiB chunks (``shard_tools.digest``)."""
 
 
 @dataclass
@@ -62,14 +64,6 @@ class Manifest:
             return cls(**data)
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{where}: not a valid manifest ({type(e).__name__}: {e})") from None
-
-
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def step_dir_name(step: int) -> str:
@@ -112,7 +106,7 @@ def verify_checkpoint(ckpt: Path, *, checksums: bool = True) -> list[str]:
             continue
         if size != entry.size:
             faults.append(f"{f}: size {size} bytes, the manifest says {entry.size}")
-        elif checksums and sha256_file(f) != entry.sha256:
+        elif checksums and digest_file(f) != entry.sha256_chunked:
             faults.append(f"{f}: checksum mismatch (sha256 differs from the manifest)")
     return faults
 
@@ -193,6 +187,18 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_durable(ckpt: Path) -> None:
+    """fsyncs a checkpoint written with ``durable=False``: its files, its directory, its parent."""
+    for f in ckpt.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(ckpt)
+    fsync_dir(ckpt.parent)
 
 
 def write_text_atomic(path: Path, text: str, mode: int = 0o600) -> None:

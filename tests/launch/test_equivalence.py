@@ -89,7 +89,6 @@ def test_each_phase_its_own_process_and_none_survives(tiny_run):
             alive = False
         assert not alive, f"phase {i}'s worker {rec['pid']} is still alive"
     assert len(set(rank_pids)) == 3
-    assert len({e["pid"] for e in started}) == 3
 
 
 def test_two_processes_match_reference(tmp_path, tiny_model, tiny_data, reference):

@@ -1,0 +1,138 @@
+"""The fork server: one process per run that has paid for the imports and the base model, and
+forks every phase's ranks from there, so a phase process starts in milliseconds, not seconds.
+
+    python -m launch.zygote SPEC.json REQUESTS_FIFO      # started by the orchestrator
+
+Each phase is still a fresh process (its device memory dies with it); what the fork inherits is
+host-side only: imported modules and the base weights, copy-on-write. CUDA is never initialised
+here, and torch runs single-threaded until the fork (a used OpenMP pool does not survive a fork).
+Requests are fixed-size JSON records {"spec": path, "nproc": n} on a FIFO that the orchestrator
+holds open; EOF means the orchestrator is gone, and so is this process. For each child that exits,
+PHASE_DIR/exit/rank-R.json gets its exit code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import psutil
+
+from launch import procs
+from launch.spec import PhaseSpec
+
+REQUEST = 4096  # one request; PIPE_BUF, so a write arrives whole
+# Modules deepspeed.initialize imports on its first call; importing them here (no device is touched
+# by importing) saves every forked phase that part of its first-initialize cost.
+WARM_IMPORTS = (
+    "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3", "deepspeed.runtime.bf16_optimizer",
+    "deepspeed.runtime.python_gc", "deepspeed.ops.adam", "deepspeed.utils.bwc", "deepspeed.runtime.state_dict_factory",
+)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+class Zygote:
+    def __init__(self, spec: PhaseSpec):
+        import torch
+
+        self.threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        from launch import phase  # the heavy imports: torch, deepspeed, transformers
+        from shard_tools.model import ModelSpec
+
+        for name in WARM_IMPORTS:
+            importlib.import_module(name)
+
+        m = spec.model
+        model_spec = ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=spec.seed)
+        self.model = phase.build_base_model(model_spec)
+        self.key = phase.model_key(model_spec)
+        self.children: dict[int, tuple[Path, int]] = {}
+        self.lock = threading.Lock()
+
+    def reap_forever(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                time.sleep(0.01)
+                continue
+            with self.lock:
+                phase_dir, rank = self.children.pop(pid, (None, None))
+            if phase_dir is not None:
+                _write_json(phase_dir / "exit" / f"rank-{rank}.json", {"rc": os.waitstatus_to_exitcode(status)})
+
+    def fork_phase(self, spec_path: str, nproc: int, requests_fd: int) -> None:
+        spec = PhaseSpec.read(spec_path)
+        phase_dir = Path(spec.phase_dir)
+        for rank in range(nproc):
+            with self.lock:
+                pid = os.fork()
+                if pid == 0:
+                    self._child(spec, spec_path, rank, nproc, requests_fd)
+                self.children[pid] = (phase_dir, rank)
+            try:
+                _write_json(phase_dir / "pids" / f"rank-{rank}.json",
+                            {"pid": pid, "create_time": psutil.Process(pid).create_time()})
+            except psutil.NoSuchProcess:
+                pass  # already gone: its exit file says how
+
+    def _child(self, spec: PhaseSpec, spec_path: str, rank: int, nproc: int, requests_fd: int) -> None:
+        rc = 1
+        try:
+            os.close(requests_fd)
+            log = os.open(Path(spec.phase_dir) / "worker.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                              LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec.master_port))
+            import torch
+
+            from launch import phase, worker
+
+            torch.set_num_threads(max(1, self.threads // nproc))
+            phase.PREBUILT[self.key] = self.model
+            rc = worker.main([sys.argv[0], spec_path])
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+
+
+def main(argv: list[str]) -> None:
+    spec = PhaseSpec.read(argv[1])
+    procs.set_parent_death_signal()
+    if spec.orchestrator_pid is not None:
+        procs.watch_orchestrator(spec.orchestrator_pid)
+    zygote = Zygote(spec)
+    threading.Thread(target=zygote.reap_forever, daemon=True, name="reaper").start()
+    fd = os.open(argv[2], os.O_RDONLY)
+    while True:
+        record = b""
+        while len(record) < REQUEST:
+            chunk = os.read(fd, REQUEST - len(record))
+            if not chunk:
+                return  # the orchestrator is gone
+            record += chunk
+        request = json.loads(record.decode())
+        zygote.fork_phase(request["spec"], request["nproc"], fd)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
