@@ -22,6 +22,7 @@ from torch import nn
 
 from launch import procs, zero_state
 from launch.data import SampleOrder, load_examples, micro_batch
+from launch.scaler import PREFIX, restore_scaler, scaler_tensors
 from launch.spec import PhaseSpec
 from shard_tools.checkpoint import (
     BODY_OPTIM, HEAD, LAYERS, STATE, flatten_optim_state, last_write_timing, layer_weights, load_tensors, optim_state,
@@ -256,6 +257,8 @@ class Phase:
             fresh = [(n, p) for n, p in self.body if n in body_masters]
             zero_state.set_state(fresh, {"master": body_masters}, with_moments=False)
         zero_state.refresh_lp(self.engine)
+        # The loss scale carries across phases like the head's state does.
+        restore_scaler(getattr(self.engine.optimizer, "loss_scaler", None), load_tensors(ckpt / STATE, PREFIX))
         if same_phase:
             self._restore_rng(ckpt)
         self.records["t_restored"] = time.time()
@@ -376,11 +379,7 @@ class Phase:
         else:
             torch.distributed.all_gather(gathered, cpu_state)
         out.update({f"rng/cpu.rank{r}": t for r, t in enumerate(gathered)})
-        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
-        if scaler is not None and hasattr(scaler, "cur_scale"):
-            for key in ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis"):
-                if hasattr(scaler, key):
-                    out[f"loss_scaler/{key}"] = torch.tensor([float(getattr(scaler, key))], dtype=torch.float64)
+        out.update(scaler_tensors(getattr(self.engine.optimizer, "loss_scaler", None)))
         return out
 
     def write_records(self) -> None:
