@@ -22,7 +22,7 @@ from torch import nn
 
 from launch import procs, zero_state
 from launch.data import SampleOrder, load_examples, micro_batch
-from launch.scaler import PREFIX, restore_scaler, scaler_tensors
+from launch.scaler import restore_scaler, scaler_tensors
 from launch.spec import PhaseSpec
 from shard_tools.checkpoint import (
     BODY_OPTIM, HEAD, LAYERS, STATE, flatten_optim_state, last_write_timing, layer_weights, load_tensors, optim_state,
@@ -258,7 +258,7 @@ class Phase:
             zero_state.set_state(fresh, {"master": body_masters}, with_moments=False)
         zero_state.refresh_lp(self.engine)
         # The loss scale carries across phases like the head's state does.
-        restore_scaler(getattr(self.engine.optimizer, "loss_scaler", None), load_tensors(ckpt / STATE, PREFIX))
+        restore_scaler(getattr(self.engine.optimizer, "loss_scaler", None), load_tensors(ckpt / STATE))
         if same_phase:
             self._restore_rng(ckpt)
         self.records["t_restored"] = time.time()
