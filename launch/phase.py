@@ -156,6 +156,10 @@ class Phase:
         # is built (the module itself may hold them in bf16).
         self.trained: dict[str, torch.Tensor] = {}
         self.examples = load_examples(spec.data, m.path, self.run_dir / "data-cache")
+        self.validation = (load_examples(spec.data.model_copy(update={"path": spec.data.validation_path}), m.path,
+                                         self.run_dir / "data-cache") if spec.data.validation_path else None)
+        if m.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.order = SampleOrder(len(self.examples), spec.seed, spec.data.shuffle)
         preload = Path(spec.preload) if spec.preload else (Path(spec.restore) if spec.restore else None)
         self.preloaded = layer_sources(self.run_dir, preload) if preload else {}
@@ -310,6 +314,8 @@ class Phase:
                     }) + "\n")
             if self.step == spec.start_step + 1:
                 self.records["t_first_step_end"] = time.time()
+            if d.eval_every and self.step % d.eval_every == 0:
+                self.evaluate(metrics)
             if flags[1].item() > 0 and self.step < spec.end_step:
                 return False
             if spec.every_steps and self.step % spec.every_steps == 0 and self.step < spec.end_step:
@@ -319,6 +325,28 @@ class Phase:
         self.records["memory_peak"] = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
                                        else psutil.Process().memory_info().rss)
         return True
+
+    def evaluate(self, metrics: Path) -> None:
+        """Mean loss over the validation examples, split over the ranks. Every rank runs the same
+        number of forward passes (ZeRO-3 gathers parameters collectively); padding ones weigh 0."""
+        val, mb = self.validation, self.spec.data.micro_batch_size
+        per_round = mb * self.world
+        total = torch.zeros(2, device=self.device, dtype=torch.float64)
+        self.engine.eval()
+        with torch.no_grad():
+            for first in range(0, len(val), per_round):
+                idx = list(range(first + self.rank * mb, min(first + (self.rank + 1) * mb, len(val))))
+                batch = val[idx or [0]].to(self.device)
+                loss = self.engine(input_ids=batch, labels=batch).loss.double()
+                if idx:
+                    total += torch.stack([loss * len(idx), torch.tensor(float(len(idx)), device=self.device,
+                                                                        dtype=torch.float64)])
+        self.engine.train()
+        torch.distributed.all_reduce(total)
+        if self.rank == 0:
+            with open(metrics, "a") as f:
+                f.write(json.dumps({"time": time.time(), "step": self.step, "phase": self.spec.phase,
+                                    "eval_loss": (total[0] / total[1]).item()}) + "\n")
 
     # -- save ----------------------------------------------------------------------------------
     def save(self, phase_complete: bool) -> Path | None:

@@ -24,6 +24,7 @@ class ModelPart(_Spec):
     dtype: Literal["float32", "bfloat16", "float16"]
     persistent: list[str] | None
     layers: str | None
+    gradient_checkpointing: bool = False
 
 
 class DataPart(_Spec):
@@ -33,6 +34,8 @@ class DataPart(_Spec):
     batch_size: int
     micro_batch_size: int
     shuffle: bool
+    validation_path: str | None = None
+    eval_every: int = 0
 
 
 class OptimizerPart(_Spec):

@@ -107,6 +107,9 @@ class Display:
                     m = json.loads(line)
                 except json.JSONDecodeError:
                     continue
+                if "eval_loss" in m:
+                    self._progress.console.print(f"step {m['step']}: eval loss {m['eval_loss']:.4f}", highlight=False)
+                    continue
                 info = f"loss {m['loss']:.4f}  {m['tokens_per_s']:.0f} tok/s"
                 self._progress.update(self._task, completed=m["step"], info=info)
                 if not self.live and (time.time() - self._last_plain > 5 or m["step"] == phase.end_step):

@@ -53,6 +53,8 @@ class ModelSection(Section):
     """Module prefixes of the always-trained head; None: detected from the model family."""
     layers: str | None = None
     """Attribute path of the transformer layer list; None: detected."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward: less memory for about a third more compute."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
@@ -72,6 +74,10 @@ class DataSection(Section):
     micro_batch_size: PositiveInt = 1
     """Examples per process per forward pass."""
     shuffle: bool = True
+    validation_path: str | None = None
+    """Held-out data in the same format; its mean loss goes to metrics.jsonl as eval_loss."""
+    eval_every: NonNegInt = 0
+    """Evaluate every this many global steps (and so also across phases); 0: never."""
 
 
 class OptimizerSection(Section):
@@ -414,6 +420,11 @@ def validate_schedule(
     if not data_path.is_file():
         raise ScheduleError(f"{source}: data.path: expected a data file, {data_path} "
                             f"{'is not a file' if data_path.exists() else 'does not exist'}")
+    if sched.data.validation_path is not None and not (base / sched.data.validation_path).is_file():
+        raise ScheduleError(f"{source}: data.validation_path: expected a data file, "
+                            f"{(base / sched.data.validation_path).resolve()} does not exist")
+    if sched.data.eval_every and sched.data.validation_path is None:
+        raise ScheduleError(f"{source}: data.eval_every: needs data.validation_path, which is missing")
     launch = sched.launch
     if launch.hostfile is not None and not (base / launch.hostfile).is_file():
         raise ScheduleError(f"{source}: launch.hostfile: {(base / launch.hostfile).resolve()} does not exist")

@@ -55,12 +55,12 @@ def tiny_data(tmp_path_factory) -> Path:
     return make_tokens(tmp_path_factory.mktemp("data") / "train.jsonl")
 
 
-def schedule_dict(model: Path, data: Path, **sections) -> dict:
+def schedule_dict(model_dir: Path, data_path: Path, **sections) -> dict:
     """The tiny 3-phase schedule ([0], [1], [0] x 10 steps); ``sections`` override per section."""
     base = {
         "run": {"output_dir": "run", "seed": 0},
-        "model": {"path": str(model), "dtype": "float32"},
-        "data": {"path": str(data), "format": "tokens", "seq_len": SEQ, "batch_size": 8, "micro_batch_size": 4},
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "data": {"path": str(data_path), "format": "tokens", "seq_len": SEQ, "batch_size": 8, "micro_batch_size": 4},
         "optimizer": {"lr": 1e-3, "weight_decay": 0.0, "grad_clip": 1.0},
         "schedule": {"phases": [{"steps": 10, "layers": [0]}, {"steps": 10, "layers": [1]},
                                 {"steps": 10, "layers": [0]}]},
