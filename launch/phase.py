@@ -126,6 +126,7 @@ class Phase:
         self.spec, self.rank, self.world = spec, rank, world
         self.run_dir = Path(spec.run_dir)
         self.restore_path = spec.restore
+        self.tb = None
         self.records: dict = {"rank": rank, "world_size": world, "t_process_start": psutil.Process().create_time()}
 
     # -- build ---------------------------------------------------------------------------------
@@ -306,12 +307,11 @@ class Phase:
             dt = time.perf_counter() - t0
             step_times.append(dt)
             if self.rank == 0:
-                with open(metrics, "a") as f:
-                    f.write(json.dumps({
-                        "time": time.time(), "step": self.step, "phase": spec.phase, "layers": spec.layers,
-                        "loss": flags[0].item() / self.world, "lr": lr, "step_seconds": dt,
-                        "tokens_per_s": d.batch_size * d.seq_len / dt,
-                    }) + "\n")
+                self._log(metrics, {
+                    "time": time.time(), "step": self.step, "phase": spec.phase, "layers": spec.layers,
+                    "loss": flags[0].item() / self.world, "lr": lr, "step_seconds": dt,
+                    "tokens_per_s": d.batch_size * d.seq_len / dt,
+                })
             if self.step == spec.start_step + 1:
                 self.records["t_first_step_end"] = time.time()
             if d.eval_every and self.step % d.eval_every == 0:
@@ -344,9 +344,22 @@ class Phase:
         self.engine.train()
         torch.distributed.all_reduce(total)
         if self.rank == 0:
-            with open(metrics, "a") as f:
-                f.write(json.dumps({"time": time.time(), "step": self.step, "phase": self.spec.phase,
-                                    "eval_loss": (total[0] / total[1]).item()}) + "\n")
+            self._log(metrics, {"time": time.time(), "step": self.step, "phase": self.spec.phase,
+                                "eval_loss": (total[0] / total[1]).item()})
+
+    def _log(self, metrics: Path, record: dict) -> None:
+        """One line of metrics.jsonl (rank 0), and the same scalars to TensorBoard when asked for."""
+        with open(metrics, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.spec.tensorboard:
+            if self.tb is None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            for key in ("loss", "eval_loss", "lr", "tokens_per_s", "step_seconds"):
+                if key in record:
+                    self.tb.add_scalar(key, record[key], record["step"], walltime=record["time"])
+            self.tb.flush()
 
     # -- save ----------------------------------------------------------------------------------
     def save(self, phase_complete: bool) -> Path | None:

@@ -377,6 +377,7 @@ class Runner:
         check_batch(s.data, ph.nproc, self.loaded.source, ph.index, nnodes=s.launch.nnodes)
         return {
             "run_dir": str(self.run_dir), "phase_dir": str(phase_dir), "seed": s.run.seed,
+            "tensorboard": s.run.tensorboard,
             "phase": ph.index, "start_step": work.start_step, "phase_start_step": ph.start_step,
             "end_step": ph.end_step, "layers": list(ph.layers),
             "restore": str(work.restore) if work.restore else None,

@@ -7,6 +7,7 @@ this module imports torch: model facts (layer count, family) come from ``config.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import random
 import tomllib
@@ -41,6 +42,8 @@ class RunSection(Section):
     """The run directory; relative to the schedule file."""
     seed: NonNegInt = 0
     """Seeds data order, random init and the lisa layer sampling: one seed, one run."""
+    tensorboard: bool = False
+    """Also write loss, lr, throughput and eval loss as TensorBoard events to RUN_DIR/tensorboard."""
 
 
 class ModelSection(Section):
@@ -420,6 +423,9 @@ def validate_schedule(
     if not data_path.is_file():
         raise ScheduleError(f"{source}: data.path: expected a data file, {data_path} "
                             f"{'is not a file' if data_path.exists() else 'does not exist'}")
+    if sched.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ScheduleError(f"{source}: run.tensorboard: needs the tensorboard package, which is not installed "
+                            "(pip install 'relayer[tensorboard]')")
     if sched.data.validation_path is not None and not (base / sched.data.validation_path).is_file():
         raise ScheduleError(f"{source}: data.validation_path: expected a data file, "
                             f"{(base / sched.data.validation_path).resolve()} does not exist")
