@@ -30,17 +30,6 @@ from pathlib import Path
 import psutil
 
 
-def memory_now() -> dict[str, float]:
-    """Bytes; measured exactly as ``launch.phase.memory_now`` does, so the ways compare."""
-    import torch
-
-    if torch.cuda.is_available():
-        free, total = torch.cuda.mem_get_info()
-        return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
-                "device_used": total - free, "device_free": free}
-    return {"rss": psutil.Process().memory_info().rss}
-
-
 def memory_peak() -> float:
     import torch
 
@@ -190,6 +179,8 @@ def load_model(path: str, dtype: str):
 def run_inprocess(setup: dict) -> None:
     import torch
 
+    from launch.phase import memory_now  # measured exactly as relayer's phases measure, so the ways compare
+
     way_dir = Path(setup["work_dir"]) / "inprocess"
     way_dir.mkdir(parents=True, exist_ok=True)
     t_process_start = psutil.Process().create_time()
@@ -218,6 +209,8 @@ def run_inprocess(setup: dict) -> None:
 
 def run_naive(setup: dict, k: int) -> None:
     import torch
+
+    from launch.phase import memory_now
 
     way_dir = Path(setup["work_dir"]) / "naive"
     way_dir.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from shard_tools import digest
 from shard_tools.manifest import (
-    MANIFEST, TMP_PREFIX, CheckpointError, FileEntry, Manifest, checkpoints_dir, fsync_dir, layer_sources,
+    MANIFEST, TMP_PREFIX, CheckpointError, FileEntry, Manifest, checkpoints_dir, fsync_path, layer_sources,
     read_manifest, step_dir_name,
 )
 
@@ -30,14 +30,6 @@ LAYERS = "layers.safetensors"
 BODY_OPTIM = "body_optim.safetensors"
 STATE = "state.safetensors"
 OPTIM_KEYS = ("master", "exp_avg", "exp_avg_sq")
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 last_write_timing: dict[str, float] = {}
@@ -78,7 +70,7 @@ def write_checkpoint(
         os.replace(final, root / f"{final.name}.damaged-{int(time.time())}")
     os.replace(tmp, final)
     if durable:
-        fsync_dir(root)
+        fsync_path(root)
     last_write_timing.update(timing)
     return final
 
@@ -139,7 +131,7 @@ def _write_files(tmp: Path, manifest: Manifest, files: dict[str, dict[str, torch
         if durable:
             os.fsync(f.fileno())
     if durable:
-        fsync_dir(tmp)
+        fsync_path(tmp)
     return timing
 
 

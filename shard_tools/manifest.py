@@ -181,7 +181,8 @@ def needed_by(run_dir: Path, kept: list[Path]) -> set[Path]:
     return need
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync of a file, or of a directory (which makes the names in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -192,13 +193,9 @@ def fsync_dir(path: Path) -> None:
 def make_durable(ckpt: Path) -> None:
     """fsyncs a checkpoint written with ``durable=False``: its files, its directory, its parent."""
     for f in ckpt.iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    fsync_dir(ckpt)
-    fsync_dir(ckpt.parent)
+        fsync_path(f)
+    fsync_path(ckpt)
+    fsync_path(ckpt.parent)
 
 
 def write_text_atomic(path: Path, text: str, mode: int = 0o600) -> None:
@@ -214,7 +211,7 @@ def write_text_atomic(path: Path, text: str, mode: int = 0o600) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 class InputError(Exception):
