@@ -21,6 +21,7 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from launch import procs, zero_state
+from launch.ops import load_comm_ops
 from launch.data import SampleOrder, load_examples, micro_batch
 from launch.scaler import restore_scaler, scaler_tensors
 from launch.spec import PhaseSpec
@@ -142,6 +143,7 @@ class Phase:
             self.device = torch.device("cuda", local)
         else:
             self.device = torch.device("cpu")
+        load_comm_ops()
         deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
         m = spec.model
         # Nothing in training draws random numbers today, but a phase's stream must not depend on

@@ -54,6 +54,9 @@ class Zygote:
 
         for name in WARM_IMPORTS:
             importlib.import_module(name)
+        from launch.ops import load_comm_ops
+
+        load_comm_ops()  # cached in every forked phase: none of them touches the build lock
 
         m = spec.model
         model_spec = ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=spec.seed)

@@ -82,16 +82,33 @@ def final(uninterrupted, tiny_model):
 
 
 def test_random_kill_chain_resumes_bitwise(tmp_path, tiny_model, tiny_data, final):
-    """12 kills at seeded random moments across one run; the last restart finishes it."""
+    """12 kills that interrupt a run, at seeded random moments; after each, running again goes on.
+
+    Where a run completes before the next kill (fast machines), its result is checked and a new
+    run starts the next chain, so every kill lands on live work.
+    """
     rng = random.Random(1234)
     kinds = ["worker_sigkill", "write_sigkill", "orchestrator_sigkill", "orchestrator_sigterm"] * 3
     rng.shuffle(kinds)
     sched = schedule(tmp_path, tiny_model, tiny_data)
     run = tmp_path / "run"
-    seen = []
-    for kind in kinds:
+    interrupted, chains, attempts = [], 0, 0
+
+    def finish_chain() -> None:
+        r = cli("orchestrator", "run", str(sched))
+        assert r.returncode == 0, r.stderr
+        assert bitwise_equal(composed(tiny_model, run), final)
+        ev = {e["event"] for e in events(run)}
+        assert "resumed" in ev, ev
+
+    while len(interrupted) < len(kinds):
+        attempts += 1
+        assert attempts <= 3 * len(kinds), interrupted
+        kind = kinds[len(interrupted)]
         if any(e["event"] == "run_done" for e in events(run)):
-            break
+            finish_chain()
+            shutil.rmtree(run)
+            chains += 1
         before = metrics_steps(run)
         # Files every checkpoint has, so the kill comes at the attempt's first write.
         env = {"RELAYER_TEST_KILL_AFTER": rng.choice(["head.safetensors", "layers.safetensors", "state.safetensors"])} \
@@ -101,8 +118,7 @@ def test_random_kill_chain_resumes_bitwise(tmp_path, tiny_model, tiny_data, fina
             wait_for(lambda: metrics_steps(run) >= before + rng.randint(1, 3) or orch.poll() is not None,
                      what="training steps")
         if kind == "worker_sigkill":
-            live = [r for r in rank_pids(run) if alive(r)]
-            for r in live:
+            for r in [r for r in rank_pids(run) if alive(r)]:
                 os.kill(r["pid"], signal.SIGKILL)
         elif kind == "orchestrator_sigkill":
             orch.kill()
@@ -110,7 +126,8 @@ def test_random_kill_chain_resumes_bitwise(tmp_path, tiny_model, tiny_data, fina
             orch.terminate()
         rc = orch.wait(timeout=120)
         _, err = orch.communicate()
-        seen.append((kind, rc))
+        if rc != 0:
+            interrupted.append(kind)
         if kind == "orchestrator_sigterm" and rc != 0:
             assert rc == 75, err
             assert events(run)[-1]["event"] == "preempted"
@@ -118,12 +135,8 @@ def test_random_kill_chain_resumes_bitwise(tmp_path, tiny_model, tiny_data, fina
             assert rc == 1 and "failed" in err, err
         # Whatever died, no process of the run may outlive it for long (watchdog, parent-death signal).
         wait_for(lambda: not any(alive(r) for r in rank_pids(run)), timeout=10, what="workers to die")
-    assert len(seen) >= 10, seen
-    r = cli("orchestrator", "run", str(sched))
-    assert r.returncode == 0, r.stderr
-    assert bitwise_equal(composed(tiny_model, run), final)
-    kinds_seen = {e["event"] for e in events(run)}
-    assert {"preempted", "resumed", "phase_failed"} <= kinds_seen, kinds_seen
+    finish_chain()
+    assert sorted(interrupted) == sorted(kinds)
 
 
 def test_two_processes_preempt_and_resume(tmp_path, tiny_model, tiny_data):
