@@ -145,7 +145,7 @@ def test_launcher_sigkill_takes_its_ranks_down_and_the_run_resumes(tmp_path, tin
                 m = json.loads(line)
             except json.JSONDecodeError:
                 continue  # rank 0 may be mid-append
-            if m["phase"] == 1 and m["step"] >= 12:
+            if m.get("phase") == 1 and m.get("step", 0) >= 12:
                 return True
         return False
 
