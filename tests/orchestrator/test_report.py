@@ -52,9 +52,9 @@ def test_what_the_report_plots(tiny_run):
     assert list(report.loss) == list(range(1, 31))
     assert [(p.index, p.start_step, p.end_step, p.layers) for p in report.phases] == [
         (0, 0, 10, [0]), (1, 10, 20, [1]), (2, 20, 30, [0])]
-    # Each switch costs a fresh process (imports, engine build): well over a second, under a minute.
+    # A switch is measured, positive, and bounded (timings themselves belong to benchmarks/).
     assert sorted(report.switch_seconds) == [1, 2]
-    assert all(1 < s < 60 for s in report.switch_seconds.values()), report.switch_seconds
+    assert all(0 < s < 60 for s in report.switch_seconds.values()), report.switch_seconds
     series = memory_series(report.phases)
     assert set(series) == {"start rss", "engine rss", "peak"}
     assert all(sorted(s) == [0, 1, 2] for s in series.values())
