@@ -36,7 +36,6 @@ ZYGOTE_FIFO = "zygote.fifo"
 ZYGOTE_REQUEST = 4096  # PIPE_BUF: each request arrives whole
 GO_RECORD = 1024  # one go message; below PIPE_BUF, so each write reaches one reader whole
 LOCK = "orchestrator.lock"
-PREEMPTED_RC = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
