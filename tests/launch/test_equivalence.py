@@ -91,23 +91,15 @@ def test_each_phase_its_own_process_and_none_survives(tiny_run):
     assert len(set(rank_pids)) == 3
 
 
-def test_two_processes_match_reference(tmp_path, tiny_model, tiny_data, reference):
+@pytest.mark.parametrize("launcher", ["deepspeed", "local"])
+def test_two_processes_match_reference(tmp_path, tiny_model, tiny_data, reference, launcher):
+    """Two ranks started by the deepspeed runner, or ("local") forked by the run's fork server."""
     sched = write_schedule(tmp_path / "s.toml", schedule_dict(
-        tiny_model, tiny_data, launch={"launcher": "deepspeed", "nproc": 2}))
+        tiny_model, tiny_data, launch={"launcher": launcher, "nproc": 2}))
     r = cli("orchestrator", "run", str(sched))
     assert r.returncode == 0, r.stderr
     run = tmp_path / "run"
     assert read_manifest(newest_valid(run)[0]).world_size == 2
-    assert max_abs_diff(reference, composed(tiny_model, run)) <= TOL
-
-
-def test_two_forked_processes_match_reference(tmp_path, tiny_model, tiny_data, reference):
-    """launcher "local" with 2 processes: both ranks forked by the run's fork server."""
-    sched = write_schedule(tmp_path / "s.toml", schedule_dict(
-        tiny_model, tiny_data, launch={"launcher": "local", "nproc": 2}))
-    r = cli("orchestrator", "run", str(sched))
-    assert r.returncode == 0, r.stderr
-    run = tmp_path / "run"
-    assert read_manifest(newest_valid(run)[0]).world_size == 2
-    assert any(json.loads(x)["event"] == "zygote_started" for x in (run / "journal.jsonl").read_text().splitlines())
+    forked = any(json.loads(x)["event"] == "zygote_started" for x in (run / "journal.jsonl").read_text().splitlines())
+    assert forked == (launcher == "local")
     assert max_abs_diff(reference, composed(tiny_model, run)) <= TOL
