@@ -10,42 +10,27 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import time
 import tomllib
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import psutil
 
 from orchestrator import devmem, procs
+from orchestrator.groups import GO_FIFO, Group, PhaseProcesses, Work
 from orchestrator.errors import PhaseFailed, Preempted, RelayerError, RunLocked, ScheduleError
 from orchestrator.journal import Journal
 from orchestrator.schedule import LoadedSchedule, Phase, check_batch, plan_phases, validate_schedule
 from shard_tools.manifest import (
     Manifest, layer_sources, list_checkpoints, make_durable, needed_by, newest_valid, read_manifest,
-    remove_stray_temporaries, verify_checkpoint, write_text_atomic,
+    remove_stray_temporaries, verify_checkpoint,
 )
 
 SCHEDULE_COPY = "schedule.toml"
-GO_FIFO = "go"
-ZYGOTE_FIFO = "zygote.fifo"
-ZYGOTE_REQUEST = 4096  # PIPE_BUF: each request arrives whole
-GO_RECORD = 1024  # one go message; below PIPE_BUF, so each write reaches one reader whole
 LOCK = "orchestrator.lock"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-
-
-@dataclass(frozen=True)
-class Work:
-    """What to run next: a phase from a global step, restoring from a checkpoint (or the base)."""
-
-    phase: Phase
-    start_step: int
-    restore: Path | None
 
 
 def next_work(phases: list[Phase], ckpt: Path | None, manifest: Manifest | None) -> Work | None:
@@ -66,61 +51,6 @@ def next_work(phases: list[Phase], ckpt: Path | None, manifest: Manifest | None)
             f"which the schedule no longer has"
         )
     return Work(ph, g, ckpt)
-
-
-class ForkedProc:
-    """A phase whose ranks the zygote forked: the Popen calls the supervisor uses, from the exit
-    files the zygote writes (the ranks are its children, not ours)."""
-
-    def __init__(self, phase_dir: Path, nproc: int, zygote: subprocess.Popen):
-        self.phase_dir, self.nproc, self.zygote = phase_dir, nproc, zygote
-        self.pid: int | None = None
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            codes = []
-            for r in range(self.nproc):
-                try:
-                    codes.append(json.loads((self.phase_dir / "exit" / f"rank-{r}.json").read_text())["rc"])
-                except (OSError, json.JSONDecodeError):
-                    break
-            if len(codes) == self.nproc:
-                self.returncode = next((c for c in codes if c != 0), 0)
-            elif self.zygote.poll() is not None:  # its children die with it (parent-death signal)
-                self.returncode = -signal.SIGKILL
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        end = None if timeout is None else time.time() + timeout
-        while self.poll() is None:
-            if end is not None and time.time() > end:
-                return None
-            time.sleep(0.01)
-        return self.returncode
-
-    def kill(self) -> None:
-        procs.signal_all(procs.recorded(self.phase_dir, "rank-"), signal.SIGKILL)
-
-
-@dataclass
-class Group:
-    """One phase's process group, from its launcher's start until all of it is gone."""
-
-    work: Work
-    phase_dir: Path
-    proc: subprocess.Popen | ForkedProc
-    log_path: Path
-    t_start: float
-    go_fd: int | None
-    world: int
-    preload: Path | None = None
-    """A pre-warmed group's weights as of this checkpoint, read before its go."""
-    prewarmed: bool = False
-    pids: set[int] = field(default_factory=set)
-    records: dict = field(default_factory=dict)
-    end: Path | None = None
-    """The phase-end checkpoint, committed by the group, not yet durable and journaled."""
 
 
 class RunLock:
@@ -179,9 +109,8 @@ class Runner:
         self.progress = progress
         self.stop_signal: int | None = None
         self.verified: set[Path] = set()
-        self.zygote: subprocess.Popen | None = None
         self.live_pending: list[Group] = []
-        self.zygote_fd = -1
+        self.groups = PhaseProcesses(self.run_dir, loaded.schedule.launch, self._event)
 
     # -- entry ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -194,7 +123,7 @@ class Runner:
             try:
                 self._loop(fresh)
             finally:
-                self._stop_zygote()
+                self.groups.stop_fork_server()
                 for s, h in old.items():
                     signal.signal(s, h)
 
@@ -275,12 +204,12 @@ class Runner:
                                 checkpoint=str(ckpt) if ckpt else None, pid=os.getpid())
                 first = False
             if work is None:
-                self._abort(pending)
+                self.groups.abort(pending)
                 self._after_switch(finished, None)
                 self._event("run_done", step=self.phases[-1].end_step)
                 return
             if self.stop_signal is not None:
-                self._abort(pending)
+                self.groups.abort(pending)
                 self._after_switch(finished, None)
                 self._event("preempted", step=work.start_step, signal=self.stop_signal)
                 raise Preempted(f"stopped by signal {self.stop_signal} before phase {work.phase.index}; run again to resume")
@@ -290,7 +219,7 @@ class Runner:
             try:
                 self._supervise(current, pending)
             except BaseException:
-                self._abort(pending)  # already done, unless this process itself failed
+                self.groups.abort(pending)  # already done, unless this process itself failed
                 raise
             finished = current
 
@@ -317,12 +246,12 @@ class Runner:
             fits = first.work.phase == work.phase and first.work.start_step == work.start_step
             if fits and first.proc.poll() is None:
                 pending.pop(0)
-                self._go(first, work.restore)
+                self.groups.go(first, work.restore)
                 first.work = work
                 first.prewarmed = True
                 return first
             self._event("prewarm_unused", phase=first.work.phase.index, rc=first.proc.poll())
-            self._abort(pending)
+            self.groups.abort(pending)
         return self._spawn(work, prewarm=False)
 
     def _prewarm_ahead(self, pending: list[Group], work: Work) -> None:
@@ -400,114 +329,8 @@ class Runner:
         }
 
     def _spawn(self, work: Work, prewarm: bool) -> Group:
-        """Starts one phase's launcher in a session of its own. Pre-warmed, it prepares and waits
-        for its go (``_go``); otherwise it trains from ``work.restore`` at once."""
-        ph = work.phase
-        phase_dir = self.run_dir / "phases" / f"phase-{ph.index:04d}"
-        phase_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        shutil.rmtree(phase_dir / "pids", ignore_errors=True)
-        shutil.rmtree(phase_dir / "errors", ignore_errors=True)
-        (phase_dir / "records.json").unlink(missing_ok=True)
-        spec = self._spec(work, phase_dir)
-        go_fd = None
-        if prewarm:
-            fifo = phase_dir / GO_FIFO
-            fifo.unlink(missing_ok=True)
-            os.mkfifo(fifo, 0o600)
-            # Held open read-write: ranks can open it at once, and see EOF if this process dies.
-            go_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
-            spec.update(prewarm=True, restore=None, go_fifo=str(fifo),
-                        preload=str(work.restore) if work.restore else None)
-        spec_path = phase_dir / "spec.json"
-        write_text_atomic(spec_path, json.dumps(spec, indent=1))
-        log_path = phase_dir / "worker.log"
-        shutil.rmtree(phase_dir / "exit", ignore_errors=True)
-        zygote = self._zygote(spec_path)
-        if zygote is not None:
-            request = json.dumps({"spec": str(spec_path), "nproc": ph.nproc}).encode().ljust(ZYGOTE_REQUEST)
-            os.write(self.zygote_fd, request)
-            proc: subprocess.Popen | ForkedProc = ForkedProc(phase_dir, ph.nproc, zygote)
-        else:
-            with open(log_path, "ab") as log:
-                os.chmod(log_path, 0o600)
-                proc = subprocess.Popen([sys.executable, "-m", "launch", str(spec_path)], stdout=log,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-        return Group(work=work, phase_dir=phase_dir, proc=proc, log_path=log_path, t_start=time.time(),
-                     go_fd=go_fd, world=ph.nproc * self.loaded.schedule.launch.nnodes,
-                     preload=work.restore if prewarm else None)
-
-    def _zygote(self, spec_path: Path) -> subprocess.Popen | None:
-        """The run's fork server (``launch.zygote``), started on first use, for one-node local runs
-        with prewarm on; None where phases start as launcher processes instead."""
-        launch = self.loaded.schedule.launch
-        if not (launch.prewarm and launch.launcher == "local" and launch.nnodes == 1):
-            return None
-        if self.zygote is None:
-            fifo = self.run_dir / ZYGOTE_FIFO
-            fifo.unlink(missing_ok=True)
-            os.mkfifo(fifo, 0o600)
-            self.zygote_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
-            log = open(self.run_dir / "zygote.log", "ab")
-            os.chmod(log.name, 0o600)
-            self.zygote = subprocess.Popen([sys.executable, "-m", "launch.zygote", str(spec_path), str(fifo)],
-                                           stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-            log.close()
-            self._event("zygote_started", pid=self.zygote.pid)
-        return self.zygote
-
-    def _stop_zygote(self) -> None:
-        if self.zygote is None:
-            return
-        try:
-            os.killpg(self.zygote.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.zygote.wait()
-        os.close(self.zygote_fd)
-        (self.run_dir / ZYGOTE_FIFO).unlink(missing_ok=True)
-        self.zygote = None
-
-    def _wait(self, proc: subprocess.Popen | ForkedProc, timeout: float) -> int:
-        """The exit code. A forked group with a rank the zygote has not reported (not forked yet,
-        or still going) is ended by ending the zygote and everything it forked."""
-        if isinstance(proc, subprocess.Popen):
-            return proc.wait()
-        rc = proc.wait(timeout)
-        if rc is None:
-            self._stop_zygote()
-            rc = proc.wait()
-        return rc
-
-    def _go(self, group: Group, restore: Path | None) -> None:
-        """Tells a pre-warmed group its checkpoint; called only once its predecessor is gone."""
-        record = json.dumps({"restore": str(restore) if restore else None}).encode().ljust(GO_RECORD)
-        # The records wait in the pipe for ranks still preparing; the FIFO stays open until the
-        # group is gone, since a pipe's data goes with its last open descriptor.
-        for _ in range(group.world):
-            os.write(group.go_fd, record)
-        group.t_start = time.time()
-
-    def _close_go(self, group: Group) -> None:
-        if group.go_fd is not None:
-            os.close(group.go_fd)
-            group.go_fd = None
-            (group.phase_dir / GO_FIFO).unlink(missing_ok=True)
-
-    def _abort(self, pending: list[Group]) -> None:
-        """Takes pre-warmed groups down (their predecessor failed or stopped, or the plan moved on)."""
-        while pending:
-            self._abort_one(pending.pop())
-
-    def _abort_one(self, group: Group) -> None:
-        if group.proc.returncode is not None:
-            return
-        killed = procs.reap(group.phase_dir, group.proc.pid, grace=1.0)
-        self._wait(group.proc, 1.0)
-        self._close_go(group)
-        if killed:
-            self._event("successor_stopped", phase=group.work.phase.index, pids=killed)
+        phase_dir = self.groups.phase_dir(work.phase)
+        return self.groups.spawn(work, phase_dir, self._spec(work, phase_dir), prewarm)
 
     def _supervise(self, group: Group, pending: list[Group]) -> None:
         """Waits for a phase's group, makes sure all of it is gone, and judges the result; the
@@ -544,8 +367,8 @@ class Runner:
             killed = procs.reap(phase_dir, proc.pid, grace=grace if forwarded_at is None else 1.0)
             if proc.poll() is None:
                 proc.kill()
-            rc = self._wait(proc, grace)
-            self._close_go(group)
+            rc = self.groups.wait(proc, grace)
+            self.groups.close_go(group)
         t_gone = time.time()
         if killed:
             self._event("killed", phase=ph.index, pids=killed)
@@ -557,7 +380,7 @@ class Runner:
             self.verified.add(end)
             group.records, group.end = records, end
             return
-        self._abort(pending)
+        self.groups.abort(pending)
         if self.stop_signal is not None:
             _, manifest, _ = newest_valid(self.run_dir, checksums=False)
             step = manifest.global_step if manifest else 0

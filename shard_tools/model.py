@@ -7,7 +7,6 @@ the same wherever they are composed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch

@@ -9,7 +9,6 @@ Sensitivity of the setup (tiny Llama, lr 1e-3, 30 steps, fp32), measured by
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import psutil
 import pytest

@@ -9,7 +9,6 @@ preemption in the middle of a phase resumes to the end.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time

@@ -1,0 +1,216 @@
+"""A phase's processes, from start to confirmed gone: spawning (as a launcher process, or forked by
+the run's fork server), the go of a pre-warmed group, and taking groups down.
+
+The channels are FIFOs in the run directory, mode 0600: fork requests to the fork server
+(``zygote.fifo``) and each pre-warmed phase's go (``phases/phase-NNNN/go``). Records are shorter
+than PIPE_BUF, so every write reaches one reader whole; this process holds each FIFO open, so a
+reader sees EOF when it dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from orchestrator import procs
+from orchestrator.schedule import LaunchSection, Phase
+from shard_tools.manifest import write_text_atomic
+
+GO_FIFO = "go"
+GO_RECORD = 1024
+ZYGOTE_FIFO = "zygote.fifo"
+ZYGOTE_REQUEST = 4096
+
+
+@dataclass(frozen=True)
+class Work:
+    """What to run next: a phase from a global step, restoring from a checkpoint (or the base)."""
+
+    phase: Phase
+    start_step: int
+    restore: Path | None
+
+
+class ForkedProc:
+    """A phase whose ranks the zygote forked: the Popen calls the supervisor uses, from the exit
+    files the zygote writes (the ranks are its children, not ours)."""
+
+    def __init__(self, phase_dir: Path, nproc: int, zygote: subprocess.Popen):
+        self.phase_dir, self.nproc, self.zygote = phase_dir, nproc, zygote
+        self.pid: int | None = None
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            codes = []
+            for r in range(self.nproc):
+                try:
+                    codes.append(json.loads((self.phase_dir / "exit" / f"rank-{r}.json").read_text())["rc"])
+                except (OSError, json.JSONDecodeError):
+                    break
+            if len(codes) == self.nproc:
+                self.returncode = next((c for c in codes if c != 0), 0)
+            elif self.zygote.poll() is not None:  # its children die with it (parent-death signal)
+                self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        end = None if timeout is None else time.time() + timeout
+        while self.poll() is None:
+            if end is not None and time.time() > end:
+                return None
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self) -> None:
+        procs.signal_all(procs.recorded(self.phase_dir, "rank-"), signal.SIGKILL)
+
+
+@dataclass
+class Group:
+    """One phase's process group, from its launcher's start until all of it is gone."""
+
+    work: Work
+    phase_dir: Path
+    proc: subprocess.Popen | ForkedProc
+    log_path: Path
+    t_start: float
+    go_fd: int | None
+    world: int
+    preload: Path | None = None
+    """A pre-warmed group's weights as of this checkpoint, read before its go."""
+    prewarmed: bool = False
+    pids: set[int] = field(default_factory=set)
+    records: dict = field(default_factory=dict)
+    end: Path | None = None
+    """The phase-end checkpoint, committed by the group, not yet durable and journaled."""
+
+
+class PhaseProcesses:
+    """Starts, releases and takes down phase groups for one run directory; owns the fork server."""
+
+    def __init__(self, run_dir: Path, launch: LaunchSection, event: Callable[..., None]):
+        self.run_dir, self.launch, self.event = run_dir, launch, event
+        self.zygote: subprocess.Popen | None = None
+        self.zygote_fd = -1
+
+    def phase_dir(self, phase: Phase) -> Path:
+        """The phase's directory, emptied of what an earlier attempt at it left."""
+        phase_dir = self.run_dir / "phases" / f"phase-{phase.index:04d}"
+        phase_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for stale in ("pids", "errors", "exit"):
+            shutil.rmtree(phase_dir / stale, ignore_errors=True)
+        (phase_dir / "records.json").unlink(missing_ok=True)
+        return phase_dir
+
+    def spawn(self, work: Work, phase_dir: Path, spec: dict, prewarm: bool) -> Group:
+        """Starts one phase's processes: forked by the fork server, or a launcher in a session of
+        its own. Pre-warmed, they prepare and wait for their go (``go``); otherwise they train from
+        ``work.restore`` at once."""
+        ph = work.phase
+        go_fd = None
+        if prewarm:
+            fifo = phase_dir / GO_FIFO
+            fifo.unlink(missing_ok=True)
+            os.mkfifo(fifo, 0o600)
+            # Held open read-write: ranks can open it at once, and see EOF if this process dies.
+            go_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+            spec.update(prewarm=True, restore=None, go_fifo=str(fifo),
+                        preload=str(work.restore) if work.restore else None)
+        spec_path = phase_dir / "spec.json"
+        write_text_atomic(spec_path, json.dumps(spec, indent=1))
+        log_path = phase_dir / "worker.log"
+        zygote = self.fork_server(spec_path)
+        if zygote is not None:
+            request = json.dumps({"spec": str(spec_path), "nproc": ph.nproc}).encode().ljust(ZYGOTE_REQUEST)
+            os.write(self.zygote_fd, request)
+            proc: subprocess.Popen | ForkedProc = ForkedProc(phase_dir, ph.nproc, zygote)
+        else:
+            with open(log_path, "ab") as log:
+                os.chmod(log_path, 0o600)
+                proc = subprocess.Popen([sys.executable, "-m", "launch", str(spec_path)], stdout=log,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        return Group(work=work, phase_dir=phase_dir, proc=proc, log_path=log_path, t_start=time.time(),
+                     go_fd=go_fd, world=ph.nproc * self.launch.nnodes,
+                     preload=work.restore if prewarm else None)
+
+    def fork_server(self, spec_path: Path) -> subprocess.Popen | None:
+        """The run's fork server (``launch.zygote``), started on first use, for one-node local runs
+        with prewarm on; None where phases start as launcher processes instead."""
+        launch = self.launch
+        if not (launch.prewarm and launch.launcher == "local" and launch.nnodes == 1):
+            return None
+        if self.zygote is None:
+            fifo = self.run_dir / ZYGOTE_FIFO
+            fifo.unlink(missing_ok=True)
+            os.mkfifo(fifo, 0o600)
+            self.zygote_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+            log = open(self.run_dir / "zygote.log", "ab")
+            os.chmod(log.name, 0o600)
+            self.zygote = subprocess.Popen([sys.executable, "-m", "launch.zygote", str(spec_path), str(fifo)],
+                                           stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+            log.close()
+            self.event("zygote_started", pid=self.zygote.pid)
+        return self.zygote
+
+    def stop_fork_server(self) -> None:
+        if self.zygote is None:
+            return
+        try:
+            os.killpg(self.zygote.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.zygote.wait()
+        os.close(self.zygote_fd)
+        (self.run_dir / ZYGOTE_FIFO).unlink(missing_ok=True)
+        self.zygote = None
+
+    def wait(self, proc: subprocess.Popen | ForkedProc, timeout: float) -> int:
+        """The exit code. A forked group with a rank the zygote has not reported (not forked yet,
+        or still going) is ended by ending the zygote and everything it forked."""
+        if isinstance(proc, subprocess.Popen):
+            return proc.wait()
+        rc = proc.wait(timeout)
+        if rc is None:
+            self.stop_fork_server()
+            rc = proc.wait()
+        return rc
+
+    def go(self, group: Group, restore: Path | None) -> None:
+        """Tells a pre-warmed group its checkpoint; called only once its predecessor is gone."""
+        record = json.dumps({"restore": str(restore) if restore else None}).encode().ljust(GO_RECORD)
+        # The records wait in the pipe for ranks still preparing; the FIFO stays open until the
+        # group is gone, since a pipe's data goes with its last open descriptor.
+        for _ in range(group.world):
+            os.write(group.go_fd, record)
+        group.t_start = time.time()
+
+    def close_go(self, group: Group) -> None:
+        if group.go_fd is not None:
+            os.close(group.go_fd)
+            group.go_fd = None
+            (group.phase_dir / GO_FIFO).unlink(missing_ok=True)
+
+    def abort(self, pending: list[Group]) -> None:
+        """Takes pre-warmed groups down (their predecessor failed or stopped, or the plan moved on)."""
+        while pending:
+            self._abort_one(pending.pop())
+
+    def _abort_one(self, group: Group) -> None:
+        if group.proc.returncode is not None:
+            return
+        killed = procs.reap(group.phase_dir, group.proc.pid, grace=1.0)
+        self.wait(group.proc, 1.0)
+        self.close_go(group)
+        if killed:
+            self.event("successor_stopped", phase=group.work.phase.index, pids=killed)
