@@ -193,7 +193,7 @@ class Phase:
         toy = nn.Linear(64, 64).to(DTYPES[self.spec.model.dtype])
         cfg = deepspeed_config(self.spec, self.world, 64 * 65)
         engine, *_ = deepspeed.initialize(model=toy, optimizer=torch.optim.AdamW(toy.parameters()), config=cfg)
-        for _ in range(self.ds_gas(cfg)):
+        for _ in range(cfg["gradient_accumulation_steps"]):
             x = torch.zeros(self.spec.data.micro_batch_size, 64, device=self.device, dtype=DTYPES[self.spec.model.dtype])
             engine.backward(engine(x).float().pow(2).mean())
             engine.step()
@@ -202,10 +202,6 @@ class Phase:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-
-    @staticmethod
-    def ds_gas(cfg: dict) -> int:
-        return cfg["gradient_accumulation_steps"]
 
     def await_go(self) -> None:
         """A pre-warmed process waits here until its predecessor's processes are gone."""
