@@ -24,7 +24,7 @@ from orchestrator.errors import PhaseFailed, Preempted, RelayerError, RunLocked,
 from orchestrator.journal import Journal
 from orchestrator.schedule import LoadedSchedule, Phase, check_batch, plan_phases, validate_schedule
 from shard_tools.manifest import (
-    Manifest, layer_sources, list_checkpoints, make_durable, needed_by, newest_valid, read_manifest,
+    CheckpointError, Manifest, layer_sources, list_checkpoints, make_durable, needed_by, newest_valid, read_manifest,
     remove_stray_temporaries, verify_checkpoint,
 )
 
@@ -280,11 +280,13 @@ class Runner:
         checkpoint per orchestrator: what this process verified or committed stays trusted.
         """
         for ckpt in reversed(list_checkpoints(self.run_dir)):
-            sources = {ckpt}
             faults = self._verify(ckpt)
             if not faults:
-                sources |= set(layer_sources(self.run_dir, ckpt).values())
-                faults = [f for src in sorted(sources - {ckpt}) for f in self._verify(src)]
+                try:
+                    sources = set(layer_sources(self.run_dir, ckpt).values()) - {ckpt}
+                    faults = [f for src in sorted(sources) for f in self._verify(src)]
+                except CheckpointError as e:
+                    faults = [str(e)]
             if not faults:
                 return ckpt, read_manifest(ckpt)
             for fault in faults:
@@ -409,7 +411,11 @@ class Runner:
         keep_last = self.loaded.schedule.checkpoint.keep_last
         valid = [c for c in list_checkpoints(self.run_dir) if not verify_checkpoint(c, checksums=False)]
         kept = valid[-keep_last:]
-        needed = needed_by(self.run_dir, kept + sorted(protect))
+        try:
+            needed = needed_by(self.run_dir, kept + sorted(protect))
+        except CheckpointError as e:  # a damaged older checkpoint: keep everything rather than guess
+            self._event("retention_skipped", reason=str(e))
+            return
         for ckpt in valid:
             if ckpt not in needed:
                 trash = ckpt.with_name(f".tmp-removing-{ckpt.name}")

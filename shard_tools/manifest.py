@@ -158,18 +158,22 @@ def newest_valid(run_dir: Path, *, checksums: bool = True) -> tuple[Path | None,
 def layer_sources(run_dir: Path, upto: Path) -> dict[int, Path]:
     """For each body layer, the newest checkpoint at or before ``upto`` whose layers file holds it.
 
-    Only checkpoints that verify (sizes; checksums are the loader's job) are trusted.
+    Judged by manifests alone, damaged checkpoints included: skipping a damaged source would
+    silently compose an older layer (or the base) instead. Callers verify the sources they get;
+    an unreadable manifest at or before ``upto`` raises, since it may have held a layer.
     """
     limit = step_of(upto)
     assert limit is not None, upto
     sources: dict[int, Path] = {}
     for ckpt in list_checkpoints(run_dir):
-        if (step_of(ckpt) or 0) > limit or verify_checkpoint(ckpt, checksums=False):
+        if (step_of(ckpt) or 0) > limit:
             continue
-        m = read_manifest(ckpt)
+        try:
+            m = read_manifest(ckpt)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}; {upto.name} may compose layers from it") from None
         if "layers.safetensors" in m.files:
-            for layer in m.layers:
-                sources[layer] = ckpt
+            sources.update(dict.fromkeys(m.layers, ckpt))
     return sources
 
 

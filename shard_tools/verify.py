@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shard_tools.manifest import (
-    CHECKPOINTS, CheckpointError, InputError, Manifest, list_checkpoints, newest_valid, path_kind, read_manifest,
+    CHECKPOINTS, CheckpointError, InputError, Manifest, layer_sources, list_checkpoints, newest_valid, path_kind,
+    read_manifest,
     step_of, stray_temporaries, verify_checkpoint,
 )
 
@@ -67,23 +68,7 @@ def trusted_checkpoint(path: Path) -> tuple[Path, Path, Manifest]:
         if faults:
             raise CheckpointError("\n".join(faults))
         manifest = read_manifest(ckpt)
-    faults = [f for src in sorted(_layer_sources(run_dir, ckpt) - {ckpt}) for f in verify_checkpoint(src)]
+    faults = [f for src in sorted(set(layer_sources(run_dir, ckpt).values()) - {ckpt}) for f in verify_checkpoint(src)]
     if faults:
         raise CheckpointError(f"{ckpt}: composes its layers from damaged checkpoints:\n  " + "\n  ".join(faults))
     return run_dir, ckpt, manifest
-
-
-def _layer_sources(run_dir: Path, upto: Path) -> set[Path]:
-    """Checkpoints the layers of ``upto`` come from, judged by manifests alone, damaged ones included."""
-    limit = step_of(upto)
-    newest: dict[int, Path] = {}
-    for ckpt in list_checkpoints(run_dir):
-        if (step_of(ckpt) or 0) > limit:
-            continue
-        try:
-            m = read_manifest(ckpt)
-        except CheckpointError as e:
-            raise CheckpointError(f"{e}; {upto.name} may compose layers from it") from None
-        if "layers.safetensors" in m.files:
-            newest.update(dict.fromkeys(m.layers, ckpt))
-    return set(newest.values())

@@ -260,3 +260,17 @@ def test_retention_keeps_what_kept_checkpoints_need(tmp_path, tiny_model, tiny_d
     assert bitwise_equal(composed(tiny_model, run), final)
     r = cli("orchestrator", "status", str(run))
     assert r.returncode == 0 and "done" in r.stdout
+
+
+def test_damaged_older_layer_source_is_not_silently_replaced(tmp_path, uninterrupted, tiny_model, final):
+    """Step 20's layer 0 comes from step 10; with step 10's layers file damaged, steps 12-20 cannot
+    be composed (falling back to the base layer 0 would be wrong) and the run resumes from step 9."""
+    run = truncated_copy(uninterrupted, tmp_path / "run", keep_upto=20)
+    # Truncated: a size check alone already tells, and must not make the checkpoint disappear.
+    f = run / "checkpoints" / "step-00000010" / "layers.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    r = cli("orchestrator", "run", str(run / "schedule.toml"), "--output-dir", str(run))
+    assert r.returncode == 0, r.stderr
+    resumed = [e for e in events(run) if e["event"] == "resumed"][-1]
+    assert resumed["checkpoint"].endswith("step-00000009")
+    assert bitwise_equal(composed(tiny_model, run), final)
