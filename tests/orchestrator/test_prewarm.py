@@ -31,20 +31,20 @@ def run_six(tmp: Path, model: Path, data: Path, prewarm: bool, env: dict | None 
     return cli("orchestrator", "run", str(sched), env={**os.environ, **(env or {})})
 
 
+def finished_six(tmp: Path, model: Path, data: Path, prewarm: bool) -> Path:
+    r = run_six(tmp, model, data, prewarm)
+    assert r.returncode == 0, r.stderr
+    return tmp / "run"
+
+
 @pytest.fixture(scope="module")
 def cold(tmp_path_factory, tiny_model, tiny_data) -> Path:
-    d = tmp_path_factory.mktemp("cold")
-    r = run_six(d, tiny_model, tiny_data, prewarm=False)
-    assert r.returncode == 0, r.stderr
-    return d / "run"
+    return finished_six(tmp_path_factory.mktemp("cold"), tiny_model, tiny_data, prewarm=False)
 
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory, tiny_model, tiny_data) -> Path:
-    d = tmp_path_factory.mktemp("warm")
-    r = run_six(d, tiny_model, tiny_data, prewarm=True)
-    assert r.returncode == 0, r.stderr
-    return d / "run"
+    return finished_six(tmp_path_factory.mktemp("warm"), tiny_model, tiny_data, prewarm=True)
 
 
 def test_prewarm_changes_nothing_in_the_result(cold, warm, tiny_model):
