@@ -11,7 +11,10 @@ Loaded once, the op is cached in the process (and in everything the fork server 
 from __future__ import annotations
 
 import fcntl
+import os
 from pathlib import Path
+
+COMM_BUFFER = "deepspeed_allreduce_buffer"
 
 
 def load_comm_ops() -> None:
@@ -28,3 +31,22 @@ def load_comm_ops() -> None:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
         build_shm_op()
+
+
+def unlink_comm_buffers(rank: int) -> None:
+    """Unlinks this rank's shared-memory buffer of DeepSpeed's CPU comm op.
+
+    The op creates /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> (69 MB) in each
+    process and never unlinks it: every phase would leave its buffers in memory for good. Once
+    every rank has mapped every other rank's buffer (its initialisation does that before it
+    returns, hence the barrier), the name can go; the mappings live until the process ends.
+    """
+    import torch
+
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return
+    torch.distributed.barrier()
+    name = f"{COMM_BUFFER}_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}_{rank}"
+    Path("/dev/shm", name).unlink(missing_ok=True)

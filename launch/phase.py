@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import gc
 import hashlib
 import json
 import math
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -21,15 +24,15 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from launch import procs, zero_state
-from launch.ops import load_comm_ops
+from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.data import SampleOrder, load_examples, micro_batch
 from launch.scaler import restore_scaler, scaler_tensors
 from launch.spec import PhaseSpec
 from shard_tools.checkpoint import (
-    BODY_OPTIM, HEAD, LAYERS, STATE, flatten_optim_state, last_write_timing, layer_weights, load_tensors, optim_state,
-    write_checkpoint,
+    BODY_OPTIM, HEAD, LAYERS, OPTIM_KEYS, STATE, PreparedFiles, flatten_optim_state, last_write_timing, layer_weights,
+    load_tensors, optim_state, write_checkpoint,
 )
-from shard_tools.manifest import Manifest, layer_sources, read_manifest
+from shard_tools.manifest import MANIFEST, CheckpointError, Manifest, checkpoints_dir, layer_sources, step_dir_name
 from shard_tools.model import (
     DTYPES, ModelSpec, build_base_model, detect_parts, head_param_names, layer_param_names,
 )
@@ -145,9 +148,11 @@ class Phase:
             self.device = torch.device("cpu")
         load_comm_ops()
         deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
+        unlink_comm_buffers(self.rank)
         m = spec.model
         # Nothing in training draws random numbers today, but a phase's stream must not depend on
-        # how its process was started; mid-phase resumes restore the saved states instead.
+        # how its process was started (seeded again after the warm-up, which draws its own);
+        # mid-phase resumes restore the saved states instead.
         torch.manual_seed(hash_seed(spec.seed, spec.phase, self.rank))
         model = base_model(ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=spec.seed))
         model.config.use_cache = False
@@ -167,16 +172,40 @@ class Phase:
         preload = Path(spec.preload) if spec.preload else (Path(spec.restore) if spec.restore else None)
         self.preloaded = layer_sources(self.run_dir, preload) if preload else {}
         self._overlay(layer_weights(self.preloaded))
+        self.restored: Manifest | None = None
+        self.delta: tuple[Path, str] | None = None
+        """The checkpoint whose changes the host model holds, and its manifest's text."""
+        self.head_buffers: dict[str, torch.Tensor] | None = None
         if spec.prewarm:
-            self._warm_up_deepspeed()
-            if self.device.type == "cuda":
-                for p in model.parameters():
-                    p.data = p.data.pin_memory()
-                # Host buffers the phase-end gather lands in: allocating pinned memory then would
-                # cost tenths of a second per GB on the switch's critical path.
-                params = dict(model.named_parameters())
-                zero_state.reserve_host({n: params[n].shape for n in self.head_names}, zero_state.KEYS)
-                zero_state.reserve_host({n: params[n].shape for n in self.body_names}, ("master",))
+            self._warm_up()
+            # The predecessor's head state is read into these before the go: touched now, reading
+            # it then is a copy, not page faults.
+            shapes = zero_state.full_shapes(list(model.named_parameters()))
+            self.head_buffers = {f"{k}/{n}": torch.zeros(shapes[n]) for n in self.head_names for k in OPTIM_KEYS}
+        torch.manual_seed(hash_seed(spec.seed, spec.phase, self.rank))
+        self.prepared = self._prepare_files()
+
+    def _file_metadata(self) -> dict[str, dict[str, str]]:
+        return {LAYERS: {"layers": ",".join(map(str, self.spec.layers)), "layers_prefix": self.layers_attr}}
+
+    def _prepare_files(self) -> PreparedFiles | None:
+        """Rank 0's head and layers files of the next checkpoint, made now (``PreparedFiles``)."""
+        if self.rank != 0:
+            return None
+        named = list(self.model.named_parameters())
+        shapes = zero_state.full_shapes(named)
+        layouts = {HEAD: {f"{k}/{n}": (torch.float32, shapes[n]) for n in self.head_names for k in OPTIM_KEYS},
+                   LAYERS: {n: (torch.float32, shapes[n]) for n in self.body_names}}
+        try:
+            return PreparedFiles(self.run_dir, layouts, self._file_metadata())
+        except CheckpointError as e:
+            print(f"relayer: {e}; the checkpoint will be written without them", file=sys.stderr, flush=True)
+            return None
+
+    def discard(self) -> None:
+        if getattr(self, "prepared", None) is not None:
+            self.prepared.discard()
+            self.prepared = None
 
     def _overlay(self, weights: dict[str, torch.Tensor]) -> None:
         params = dict(self.model.named_parameters())
@@ -187,39 +216,99 @@ class Phase:
                 if name in keep:
                     self.trained[name] = t
 
-    def _warm_up_deepspeed(self) -> None:
-        """Pays a process's one-time costs on a throwaway engine: the first ``deepspeed.initialize``
-        (seconds), the communicator, the BLAS handles of a first forward, backward and step."""
-        toy = nn.Linear(64, 64).to(DTYPES[self.spec.model.dtype])
-        cfg = deepspeed_config(self.spec, self.world, 64 * 65)
-        engine, *_ = deepspeed.initialize(model=toy, optimizer=torch.optim.AdamW(toy.parameters()), config=cfg)
-        for _ in range(cfg["gradient_accumulation_steps"]):
-            x = torch.zeros(self.spec.data.micro_batch_size, 64, device=self.device, dtype=DTYPES[self.spec.model.dtype])
-            engine.backward(engine(x).float().pow(2).mean())
-            engine.step()
-        torch.distributed.all_reduce(torch.zeros(2, device=self.device))
-        engine.destroy()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+    def _warm_up(self) -> None:
+        """Pays a process's one-time costs before its go, on a throwaway copy of the model with one
+        layer: the first ``deepspeed.initialize`` (seconds), the communicator, and every kernel and
+        handle a real step of this shape loads. On the H200 a 1.1B phase's first step took 0.43 s
+        after a warm-up on a tiny linear layer, and a steady step's 0.09 s after this one
+        (benchmarks/results/2026-11-29-nvidia-h200-v3/first_step.md). Its device memory (one
+        layer and the head, with their optimizer state) is given back before the go. One process
+        without room for it on the device skips it; a rank of several fails (its phase is then
+        started afresh when its turn comes)."""
+        spec, d = self.spec, self.spec.data
+        config = copy.deepcopy(self.model.config)
+        config.num_hidden_layers = 1
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = config.layer_types[:1]
+        engine = None
+        try:
+            with torch.device(self.device):
+                toy = type(self.model)(config).to(DTYPES[spec.model.dtype])
+            toy.config.use_cache = False
+            if spec.model.gradient_checkpointing:
+                toy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            cfg = deepspeed_config(spec, self.world, sum(p.numel() for p in toy.parameters()))
+            engine, *_ = deepspeed.initialize(model=toy, optimizer=torch.optim.AdamW(toy.parameters(), lr=0.0),
+                                              config=cfg)
+            for micro in range(cfg["gradient_accumulation_steps"]):
+                batch = micro_batch(self.examples, self.order, spec.start_step, d.batch_size, micro, self.rank,
+                                    self.world, d.micro_batch_size).to(self.device)
+                engine.backward(engine(input_ids=batch, labels=batch).loss)
+                engine.step()
+            flags = torch.zeros(2, device=self.device)
+            torch.distributed.all_reduce(flags)
+            flags.tolist()
+        except torch.OutOfMemoryError as e:
+            if self.world > 1:
+                raise
+            print(f"relayer: warm-up skipped, no room on the device ({e})", file=sys.stderr, flush=True)
+        finally:
+            if engine is not None:
+                engine.destroy()
+            engine = toy = None
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
 
     def await_go(self) -> None:
-        """A pre-warmed process waits here until its predecessor's processes are gone."""
-        go = procs.wait_for_go(Path(self.spec.go_fifo))
+        """A pre-warmed process waits here until its predecessor's processes are gone. Once the
+        predecessor's checkpoint is committed (while its processes still exit), what it changed
+        is read into host memory already: reading touches no device."""
+        expected = checkpoints_dir(self.run_dir) / step_dir_name(self.spec.start_step)
+
+        def read_early() -> None:
+            if self.delta is None and (expected / MANIFEST).exists():
+                self._read_delta(expected, early=True)
+
+        go = procs.wait_for_go(Path(self.spec.go_fifo), read_early)
         self.restore_path = go["restore"]
         self.records["t_go"] = time.time()
 
+    def _read_delta(self, restore: Path, early: bool = False) -> None:
+        """Puts into the host model what changed since the weights it holds: the layers trained
+        since, and the head; keeps the head's optimizer state for ``restore``."""
+        t0 = time.time()
+        try:
+            text = (restore / MANIFEST).read_text()
+            manifest = Manifest.from_json(text, restore)
+            if early and manifest.created < self.records["t_process_start"]:
+                return  # an older checkpoint at that step (damaged, being replaced): not the predecessor's
+            sources = layer_sources(self.run_dir, restore)
+            self._overlay(layer_weights({l: s for l, s in sources.items() if self.preloaded.get(l) != s}))
+            self.head_state = optim_state(restore, HEAD, into=self.head_buffers)
+            self._overlay(self.head_state["master"])
+        except (OSError, CheckpointError):
+            if not early:
+                raise
+            return  # read again at the go, which names only a checkpoint the orchestrator checked
+        self.preloaded, self.restored, self.delta = sources, manifest, (restore, text)
+        if early:
+            self.records.update(t_early_read_start=t0, t_early_read_end=time.time())
+
     def assemble(self) -> None:
-        """Reads what the predecessor changed (its layers and the head) and builds the engine."""
+        """Reads what the predecessor changed (its layers and the head), unless read already, and
+        builds the engine."""
         spec = self.spec
         self.records["memory_start"] = memory_now()
         restore = Path(self.restore_path) if self.restore_path else None
-        self.restored: Manifest | None = read_manifest(restore) if restore else None
-        if self.restored is not None:
-            sources = layer_sources(self.run_dir, restore)
-            self._overlay(layer_weights({l: s for l, s in sources.items() if self.preloaded.get(l) != s}))
-            self.head_state = optim_state(restore, HEAD)
-            self._overlay(self.head_state["master"])
+        if restore is not None:
+            if self.delta is not None and (self.delta[0] != restore
+                                           or (restore / MANIFEST).read_text() != self.delta[1]):
+                raise RuntimeError(f"the go names {restore}, but {self.delta[0]} was read before it")
+            if self.delta is None:
+                self._read_delta(restore)
+            self.records["read_before_go"] = self.records.get("t_early_read_end") is not None
         self.records["t_delta_loaded"] = time.time()
         model = self.model
         trainable = set(self.head_names) | set(self.body_names)
@@ -264,6 +353,8 @@ class Phase:
         restore_scaler(getattr(self.engine.optimizer, "loss_scaler", None), load_tensors(ckpt / STATE))
         if same_phase:
             self._restore_rng(ckpt)
+        self.head_state = self.head_buffers = None  # on the device now; the host copies can go
+        self.trained = {}
         self.records["t_restored"] = time.time()
 
     def _restore_rng(self, ckpt: Path) -> None:
@@ -318,6 +409,7 @@ class Phase:
                 return False
             if spec.every_steps and self.step % spec.every_steps == 0 and self.step < spec.end_step:
                 self.save(phase_complete=False)
+                self.prepared = self._prepare_files()  # for the next one
         self.records["t_last_step_end"] = time.time()
         self.records["step_seconds_median"] = statistics.median(step_times[1:] or step_times) if step_times else None
         self.records["memory_peak"] = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
@@ -361,26 +453,31 @@ class Phase:
 
     # -- save ----------------------------------------------------------------------------------
     def save(self, phase_complete: bool) -> Path | None:
-        """Gathers full tensors on every rank (collectives), then rank 0 writes the checkpoint."""
+        """Gathers full tensors on every rank (collectives); rank 0 copies them into its prepared
+        files (so on a GPU the copy from the device is the write) and commits the checkpoint."""
         t0 = time.time()
+        writer = self.rank == 0
+        views = self.prepared.views if writer and self.prepared is not None else {}
         zero_state.relink(self.engine)
-        head = zero_state.get_state(self.head)
+        head = zero_state.get_state(self.head, into=views.get(HEAD), keep=writer)
         steps = zero_state.group_steps(self.engine)
+        into_layers = views.get(LAYERS, {})
+        if phase_complete:
+            layers, body = zero_state.get_masters(self.body, into=into_layers, keep=writer), {}
+        else:
+            body = zero_state.get_state(self.body, into={f"master/{n}": t for n, t in into_layers.items()}, keep=writer)
+            layers = body.pop("master", {})
+        state = self._state_tensors()
+        t_gathered = time.time()
+        if not writer:
+            torch.distributed.barrier()
+            return None
         by_role = dict(zip(self.roles, range(len(self.roles))))
         head_step = max(steps.get(by_role.get(r, -1), 0) for r in (HEAD_DECAY, HEAD_NO_DECAY))
         body_step = max((steps.get(by_role.get(r, -1), 0) for r in (BODY_DECAY, BODY_NO_DECAY)), default=0)
-        files: dict[str, dict[str, torch.Tensor]] = {HEAD: flatten_optim_state(head)}
-        if phase_complete:
-            files[LAYERS] = zero_state.get_masters(self.body)
-        else:
-            body = zero_state.get_state(self.body)
-            files[LAYERS] = body.pop("master")
+        files = {HEAD: flatten_optim_state(head), LAYERS: layers, STATE: state}
+        if not phase_complete:
             files[BODY_OPTIM] = flatten_optim_state(body)
-        files[STATE] = self._state_tensors()
-        t_gathered = time.time()
-        if self.rank != 0:
-            torch.distributed.barrier()
-            return None
         spec = self.spec
         manifest = Manifest(
             global_step=self.step, phase=spec.phase, layers=list(spec.layers), phase_complete=phase_complete,
@@ -391,12 +488,13 @@ class Phase:
                                   "dtype": spec.model.dtype},
                    "layers_attr": self.layers_attr, "lr": lr_at(max(self.step - 1, 0), spec.optimizer)},
         )
-        meta = {LAYERS: {"layers": ",".join(map(str, spec.layers)), "layers_prefix": self.layers_attr}}
+        prepared, self.prepared = self.prepared, None
         # A phase end is made durable by the orchestrator, after the next phase has its go.
-        path = write_checkpoint(self.run_dir, manifest, files, meta, durable=not phase_complete)
+        path = write_checkpoint(self.run_dir, manifest, files, self._file_metadata(), durable=not phase_complete,
+                                prepared=prepared)
         self.records.setdefault("checkpoints", []).append(
             {"step": self.step, "gather_seconds": t_gathered - t0, "write_seconds": time.time() - t_gathered,
-             **{f"{k}_seconds": v for k, v in last_write_timing.items()}})
+             "prepared": prepared is not None, **{f"{k}_seconds": v for k, v in last_write_timing.items()}})
         torch.distributed.barrier()
         return path
 
@@ -433,13 +531,17 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict) -> int:
     # The process group is not destroyed: the process exits right after (launch.worker), which
     # frees it and all device memory; an orderly NCCL teardown would only delay the next phase.
     phase = Phase(spec, rank, world)
-    phase.prepare()
-    if spec.prewarm:
-        phase.await_go()
-    phase.assemble()
-    phase.restore()
-    done = phase.train(stop)
-    phase.save(phase_complete=done)
+    try:
+        phase.prepare()
+        if spec.prewarm:
+            phase.await_go()
+        phase.assemble()
+        phase.restore()
+        done = phase.train(stop)
+        phase.save(phase_complete=done)
+    except BaseException:
+        phase.discard()
+        raise
     phase.write_records()
     return 0 if done else PREEMPTED
 

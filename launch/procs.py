@@ -6,11 +6,13 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import select
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -65,14 +67,21 @@ GO_RECORD = 1024
 """Size of one go message; below PIPE_BUF, so each write reaches one reader whole."""
 
 
-def wait_for_go(fifo: Path) -> dict:
-    """Blocks until the orchestrator writes a go record to ``fifo`` (one per rank); EOF means the
-    orchestrator is gone, and so this process goes too."""
-    fd = os.open(fifo, os.O_RDONLY)
+def wait_for_go(fifo: Path, idle: Callable[[], None] = lambda: None, interval: float = 0.005) -> dict:
+    """Blocks until the orchestrator writes a go record to ``fifo`` (one per rank), calling
+    ``idle`` every ``interval`` seconds meanwhile; EOF means the orchestrator is gone, and so this
+    process goes too."""
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     try:
         data = b""
         while len(data) < GO_RECORD:
-            chunk = os.read(fd, GO_RECORD - len(data))
+            if not select.select([fd], [], [], interval)[0]:
+                idle()
+                continue
+            try:
+                chunk = os.read(fd, GO_RECORD - len(data))
+            except BlockingIOError:  # another rank took the record that woke this one
+                continue
             if not chunk:
                 raise SystemExit(f"{fifo}: closed before the go: the orchestrator is gone")
             data += chunk

@@ -63,51 +63,52 @@ def group_steps(engine) -> dict[int, int]:
 
 
 KEYS = ("master", *MOMENTS)
-_host: dict[tuple[str, str], torch.Tensor] = {}
 
 
-def reserve_host(shapes: dict[str, torch.Size], keys: tuple[str, ...]) -> None:
-    """Pre-allocates the pinned host buffers that ``get_state``/``get_masters`` copy into."""
-    for name, shape in shapes.items():
-        for key in keys:
-            _host[(name, key)] = torch.empty(shape, dtype=torch.float32, pin_memory=True)
-
-
-def _to_host(t: torch.Tensor, shape: torch.Size, name: str, key: str) -> torch.Tensor:
-    """fp32 host copy; from a GPU into pinned memory, several times faster than pageable."""
+def _to_host(t: torch.Tensor, shape: torch.Size, out: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 full tensor on the host: copied into ``out`` where given (a prepared checkpoint
+    file's view, so the copy from the device is the write), else a host tensor of its own."""
     t = t.detach().float().view(shape)
-    if t.device.type == "cpu":
-        return t  # the accessors return a fresh gathered tensor, not a view of the optimizer's
-    host = _host.get((name, key))
-    if host is None or host.shape != shape:
-        host = torch.empty(shape, dtype=torch.float32, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
+    if out is not None:
+        out.copy_(t)
+        return out
+    return t if t.device.type == "cpu" else t.cpu()  # on the CPU the accessors return a fresh tensor
 
 
 def _shape(p: nn.Parameter) -> torch.Size:
     return p.ds_shape if hasattr(p, "ds_shape") else p.shape  # ZeRO-3 keeps the full shape aside
 
 
-def get_state(named: list[tuple[str, nn.Parameter]]) -> dict[str, dict[str, torch.Tensor]]:
-    """Full fp32 master weights and moments on the host. Collective: all ranks, same order."""
-    out: dict[str, dict[str, torch.Tensor]] = {"master": get_masters(named), "exp_avg": {}, "exp_avg_sq": {}}
+def full_shapes(named: list[tuple[str, nn.Parameter]]) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(_shape(p)) for n, p in named}
+
+
+def get_state(named: list[tuple[str, nn.Parameter]], into: dict[str, torch.Tensor] | None = None,
+              keep: bool = True) -> dict[str, dict[str, torch.Tensor]]:
+    """Full fp32 master weights and moments on the host, {key: {name: tensor}}. Collective: all
+    ranks, same order. ``into``: host tensors by "key/name" to copy into; ``keep=False``: gather
+    only, for ranks that write nothing (the result is empty)."""
+    into = into or {}
+    out: dict[str, dict[str, torch.Tensor]] = {
+        "master": get_masters(named, {n[len("master/"):]: t for n, t in into.items() if n.startswith("master/")}, keep),
+        "exp_avg": {}, "exp_avg_sq": {}}
     for name, p in named:
         for key in MOMENTS:
-            out[key][name] = _to_host(safe_get_full_optimizer_state(p, key), _shape(p), name, key)
-    _sync()
+            full = safe_get_full_optimizer_state(p, key)
+            if keep:
+                out[key][name] = _to_host(full, _shape(p), into.get(f"{key}/{name}"))
+    return out if keep else {}
+
+
+def get_masters(named: list[tuple[str, nn.Parameter]], into: dict[str, torch.Tensor] | None = None,
+                keep: bool = True) -> dict[str, torch.Tensor]:
+    into = into or {}
+    out = {}
+    for n, p in named:
+        full = safe_get_full_fp32_param(p)
+        if keep:
+            out[n] = _to_host(full, _shape(p), into.get(n))
     return out
-
-
-def get_masters(named: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
-    out = {n: _to_host(safe_get_full_fp32_param(p), _shape(p), n, "master") for n, p in named}
-    _sync()
-    return out
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # the non-blocking copies must land before anyone reads them
 
 
 def set_state(named: list[tuple[str, nn.Parameter]], state: dict[str, dict[str, torch.Tensor]], with_moments: bool) -> None:

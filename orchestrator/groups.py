@@ -22,7 +22,7 @@ from typing import Callable
 
 from orchestrator import procs
 from orchestrator.schedule import LaunchSection, Phase
-from shard_tools.manifest import write_text_atomic
+from shard_tools.manifest import remove_temporaries_of, write_text_atomic
 
 GO_FIFO = "go"
 GO_RECORD = 1024
@@ -55,8 +55,9 @@ class ForkedProc:
                 try:
                     codes.append(json.loads((self.phase_dir / "exit" / f"rank-{r}.json").read_text())["rc"])
                 except (OSError, json.JSONDecodeError):
-                    break
-            if len(codes) == self.nproc:
+                    continue
+            if len(codes) == self.nproc or any(codes):
+                # A failed rank ends the group: the others may wait on it in a collective forever.
                 self.returncode = next((c for c in codes if c != 0), 0)
             elif self.zygote.poll() is not None:  # its children die with it (parent-death signal)
                 self.returncode = -signal.SIGKILL
@@ -85,6 +86,8 @@ class Group:
     t_start: float
     go_fd: int | None
     world: int
+    port: int
+    """The group's MASTER_PORT."""
     preload: Path | None = None
     """A pre-warmed group's weights as of this checkpoint, read before its go."""
     prewarmed: bool = False
@@ -140,7 +143,7 @@ class PhaseProcesses:
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
         return Group(work=work, phase_dir=phase_dir, proc=proc, log_path=log_path, t_start=time.time(),
-                     go_fd=go_fd, world=ph.nproc * self.launch.nnodes,
+                     go_fd=go_fd, world=ph.nproc * self.launch.nnodes, port=spec["master_port"],
                      preload=work.restore if prewarm else None)
 
     def fork_server(self, spec_path: Path) -> subprocess.Popen | None:
@@ -207,10 +210,17 @@ class PhaseProcesses:
             self._abort_one(pending.pop())
 
     def _abort_one(self, group: Group) -> None:
-        if group.proc.returncode is not None:
-            return
-        killed = procs.reap(group.phase_dir, group.proc.pid, grace=1.0)
-        self.wait(group.proc, 1.0)
+        if group.proc.returncode is None:
+            killed = procs.reap(group.phase_dir, group.proc.pid, grace=1.0)
+            self.wait(group.proc, 1.0)
+            if killed:
+                self.event("successor_stopped", phase=group.work.phase.index, pids=killed)
         self.close_go(group)
-        if killed:
-            self.event("successor_stopped", phase=group.work.phase.index, pids=killed)
+        self.clean_up(group)
+
+    def clean_up(self, group: Group) -> None:
+        """What a group's processes leave once gone: their temporaries in the checkpoints folder
+        (prepared files, a checkpoint cut off mid-write) and DeepSpeed's shared-memory buffers."""
+        for path in remove_temporaries_of(self.run_dir, procs.recorded_pids(group.phase_dir)):
+            self.event("stray_removed", path=str(path))
+        procs.remove_comm_buffers(group.port)

@@ -30,6 +30,29 @@ def recorded(phase_dir: Path, prefix: str = "") -> list[psutil.Process]:
     return out
 
 
+def recorded_pids(phase_dir: Path) -> set[int]:
+    """Every pid ever recorded in phase_dir/pids, alive or not."""
+    out = set()
+    for f in (phase_dir / "pids").glob("*.json"):
+        try:
+            out.add(int(json.loads(f.read_text())["pid"]))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
+COMM_BUFFER = "deepspeed_allreduce_buffer"
+
+
+def remove_comm_buffers(port: int) -> list[Path]:
+    """Removes what DeepSpeed's CPU comm op of the processes on ``port`` left in /dev/shm (its
+    ranks unlink their buffers once all are mapped, but a rank killed before that cannot)."""
+    gone = list(Path("/dev/shm").glob(f"{COMM_BUFFER}_{os.getuid()}_*_{port}_*"))
+    for f in gone:
+        f.unlink(missing_ok=True)
+    return gone
+
+
 def in_session(sid: int) -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter():

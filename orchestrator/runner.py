@@ -182,13 +182,13 @@ class Runner:
 
     # -- the loop ------------------------------------------------------------------------------
     def _loop(self, fresh: bool) -> None:
-        for stray in remove_stray_temporaries(self.run_dir):
-            self._event("stray_removed", path=str(stray))
         for phase_dir in sorted((self.run_dir / "phases").glob("phase-*")):
             (phase_dir / GO_FIFO).unlink(missing_ok=True)  # left by an orchestrator that was killed
             killed = procs.reap(phase_dir, None, grace=self.loaded.schedule.launch.grace_seconds)
             if killed:
                 self._event("killed", phase_dir=str(phase_dir), pids=killed)
+        for stray in remove_stray_temporaries(self.run_dir):  # once no process can still write them
+            self._event("stray_removed", path=str(stray))
         first = True
         pending: list[Group] = []  # pre-warmed groups of the next phases, in order
         finished: Group | None = None
@@ -372,6 +372,7 @@ class Runner:
             rc = self.groups.wait(proc, grace)
             self.groups.close_go(group)
         t_gone = time.time()
+        self.groups.clean_up(group)
         if killed:
             self._event("killed", phase=ph.index, pids=killed)
         group.pids = pids

@@ -46,6 +46,12 @@ def digest_file(path: Path, chunk: int = CHUNK) -> str:
     return _combine(digests)
 
 
+def digest_buffer(buf: memoryview, pool: ThreadPoolExecutor, chunk: int = CHUNK) -> str:
+    """The digest of bytes in memory (a mapped file), a chunk a thread."""
+    views = [buf[o:o + chunk] for o in range(0, max(len(buf), 1), chunk)]
+    return _combine(list(pool.map(lambda v: hashlib.sha256(v).digest(), views)))
+
+
 def chunk_pieces(buffers: list[memoryview], chunk: int = CHUNK) -> list[list[memoryview]]:
     """The byte stream ``buffers`` (concatenated) cut at multiples of ``chunk``, as slices."""
     chunks: list[list[memoryview]] = [[]]

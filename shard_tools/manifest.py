@@ -138,6 +138,19 @@ def remove_stray_temporaries(run_dir: Path) -> list[Path]:
     return gone
 
 
+def remove_temporaries_of(run_dir: Path, pids: set[int]) -> list[Path]:
+    """Removes the temporaries (``.tmp-<what>.<pid>[.<n>]``) of processes that are gone."""
+    gone = [p for p in stray_temporaries(run_dir) if _pid_of(p.name) in pids]
+    for p in gone:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return gone
+
+
+def _pid_of(name: str) -> int | None:
+    parts = name[len(TMP_PREFIX):].split(".")
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+
+
 def valid_checkpoints(run_dir: Path, *, checksums: bool = True) -> Iterator[tuple[Path, Manifest | None, list[str]]]:
     """(path, manifest or None, faults) for every checkpoint, newest first."""
     for ckpt in reversed(list_checkpoints(run_dir)):

@@ -1,0 +1,120 @@
+"""Checkpoint files made ahead of their write (PreparedFiles) and the parallel reader (read_into)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shard_tools.checkpoint import HEAD, LAYERS, STATE, PreparedFiles, load_tensors, read_into, write_checkpoint
+from shard_tools.manifest import CheckpointError, Manifest, list_checkpoints, verify_checkpoint
+
+
+def manifest(step: int) -> Manifest:
+    return Manifest(global_step=step, phase=0, layers=[1], phase_complete=True, head_step=step, body_step=step,
+                    world_size=1, zero_stage=2, dtype="float32", files={}, versions={}, created=0.0)
+
+
+def tensors(seed: int) -> dict[str, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        HEAD: {f"{k}/embed": torch.randn(300, 70, generator=g) for k in ("master", "exp_avg", "exp_avg_sq")}
+        | {"master/norm": torch.randn(70, generator=g), "master/empty": torch.empty(0, 3)},
+        LAYERS: {"layers.1.w": torch.randn(70, 70, generator=g)},
+        STATE: {"global_step": torch.tensor([5])},
+    }
+
+
+def layouts(files):
+    return {f: {n: (t.dtype, tuple(t.shape)) for n, t in files[f].items()} for f in (HEAD, LAYERS)}
+
+
+META = {LAYERS: {"layers": "1", "layers_prefix": "layers"}}
+
+
+def test_prepared_write_equals_plain_write(tmp_path):
+    files = tensors(0)
+    plain = write_checkpoint(tmp_path / "a", manifest(5), files, META)
+    prepared = PreparedFiles(tmp_path / "b", layouts(files), META)
+    assert prepared.dir.name.startswith(".tmp-prepared.")
+    # Half of the head goes in through its views (as the GPU gather does), the rest is copied.
+    for name, t in list(files[HEAD].items())[:2]:
+        prepared.views[HEAD][name].copy_(t)
+        files[HEAD][name] = prepared.views[HEAD][name]
+    fast = write_checkpoint(tmp_path / "b", manifest(5), files, META, prepared=prepared)
+    for f in (HEAD, LAYERS, STATE):
+        assert (plain / f).read_bytes() == (fast / f).read_bytes(), f
+    assert verify_checkpoint(fast) == []
+    assert not list((tmp_path / "b" / "checkpoints").glob(".tmp-*"))
+    assert (fast / HEAD).stat().st_mode & 0o777 == 0o600
+
+
+def test_prepared_files_a_write_does_not_take_are_dropped(tmp_path):
+    files = tensors(1)
+    prepared = PreparedFiles(tmp_path, layouts(files), META)
+    del files[LAYERS]
+    path = write_checkpoint(tmp_path, manifest(3), files, META, prepared=prepared)
+    assert sorted(p.name for p in path.iterdir()) == [HEAD, "manifest.json", STATE]
+    assert verify_checkpoint(path) == []
+
+
+def test_prepared_that_does_not_fit_is_discarded(tmp_path):
+    files = tensors(2)
+    prepared = PreparedFiles(tmp_path, layouts(tensors(2)), META)
+    files[HEAD]["master/norm"] = torch.zeros(71)  # another shape than prepared
+    files[LAYERS]["layers.1.w"] = torch.zeros(70, 70, dtype=torch.bfloat16)
+    path = write_checkpoint(tmp_path, manifest(4), files, META, prepared=prepared)
+    assert not prepared.dir.exists()
+    assert torch.equal(load_file(path / HEAD)["master/norm"], torch.zeros(71))
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000004"]
+
+
+def test_prepare_on_a_full_disk_is_an_error_not_a_crash(tmp_path):
+    # Files over 20 kB cannot grow: the prepared head (~250 kB) cannot be made; nothing is left.
+    code = f"""
+import resource, sys, torch
+sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parents[2])!r})
+resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+from shard_tools.checkpoint import PreparedFiles
+from shard_tools.manifest import CheckpointError
+try:
+    PreparedFiles(__import__('pathlib').Path({str(tmp_path)!r}), {{"head.safetensors": {{"x": (torch.float32, (300, 200))}}}})
+except CheckpointError as e:
+    print("refused:", e)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "refused:" in r.stdout and "could not prepare" in r.stdout
+    assert not list((tmp_path / "checkpoints").iterdir())
+
+
+def test_read_into_reads_what_was_written(tmp_path):
+    files = tensors(3)
+    path = write_checkpoint(tmp_path, manifest(1), files, META)
+    fresh = read_into(path / HEAD)
+    assert fresh.keys() == files[HEAD].keys()
+    assert all(torch.equal(fresh[k], files[HEAD][k]) for k in fresh)
+    buffers = {k: torch.zeros_like(t) for k, t in files[HEAD].items()}
+    got = read_into(path / HEAD, buffers)
+    assert got is buffers and all(torch.equal(buffers[k], files[HEAD][k]) for k in buffers)
+    assert load_tensors(path / LAYERS).keys() == read_into(path / LAYERS).keys()
+
+
+def test_read_into_names_a_damaged_or_unexpected_file(tmp_path):
+    files = tensors(4)
+    path = write_checkpoint(tmp_path, manifest(1), files, META)
+    head = path / HEAD
+    with pytest.raises(CheckpointError, match="does not hold the tensors expected"):
+        read_into(head, {"master/norm": torch.zeros(70)})
+    data = head.read_bytes()
+    head.write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match=f"{head}: truncated"):
+        read_into(head)
+    head.write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        read_into(head)
+    with pytest.raises(CheckpointError, match="missing"):
+        read_into(path / "nothing.safetensors")
