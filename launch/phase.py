@@ -28,6 +28,7 @@ from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.data import SampleOrder, load_examples, micro_batch
 from launch.scaler import restore_scaler, scaler_tensors
 from launch.spec import PhaseSpec
+from launch.staging import Staging
 from shard_tools.checkpoint import (
     BODY_OPTIM, HEAD, LAYERS, OPTIM_KEYS, STATE, PreparedFiles, flatten_optim_state, last_write_timing, layer_weights,
     load_tensors, optim_state, write_checkpoint,
@@ -138,17 +139,22 @@ class Phase:
         """Everything that does not depend on the predecessor's result: imports, process group,
         DeepSpeed's one-time costs, the model with every weight known before this phase starts."""
         spec = self.spec
+        if spec.prewarm:
+            self.records["background"] = procs.background(True)
         accel = get_accelerator()
         if accel.device_name() == "cuda":
             # Before the process group, so NCCL binds each rank to its own device.
             local = int(os.environ.get("LOCAL_RANK", 0))
             torch.cuda.set_device(local)
             self.device = torch.device("cuda", local)
+            self.staging: Staging | None = Staging(self.device)
         else:
             self.device = torch.device("cpu")
+            self.staging = None
         load_comm_ops()
         deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
         unlink_comm_buffers(self.rank)
+        self.records["t_group_ready"] = time.time()
         m = spec.model
         # Nothing in training draws random numbers today, but a phase's stream must not depend on
         # how its process was started (seeded again after the warm-up, which draws its own);
@@ -176,14 +182,21 @@ class Phase:
         self.delta: tuple[Path, str] | None = None
         """The checkpoint whose changes the host model holds, and its manifest's text."""
         self.head_buffers: dict[str, torch.Tensor] | None = None
+        self.records["t_model_ready"] = time.time()
         if spec.prewarm:
             self._warm_up()
+            self.records["t_warmed_up"] = time.time()
             # The predecessor's head state is read into these before the go: touched now, reading
-            # it then is a copy, not page faults.
+            # it then is a copy, not page faults. The head's weights get pages of their own too
+            # (a forked process shares the fork server's until it writes them).
             shapes = zero_state.full_shapes(list(model.named_parameters()))
             self.head_buffers = {f"{k}/{n}": torch.zeros(shapes[n]) for n in self.head_names for k in OPTIM_KEYS}
+            params = dict(model.named_parameters())
+            for n in self.head_names:
+                params[n].data = params[n].data.clone()
         torch.manual_seed(hash_seed(spec.seed, spec.phase, self.rank))
         self.prepared = self._prepare_files()
+        self.records["t_prepared"] = time.time()
 
     def _file_metadata(self) -> dict[str, dict[str, str]]:
         return {LAYERS: {"layers": ",".join(map(str, self.spec.layers)), "layers_prefix": self.layers_attr}}
@@ -269,11 +282,17 @@ class Phase:
 
         def read_early() -> None:
             if self.delta is None and (expected / MANIFEST).exists():
+                self._foreground()  # this process is next: on the critical path from here
                 self._read_delta(expected, early=True)
 
         go = procs.wait_for_go(Path(self.spec.go_fifo), read_early)
-        self.restore_path = go["restore"]
         self.records["t_go"] = time.time()
+        self._foreground()
+        self.restore_path = go["restore"]
+
+    def _foreground(self) -> None:
+        if self.records.get("background"):
+            self.records["background"] = not procs.background(False)
 
     def _read_delta(self, restore: Path, early: bool = False) -> None:
         """Puts into the host model what changed since the weights it holds: the layers trained
@@ -320,6 +339,8 @@ class Phase:
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.ds_config = deepspeed_config(spec, self.world, numel)
         self.gas = self.ds_config["gradient_accumulation_steps"]
+        if self.staging is not None and spec.zero_stage < 3:
+            self.staging.module_to_device(model)  # what deepspeed.initialize would do, at pinned speed
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
         named = dict(self.engine.module.named_parameters())
         self.head = [(n, named[n]) for n in self.head_names]
@@ -339,7 +360,7 @@ class Phase:
         body_step = m.body_step if same_phase else 0
         steps = [m.head_step if role in (HEAD_DECAY, HEAD_NO_DECAY) else body_step for role in self.roles]
         zero_state.materialise(self.engine, steps)
-        zero_state.set_state(self.head, self.head_state, with_moments=True)
+        zero_state.set_state(self.head, self.head_state, with_moments=True, staging=self.staging)
         body_masters = {n: self.trained[n] for n, _ in self.body if n in self.trained}
         if same_phase:
             body = optim_state(ckpt, BODY_OPTIM)
@@ -347,7 +368,7 @@ class Phase:
             zero_state.set_state(self.body, body, with_moments=True)
         else:
             fresh = [(n, p) for n, p in self.body if n in body_masters]
-            zero_state.set_state(fresh, {"master": body_masters}, with_moments=False)
+            zero_state.set_state(fresh, {"master": body_masters}, with_moments=False, staging=self.staging)
         zero_state.refresh_lp(self.engine)
         # The loss scale carries across phases like the head's state does.
         restore_scaler(getattr(self.engine.optimizer, "loss_scaler", None), load_tensors(ckpt / STATE))
@@ -459,13 +480,14 @@ class Phase:
         writer = self.rank == 0
         views = self.prepared.views if writer and self.prepared is not None else {}
         zero_state.relink(self.engine)
-        head = zero_state.get_state(self.head, into=views.get(HEAD), keep=writer)
+        head = zero_state.get_state(self.head, into=views.get(HEAD), keep=writer, staging=self.staging)
         steps = zero_state.group_steps(self.engine)
         into_layers = views.get(LAYERS, {})
         if phase_complete:
-            layers, body = zero_state.get_masters(self.body, into=into_layers, keep=writer), {}
+            layers, body = zero_state.get_masters(self.body, into=into_layers, keep=writer, staging=self.staging), {}
         else:
-            body = zero_state.get_state(self.body, into={f"master/{n}": t for n, t in into_layers.items()}, keep=writer)
+            body = zero_state.get_state(self.body, into={f"master/{n}": t for n, t in into_layers.items()}, keep=writer,
+                                        staging=self.staging)
             layers = body.pop("master", {})
         state = self._state_tensors()
         t_gathered = time.time()

@@ -90,6 +90,30 @@ def wait_for_go(fifo: Path, idle: Callable[[], None] = lambda: None, interval: f
     return json.loads(data.decode())
 
 
+BACKGROUND_NICE = 10
+
+
+def background(on: bool) -> bool:
+    """Lowers (``on``) or restores the CPU priority of every thread of this process; False where
+    it cannot be restored and so is not lowered (no CAP_SYS_NICE and RLIMIT_NICE below 20).
+
+    A pre-warmed phase prepares at nice 10, so that its CPU work yields to the processes on the
+    switch's critical path (the finished phase's write, the starting phase's load); at its go it
+    is back at the priority it had.
+    """
+    import resource
+
+    if not (os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20):
+        return False
+    value = BACKGROUND_NICE if on else 0
+    for tid in os.listdir("/proc/self/task"):  # Linux: niceness is per thread
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), value)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return True
+
+
 def report_error(phase_dir: Path, rank: int, error: BaseException) -> None:
     """Leaves the reason a rank failed where the orchestrator looks for it (errors/rank-N.txt)."""
     errors = phase_dir / "errors"

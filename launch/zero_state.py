@@ -14,6 +14,8 @@ from deepspeed.utils import (
 )
 from torch import nn
 
+from launch.staging import Staging
+
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -65,12 +67,15 @@ def group_steps(engine) -> dict[int, int]:
 KEYS = ("master", *MOMENTS)
 
 
-def _to_host(t: torch.Tensor, shape: torch.Size, out: torch.Tensor | None) -> torch.Tensor:
+def _to_host(t: torch.Tensor, shape: torch.Size, out: torch.Tensor | None, staging: Staging | None) -> torch.Tensor:
     """The fp32 full tensor on the host: copied into ``out`` where given (a prepared checkpoint
     file's view, so the copy from the device is the write), else a host tensor of its own."""
     t = t.detach().float().view(shape)
     if out is not None:
-        out.copy_(t)
+        if staging is not None and t.device.type == "cuda":
+            staging.to_host(t, out)
+        else:
+            out.copy_(t)
         return out
     return t if t.device.type == "cpu" else t.cpu()  # on the CPU the accessors return a fresh tensor
 
@@ -84,41 +89,45 @@ def full_shapes(named: list[tuple[str, nn.Parameter]]) -> dict[str, tuple[int, .
 
 
 def get_state(named: list[tuple[str, nn.Parameter]], into: dict[str, torch.Tensor] | None = None,
-              keep: bool = True) -> dict[str, dict[str, torch.Tensor]]:
+              keep: bool = True, staging: Staging | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """Full fp32 master weights and moments on the host, {key: {name: tensor}}. Collective: all
     ranks, same order. ``into``: host tensors by "key/name" to copy into; ``keep=False``: gather
     only, for ranks that write nothing (the result is empty)."""
     into = into or {}
     out: dict[str, dict[str, torch.Tensor]] = {
-        "master": get_masters(named, {n[len("master/"):]: t for n, t in into.items() if n.startswith("master/")}, keep),
+        "master": get_masters(named, {n[len("master/"):]: t for n, t in into.items() if n.startswith("master/")}, keep,
+                              staging),
         "exp_avg": {}, "exp_avg_sq": {}}
     for name, p in named:
         for key in MOMENTS:
             full = safe_get_full_optimizer_state(p, key)
             if keep:
-                out[key][name] = _to_host(full, _shape(p), into.get(f"{key}/{name}"))
+                out[key][name] = _to_host(full, _shape(p), into.get(f"{key}/{name}"), staging)
     return out if keep else {}
 
 
 def get_masters(named: list[tuple[str, nn.Parameter]], into: dict[str, torch.Tensor] | None = None,
-                keep: bool = True) -> dict[str, torch.Tensor]:
+                keep: bool = True, staging: Staging | None = None) -> dict[str, torch.Tensor]:
     into = into or {}
     out = {}
     for n, p in named:
         full = safe_get_full_fp32_param(p)
         if keep:
-            out[n] = _to_host(full, _shape(p), into.get(n))
+            out[n] = _to_host(full, _shape(p), into.get(n), staging)
     return out
 
 
-def set_state(named: list[tuple[str, nn.Parameter]], state: dict[str, dict[str, torch.Tensor]], with_moments: bool) -> None:
+def set_state(named: list[tuple[str, nn.Parameter]], state: dict[str, dict[str, torch.Tensor]], with_moments: bool,
+              staging: Staging | None = None) -> None:
     """Writes master weights (and moments) into the partitions. Collective: all ranks, same order."""
     for name, p in named:
-        device = p.device
-        safe_set_full_fp32_param(p, state["master"][name].to(device))
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return staging.to_device(t) if staging is not None and p.device.type == "cuda" else t.to(p.device)
+
+        safe_set_full_fp32_param(p, put(state["master"][name]))
         if with_moments:
             for key in MOMENTS:
-                safe_set_full_optimizer_state(p, state[key][name].to(device), key)
+                safe_set_full_optimizer_state(p, put(state[key][name]), key)
 
 
 def refresh_lp(engine) -> None:

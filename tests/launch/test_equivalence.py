@@ -9,6 +9,8 @@ Sensitivity of the setup (tiny Llama, lr 1e-3, 30 steps, fp32), measured by
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import psutil
 import pytest
@@ -102,3 +104,7 @@ def test_two_processes_match_reference(tmp_path, tiny_model, tiny_data, referenc
     forked = any(json.loads(x)["event"] == "zygote_started" for x in (run / "journal.jsonl").read_text().splitlines())
     assert forked == (launcher == "local")
     assert max_abs_diff(reference, composed(tiny_model, run)) <= TOL
+    # DeepSpeed's CPU comm op never unlinks its shared-memory buffers (69 MB a process): none is left.
+    ports = {json.loads(f.read_text())["master_port"] for f in run.glob("phases/*/spec.json")}
+    left = [p for port in ports for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")]
+    assert ports and not left

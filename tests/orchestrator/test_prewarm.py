@@ -96,3 +96,5 @@ def test_failed_phase_takes_its_successor_down(tmp_path, tiny_model, tiny_data):
         rec = json.loads(f.read_text())
         assert not psutil.pid_exists(rec["pid"]) or psutil.Process(rec["pid"]).create_time() != rec["create_time"]
     assert not list(run.glob("phases/*/go"))
+    # The killed writer's checkpoint folder and the successors' prepared files went with them.
+    assert not list((run / "checkpoints").glob(".tmp-*"))
