@@ -385,7 +385,7 @@ def table(result: dict) -> str:
     lines = [
         f"# Layer switch: {', '.join(names)} ({result['name']})", "",
         f"- date: {result['date']}",
-        f"- hardware: {result['hardware'].get('gpu') or 'no GPU'}; CPU {result['hardware']['cpu']} "
+        f"- hardware: {result['hardware'].get('gpu') or result['hardware'].get('gpu_nvml') or 'no GPU'}; CPU {result['hardware']['cpu']} "
         f"({result['hardware']['cpu_count']} cores); load average (1, 5, 15 min) at start "
         f"{fmt_load(result['load_average']['start'])}, at end {fmt_load(result['load_average'].get('end'))}",
         f"- {result['seconds_total']:.0f} s in all (making the base model, then the ways one after another)",

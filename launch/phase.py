@@ -243,7 +243,7 @@ class Phase:
         config.num_hidden_layers = 1
         if isinstance(getattr(config, "layer_types", None), list):
             config.layer_types = config.layer_types[:1]
-        engine = None
+        engine = batch = None
         try:
             with torch.device(self.device):
                 toy = type(self.model)(config).to(DTYPES[spec.model.dtype])
@@ -251,8 +251,9 @@ class Phase:
             if spec.model.gradient_checkpointing:
                 toy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             cfg = deepspeed_config(spec, self.world, sum(p.numel() for p in toy.parameters()))
-            engine, *_ = deepspeed.initialize(model=toy, optimizer=torch.optim.AdamW(toy.parameters(), lr=0.0),
-                                              config=cfg)
+            # Only the engine is kept: it holds the optimizer, and nothing else may (see finally).
+            engine = deepspeed.initialize(model=toy, optimizer=torch.optim.AdamW(toy.parameters(), lr=0.0),
+                                          config=cfg)[0]
             for micro in range(cfg["gradient_accumulation_steps"]):
                 batch = micro_batch(self.examples, self.order, spec.start_step, d.batch_size, micro, self.rank,
                                     self.world, d.micro_batch_size).to(self.device)
@@ -268,8 +269,8 @@ class Phase:
         finally:
             if engine is not None:
                 engine.destroy()
-            engine = toy = None
-            gc.collect()
+            engine = toy = batch = None
+            gc.collect()  # DeepSpeed's optimizer sits in reference cycles: without this its state stays
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()

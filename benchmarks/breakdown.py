@@ -1,0 +1,54 @@
+"""Where each relayer switch of a ``benchmarks/switch.py`` run went, from the phases' records.
+
+    python benchmarks/breakdown.py benchmarks/results/DATE-nvidia-h200/      # writes breakdown.md there
+
+Per switch k -> k+1, in the order they happen (seconds):
+
+- end: phase k's last step -> its processes gone (gather to the host, write, exit);
+- gone -> go read: the orchestrator's go, as read by phase k+1 (later when k+1 was still preparing,
+  or still reading phase k's checkpoint, which it starts at the commit);
+- engine: k+1 building its engine (weights to the device);
+- restore: injecting the head's optimizer state;
+- first: k+1's first step;
+- preparing: how many later phases were still preparing (warm-up etc.) during the switch;
+- overhead: as switch.py counts it (gap - one steady step).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def rows(result: dict) -> list[str]:
+    phases = result["phases"]
+    out = ["| switch | end | (gather | write) | gone -> go read | early read | engine | restore | first step "
+           "| preparing | overhead |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    overhead = {(s["from"], s["to"]): s["overhead_seconds"] for s in result["switches"]}
+    for a, b in zip(phases, phases[1:]):
+        t = lambda p, k: p.get(k) or 0.0  # noqa: E731
+        ck = (a.get("checkpoints") or [{}])[-1]
+        window = (t(a, "t_last_step_end"), t(b, "t_first_step_end"))
+        preparing = sum(1 for p in phases[b["phase"] + 1:]
+                        if p.get("t_prepared") and p["t_process_start"] < window[1] and p["t_prepared"] > window[0])
+        early = t(b, "t_early_read_end") - t(b, "t_early_read_start")
+        out.append(
+            f"| {a['phase']} -> {b['phase']} | {t(a, 't_gone') - t(a, 't_last_step_end'):.2f} "
+            f"| {ck.get('gather_seconds', 0):.2f} | {ck.get('write_seconds', 0):.2f} "
+            f"| {t(b, 't_go') - t(a, 't_gone'):.2f} | {f'{early:.2f}' if early else '-'} "
+            f"| {t(b, 't_engine_built') - t(b, 't_delta_loaded'):.2f} | {t(b, 't_restored') - t(b, 't_engine_built'):.2f} "
+            f"| {t(b, 't_first_step_end') - t(b, 't_restored'):.2f} | {preparing} "
+            f"| {overhead.get((a['phase'], b['phase']), float('nan')):.2f} |")
+    return out
+
+
+def main(folder: Path) -> None:
+    result = json.loads((folder / "results.json").read_text())["ways"]["relayer"]
+    lines = [f"# relayer's switches, piece by piece ({folder.name})", "", *rows(result), ""]
+    (folder / "breakdown.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
