@@ -20,6 +20,8 @@ Writes exit_write.json and exit_write.md into --out.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import hashlib
 import json
 import mmap
 import os
@@ -32,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from shard_tools import digest  # noqa: E402
 HEAD_BYTES = 131_074_048 * 12  # embed + lm_head + norm of TinyLlama-1.1B: fp32 master, exp_avg, exp_avg_sq
 
 CHILD = r"""
@@ -79,22 +83,7 @@ def exit_cost(cfg: dict, repeat: int) -> dict:
             "exit_seconds_median": statistics.median(r["exit_seconds"] for r in runs)}
 
 
-def _hash_chunks(buf, size: int, pool: ThreadPoolExecutor) -> str:
-    sys.path.insert(0, str(ROOT))
-    from shard_tools import digest
-
-    views = [memoryview(buf)[o:o + digest.CHUNK] for o in range(0, size, digest.CHUNK)]
-    import hashlib
-
-    return digest._combine(list(pool.map(lambda v: hashlib.sha256(v).digest(), views)))
-
-
 def write_ways(directory: Path, torch, repeat: int) -> list[dict]:
-    sys.path.insert(0, str(ROOT))
-    import ctypes
-
-    from shard_tools import digest
-
     n = HEAD_BYTES
     dev = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
     pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
@@ -138,8 +127,6 @@ def write_ways(directory: Path, torch, repeat: int) -> list[dict]:
         def piece(o):
             length = min(digest.CHUNK, n - o)
             ctypes.memmove(dst + o, src + o, length)
-            import hashlib
-
             return hashlib.sha256(memoryview(mm)[o:o + length]).digest()
 
         with ThreadPoolExecutor(digest.THREADS) as pool:
@@ -158,7 +145,7 @@ def write_ways(directory: Path, torch, repeat: int) -> list[dict]:
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         with ThreadPoolExecutor(digest.THREADS) as pool:
-            _hash_chunks(mm, n, pool)
+            digest.digest_buffer(memoryview(mm), pool)
         t2 = time.perf_counter()
         mm.close()
         return {"d2h_seconds": t1 - t0, "hash_seconds": t2 - t1}

@@ -328,7 +328,6 @@ class Phase:
                 raise RuntimeError(f"the go names {restore}, but {self.delta[0]} was read before it")
             if self.delta is None:
                 self._read_delta(restore)
-            self.records["read_before_go"] = self.records.get("t_early_read_end") is not None
         self.records["t_delta_loaded"] = time.time()
         model = self.model
         trainable = set(self.head_names) | set(self.body_names)

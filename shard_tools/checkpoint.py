@@ -185,8 +185,12 @@ class PreparedFiles:
                 views[name].copy_(t)
         return digest.digest_buffer(memoryview(self.maps[file]), pool)
 
+    def release(self) -> None:
+        """Drops the views: the mappings go with the last tensor over them."""
+        self.views, self.maps = {}, {}
+
     def discard(self) -> None:
-        self.views, self.maps = {}, {}  # the mappings go with the last tensor over them
+        self.release()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -249,7 +253,7 @@ def _write_files(tmp: Path, manifest: Manifest, files: dict[str, dict[str, torch
     if prepared is not None:
         for unused in set(prepared.views) - set(files):
             (tmp / unused).unlink()
-        prepared.views, prepared.maps = {}, {}
+        prepared.release()
     manifest.files = entries
     manifest.created = time.time()
     with open(tmp / MANIFEST, "w") as f:
