@@ -16,7 +16,7 @@ from rich.table import Table
 
 from orchestrator.errors import ScheduleError
 from orchestrator.estimate import PlanEstimate, format_bytes
-from orchestrator.journal import read_journal
+from orchestrator.journal import JsonlTail, read_journal
 from orchestrator.schedule import LoadedSchedule, Phase, plan_phases
 
 # Off a terminal, lines are logs: never wrap them (rich would at 80 columns).
@@ -88,25 +88,12 @@ class Display:
             self._progress.console.print(text()) if self.live else console.print(text(), highlight=False)
 
     def progress(self, run_dir: Path, phase: Phase, start_step: int) -> Callable[[], None]:
-        metrics = run_dir / "metrics.jsonl"
-        offset = metrics.stat().st_size if metrics.exists() else 0
+        metrics = JsonlTail(run_dir / "metrics.jsonl")
         self._progress.update(self._task, completed=start_step,
                               description=f"phase {phase.index} layers {list(phase.layers)}")
 
         def tick() -> None:
-            nonlocal offset
-            if not metrics.exists():
-                return
-            with open(metrics) as f:
-                f.seek(offset)
-                chunk = f.read()
-            lines = chunk.split("\n")
-            offset += len(chunk) - len(lines[-1])
-            for line in lines[:-1]:
-                try:
-                    m = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
+            for m in metrics.new():
                 if "eval_loss" in m:
                     self._progress.console.print(f"step {m['step']}: eval loss {m['eval_loss']:.4f}", highlight=False)
                     continue

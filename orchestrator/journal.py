@@ -38,3 +38,29 @@ def read_journal(run_dir: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return events
+
+
+class JsonlTail:
+    """What is appended to a JSON-lines file from now on, read incrementally: whole lines only (a
+    line still being written waits for the next read), unparsable ones skipped."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.offset = self.path.stat().st_size if self.path.exists() else 0
+
+    def new(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        whole = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(whole)
+        out = []
+        for line in whole.splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out

@@ -87,7 +87,7 @@ def signal_all(procs: list[psutil.Process], sig: int) -> None:
 
 
 def reap(phase_dir: Path, session: int | None, grace: float) -> list[int]:
-    """SIGTERM, up to ``grace`` seconds, SIGKILL; returns the pids that had to be stopped.
+    """SIGTERM (and SIGCONT), up to ``grace`` seconds, SIGKILL; returns the pids that had to be stopped.
 
     Raises RuntimeError if any process is still alive after SIGKILL (it would hold device memory).
     """
@@ -96,6 +96,7 @@ def reap(phase_dir: Path, session: int | None, grace: float) -> list[int]:
         return []
     stopped = [p.pid for p in procs]
     signal_all(procs, signal.SIGTERM)
+    signal_all(procs, signal.SIGCONT)  # a paused process (orchestrator.quiet) acts on SIGTERM only once continued
     _, alive = psutil.wait_procs(procs, timeout=grace)
     signal_all(alive, signal.SIGKILL)
     _, alive = psutil.wait_procs(alive, timeout=10)

@@ -21,7 +21,8 @@ import psutil
 from orchestrator import devmem, procs
 from orchestrator.groups import GO_FIFO, Group, PhaseProcesses, Work
 from orchestrator.errors import PhaseFailed, Preempted, RelayerError, RunLocked, ScheduleError
-from orchestrator.journal import Journal
+from orchestrator.journal import Journal, JsonlTail
+from orchestrator.quiet import Pauser
 from orchestrator.schedule import LoadedSchedule, Phase, check_batch, plan_phases, validate_schedule
 from shard_tools.manifest import (
     CheckpointError, Manifest, layer_sources, list_checkpoints, make_durable, needed_by, newest_valid, read_manifest,
@@ -111,6 +112,7 @@ class Runner:
         self.verified: set[Path] = set()
         self.live_pending: list[Group] = []
         self.groups = PhaseProcesses(self.run_dir, loaded.schedule.launch, self._event)
+        self.pauser = Pauser(loaded.schedule.launch.pause_preparing_seconds, self._event)
 
     # -- entry ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -204,24 +206,32 @@ class Runner:
                                 checkpoint=str(ckpt) if ckpt else None, pid=os.getpid())
                 first = False
             if work is None:
-                self.groups.abort(pending)
+                self._abort(pending)
                 self._after_switch(finished, None)
                 self._event("run_done", step=self.phases[-1].end_step)
                 return
             if self.stop_signal is not None:
-                self.groups.abort(pending)
+                self._abort(pending)
                 self._after_switch(finished, None)
                 self._event("preempted", step=work.start_step, signal=self.stop_signal)
                 raise Preempted(f"stopped by signal {self.stop_signal} before phase {work.phase.index}; run again to resume")
             current = self._take(pending, work)
             self._after_switch(finished, current)
-            self._prewarm_ahead(pending, work)
+            ahead = lambda: self._prewarm_ahead(pending, work)  # noqa: E731 (bound to this work)
+            if not (current.prewarmed and pending and self.pauser.limit > 0):
+                ahead()
+                ahead = None
+            # else: started once the switch is over (a start would slow it as much as a preparation)
             try:
-                self._supervise(current, pending)
+                self._supervise(current, pending, ahead)
             except BaseException:
-                self.groups.abort(pending)  # already done, unless this process itself failed
+                self._abort(pending)  # already done, unless this process itself failed
                 raise
             finished = current
+
+    def _abort(self, pending: list[Group]) -> None:
+        self.pauser.resume("aborted", pending)
+        self.groups.abort(pending)
 
     def _after_switch(self, finished: Group | None, current: Group | None) -> None:
         """What can wait until the next phase has its go: the finished phase's device check (NVML
@@ -251,7 +261,7 @@ class Runner:
                 first.prewarmed = True
                 return first
             self._event("prewarm_unused", phase=first.work.phase.index, rc=first.proc.poll())
-            self.groups.abort(pending)
+            self._abort(pending)
         return self._spawn(work, prewarm=False)
 
     def _prewarm_ahead(self, pending: list[Group], work: Work) -> None:
@@ -271,6 +281,7 @@ class Runner:
             if nxt is None:
                 return
             pending.append(self._spawn(Work(nxt, nxt.start_step, work.restore), prewarm=True))
+            self._event("prewarm_started", phase=nxt.index)
             last = nxt
 
     def _restore_point(self) -> tuple[Path | None, Manifest | None]:
@@ -334,11 +345,19 @@ class Runner:
         phase_dir = self.groups.phase_dir(work.phase)
         return self.groups.spawn(work, phase_dir, self._spec(work, phase_dir), prewarm)
 
-    def _supervise(self, group: Group, pending: list[Group]) -> None:
+    def _supervise(self, group: Group, pending: list[Group], ahead: Callable[[], None] | None = None) -> None:
         """Waits for a phase's group, makes sure all of it is gone, and judges the result; the
-        pre-warmed successors go down with a phase that failed or stopped."""
+        pre-warmed successors go down with a phase that failed or stopped.
+
+        Keeps switches quiet (``orchestrator.quiet``): pauses the successors after the next from
+        this phase's last step on, lets the paused ones go on once this phase has done its first
+        step, and only then calls ``ahead`` (which starts the phases further ahead)."""
         work, ph, phase_dir, proc = group.work, group.work.phase, group.phase_dir, group.proc
         grace = self.loaded.schedule.launch.grace_seconds
+        steps = JsonlTail(self.run_dir / "metrics.jsonl")
+        done = work.start_step  # the global step this phase's rank 0 has logged last
+        switching = ahead is not None or self.pauser.active  # until this phase's first step is done
+        paused_here = False
         self._event("phase_started", phase=ph.index, start_step=work.start_step, end_step=ph.end_step,
                     layers=list(ph.layers), nproc=ph.nproc, pid=proc.pid,
                     restore=str(work.restore) if work.restore else None, prewarmed=group.prewarmed)
@@ -348,6 +367,18 @@ class Runner:
         try:
             while proc.poll() is None:
                 tick()
+                done = max([done, *(m["step"] for m in steps.new() if m.get("phase") == ph.index and "loss" in m)])
+                late = time.time() - group.t_start > self.pauser.limit
+                if switching and (done > work.start_step or late):
+                    switching = False
+                    self.pauser.resume("limit" if done == work.start_step else "first_step")
+                    if ahead is not None:
+                        ahead()
+                if self.pauser.overdue():
+                    self.pauser.resume("limit")
+                if not switching and not paused_here and done >= ph.end_step - 1:
+                    self.pauser.pause(pending[1:])
+                    paused_here = True
                 if self.stop_signal is not None:
                     if forwarded_at is None:
                         forwarded_at = time.time()
@@ -371,6 +402,7 @@ class Runner:
                 proc.kill()
             rc = self.groups.wait(proc, grace)
             self.groups.close_go(group)
+            self.pauser.resume("its_turn", pending[:1])  # the next phase is never kept paused
         t_gone = time.time()
         self.groups.clean_up(group)
         if killed:
@@ -383,7 +415,7 @@ class Runner:
             self.verified.add(end)
             group.records, group.end = records, end
             return
-        self.groups.abort(pending)
+        self._abort(pending)
         if self.stop_signal is not None:
             _, manifest, _ = newest_valid(self.run_dir, checksums=False)
             step = manifest.global_step if manifest else 0

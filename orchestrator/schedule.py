@@ -196,9 +196,12 @@ class LaunchSection(Section):
     """Start each phase's processes while earlier ones train, to hide imports and setup."""
     prewarm_depth: PositiveInt = 2
     """How many phases ahead to start: more where a phase trains for less time than a start takes
-    (each waiting phase holds a CUDA context and a pinned host copy of the model)."""
+    (each waiting phase holds a CUDA context and a host copy of the model)."""
+    pause_preparing_seconds: Annotated[float, Field(ge=0)] = 30.0
+    """While a phase switches (from the finished phase's last step to the next one's first), the
+    phases still preparing further ahead are paused (SIGSTOP), for at most this long; 0: never."""
 
-    @field_validator("grace_seconds", mode="before")
+    @field_validator("grace_seconds", "pause_preparing_seconds", mode="before")
     @classmethod
     def _int_is_float(cls, v: Any) -> Any:
         return float(v) if isinstance(v, int) and not isinstance(v, bool) else v

@@ -25,10 +25,15 @@ def events(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "journal.jsonl").read_text().splitlines()]
 
 
-def run_six(tmp: Path, model: Path, data: Path, prewarm: bool, env: dict | None = None) -> subprocess.CompletedProcess:
-    sched = write_schedule(tmp / "s.toml", schedule_dict(model, data, schedule={"phases": SIX},
-                                                          launch={"prewarm": prewarm}))
-    return cli("orchestrator", "run", str(sched), env={**os.environ, **(env or {})})
+def six(tmp: Path, model: Path, data: Path, **launch) -> Path:
+    return write_schedule(tmp / "s.toml", schedule_dict(model, data, schedule={"phases": SIX},
+                                                        launch={"grace_seconds": 10, **launch}))
+
+
+def run_six(tmp: Path, model: Path, data: Path, prewarm: bool, env: dict | None = None,
+            **launch) -> subprocess.CompletedProcess:
+    return cli("orchestrator", "run", str(six(tmp, model, data, prewarm=prewarm, **launch)),
+               env={**os.environ, **(env or {})})
 
 
 def finished_six(tmp: Path, model: Path, data: Path, prewarm: bool) -> Path:
@@ -64,10 +69,29 @@ def test_successor_trains_only_after_its_predecessor_is_gone(warm):
     assert not list(warm.glob("phases/*/go"))
 
 
+def start_six(tmp: Path, model: Path, data: Path, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([str(Path(sys.executable).parent / "orchestrator"), "run", str(six(tmp, model, data))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+
+
+def all_gone(run: Path, timeout: float = 10) -> bool:
+    """Every process the run's phases ever recorded is gone (or its pid reused) within ``timeout``."""
+    live = []
+    for f in (run / "phases").glob("*/pids/*.json"):
+        rec = json.loads(f.read_text())
+        try:
+            p = psutil.Process(rec["pid"])
+            if abs(p.create_time() - rec["create_time"]) < 0.01:
+                live.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(live, timeout=timeout)
+    return not alive
+
+
 def test_go_channel_is_a_private_fifo(tmp_path, tiny_model, tiny_data):
-    sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data, schedule={"phases": SIX}))
-    orch = subprocess.Popen([str(Path(sys.executable).parent / "orchestrator"), "run", str(sched)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    orch = start_six(tmp_path, tiny_model, tiny_data)
     fifo = tmp_path / "run" / "phases" / "phase-0001" / "go"
     try:
         deadline = time.time() + 120
@@ -81,9 +105,7 @@ def test_go_channel_is_a_private_fifo(tmp_path, tiny_model, tiny_data):
         orch.kill()
         orch.wait()
     # SIGKILLed orchestrator: its successors see EOF on the FIFO (or their watchdog fires) and go.
-    pids = [json.loads(f.read_text()) for f in (tmp_path / "run" / "phases").glob("*/pids/*.json")]
-    gone, alive = psutil.wait_procs([psutil.Process(p["pid"]) for p in pids if psutil.pid_exists(p["pid"])], timeout=10)
-    assert not alive
+    assert all_gone(tmp_path / "run")
 
 
 def test_failed_phase_takes_its_successor_down(tmp_path, tiny_model, tiny_data):
@@ -92,9 +114,64 @@ def test_failed_phase_takes_its_successor_down(tmp_path, tiny_model, tiny_data):
     run = tmp_path / "run"
     ev = events(run)
     assert any(e["event"] == "successor_stopped" and e["phase"] == 1 for e in ev)
-    for f in (run / "phases").glob("*/pids/*.json"):
-        rec = json.loads(f.read_text())
-        assert not psutil.pid_exists(rec["pid"]) or psutil.Process(rec["pid"]).create_time() != rec["create_time"]
+    # Phase 2 was paused for the switch (from phase 0's last step): taken down all the same.
+    assert [e["phases"] for e in ev if e["event"] == "preparing_paused"] == [[2]]
+    assert [(e["phases"], e["reason"]) for e in ev if e["event"] == "preparing_resumed"] == [([2], "aborted")]
+    assert all_gone(run, timeout=0)
     assert not list(run.glob("phases/*/go"))
     # The killed writer's checkpoint folder and the successors' prepared files went with them.
     assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+def test_switches_are_quiet(warm):
+    """Phases further ahead than the next are paused from a phase's last step until the next phase
+    has done its first step, and later phases start only then."""
+    ev = events(warm)
+    done = {e["phase"]: e["records"] for e in ev if e["event"] == "phase_done"}
+    paused = [e for e in ev if e["event"] == "preparing_paused"]
+    resumed = [e for e in ev if e["event"] == "preparing_resumed"]
+    assert [e["phases"] for e in paused] == [[2], [3], [4], [5]]  # the sixth has none beyond the next
+    assert [(e["phases"], e["reason"]) for e in resumed] == [(p["phases"], "first_step") for p in paused]
+    for k, (p, r) in enumerate(zip(paused, resumed)):
+        assert done[k]["t_first_step_end"] < p["time"] < done[k]["t_gone"] < done[k + 1]["t_go"]
+        assert r["time"] >= done[k + 1]["t_first_step_end"]
+    started = {e["phase"]: e["time"] for e in ev if e["event"] == "prewarm_started"}
+    assert sorted(started) == [1, 2, 3, 4, 5]
+    for j in range(3, 6):  # started once the switch into phase j - 2 was over
+        assert started[j] > done[j - 2]["t_first_step_end"]
+
+
+def test_paused_phases_are_stopped_and_die_with_the_orchestrator(tmp_path, tiny_model, tiny_data):
+    # Each pre-warmed phase starts its first step 5 s late: a long switch, paused throughout.
+    orch = start_six(tmp_path, tiny_model, tiny_data, env={"RELAYER_TEST_HOLD_FIRST_STEP": "5"})
+    run = tmp_path / "run"
+    try:
+        deadline = time.time() + 180
+        while not (paused := [e for e in (events(run) if (run / "journal.jsonl").exists() else [])
+                              if e["event"] == "preparing_paused"]):
+            assert time.time() < deadline and orch.poll() is None, "nothing was paused"
+            time.sleep(0.02)
+        pids = paused[0]["pids"]
+        assert pids and paused[0]["phases"] == [2]
+        statuses = set()
+        for _ in range(50):  # SIGSTOP takes effect asynchronously, within milliseconds
+            statuses = {psutil.Process(p).status() for p in pids}
+            if statuses == {psutil.STATUS_STOPPED}:
+                break
+            time.sleep(0.01)
+        assert statuses == {psutil.STATUS_STOPPED}
+    finally:
+        orch.kill()
+        orch.wait()
+    # A stopped process notices nothing, so its parent's death signal (SIGKILL) ends it.
+    assert all_gone(run)
+
+
+def test_pause_has_a_time_limit(tmp_path, tiny_model, tiny_data, cold):
+    r = run_six(tmp_path, tiny_model, tiny_data, prewarm=True, env={"RELAYER_TEST_HOLD_FIRST_STEP": "2"},
+                pause_preparing_seconds=0.5)
+    assert r.returncode == 0, r.stderr
+    resumed = [e for e in events(tmp_path / "run") if e["event"] == "preparing_resumed"]
+    assert len(resumed) == 4 and {e["reason"] for e in resumed} == {"limit"}
+    assert all(0.5 <= e["seconds"] < 2 for e in resumed)
+    assert bitwise_equal(composed(tiny_model, cold), composed(tiny_model, tmp_path / "run"))

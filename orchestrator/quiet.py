@@ -1,0 +1,73 @@
+"""Quiet switches: the phases still preparing further ahead are paused while a phase switches.
+
+A pre-warmed phase prepares for seconds (device context, process group, a warm-up step), so with
+short phases several prepare at once, and they share the device and the host with the switch: on
+the H200 every piece of a switch they overlapped took three times as long (the finished phase's
+gather, the next phase's engine build; ``benchmarks/results/2026-11-29-nvidia-h200-v3``). Lowering
+their CPU priority changed nothing. So the orchestrator stops their ranks (SIGSTOP) from the
+running phase's last step until the next phase has finished its first step, and lets them go on
+(SIGCONT) then, or after ``launch.pause_preparing_seconds`` whatever happens (a paused process
+might hold something the switch waits for). The next phase itself is never paused.
+
+A paused process cannot notice anything, so nothing relies on it to: SIGKILL ends it where it
+stands (its parent's death signal when the orchestrator dies; ``procs.reap``, which also sends
+SIGCONT after SIGTERM so that a paused process can act on it).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Callable
+
+import psutil
+
+from orchestrator import procs
+from orchestrator.groups import Group
+
+
+class Pauser:
+    """The groups paused for the switch under way; at most one pause at a time."""
+
+    def __init__(self, limit: float, event: Callable[..., None]):
+        self.limit, self.event = limit, event
+        self.paused: dict[int, tuple[Group, list[psutil.Process]]] = {}
+        """Paused groups by phase index, with the ranks that were sent SIGSTOP."""
+        self.since: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.since is not None
+
+    def overdue(self) -> bool:
+        return self.since is not None and time.time() - self.since > self.limit
+
+    def is_paused(self, group: Group) -> bool:
+        return self.paused.get(group.work.phase.index, (None,))[0] is group
+
+    def pause(self, groups: list[Group]) -> None:
+        if self.limit <= 0 or self.active:
+            return
+        for g in groups:
+            ranks = procs.recorded(g.phase_dir, "rank-")
+            if g.proc.poll() is None and ranks:
+                procs.signal_all(ranks, signal.SIGSTOP)
+                self.paused[g.work.phase.index] = (g, ranks)
+        if self.paused:
+            self.since = time.time()
+            self.event("preparing_paused", phases=sorted(self.paused),
+                       pids=sorted(p.pid for _, ranks in self.paused.values() for p in ranks))
+
+    def resume(self, reason: str, groups: list[Group] | None = None) -> None:
+        """SIGCONT to ``groups`` (every paused one if None): the ranks stopped, and any recorded
+        since (a rank the fork server forked after the pause is not stopped, but harmless)."""
+        chosen = [i for i, (g, _) in self.paused.items() if groups is None or any(g is x for x in groups)]
+        if not chosen:
+            return
+        for i in chosen:
+            g, ranks = self.paused.pop(i)
+            procs.signal_all(ranks + procs.recorded(g.phase_dir, "rank-"), signal.SIGCONT)
+        seconds = time.time() - self.since
+        if not self.paused:
+            self.since = None
+        self.event("preparing_resumed", phases=sorted(chosen), reason=reason, seconds=round(seconds, 4))
