@@ -11,6 +11,7 @@ Per switch k -> k+1, in the order they happen (seconds):
 - restore: injecting the head's optimizer state;
 - first: k+1's first step;
 - preparing: how many later phases were still preparing (warm-up etc.) during the switch;
+- paused: how many of the later phases the orchestrator paused for the switch (``orchestrator.quiet``);
 - overhead: as switch.py counts it (gap - one steady step).
 """
 
@@ -24,7 +25,9 @@ from pathlib import Path
 def rows(result: dict) -> list[str]:
     phases = result["phases"]
     out = ["| switch | end | (gather | write) | gone -> go read | early read | engine | restore | first step "
-           "| preparing | overhead |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| preparing | paused | overhead |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    pauses = [e for e in result.get("journal", []) if e["event"] == "preparing_paused"]
     overhead = {(s["from"], s["to"]): s["overhead_seconds"] for s in result["switches"]}
     for a, b in zip(phases, phases[1:]):
         t = lambda p, k: p.get(k) or 0.0  # noqa: E731
@@ -33,12 +36,13 @@ def rows(result: dict) -> list[str]:
         preparing = sum(1 for p in phases[b["phase"] + 1:]
                         if p.get("t_prepared") and p["t_process_start"] < window[1] and p["t_prepared"] > window[0])
         early = t(b, "t_early_read_end") - t(b, "t_early_read_start")
+        paused = sum(len(e["phases"]) for e in pauses if t(a, "t_first_step_end") < e["time"] < t(a, "t_gone"))
         out.append(
             f"| {a['phase']} -> {b['phase']} | {t(a, 't_gone') - t(a, 't_last_step_end'):.2f} "
             f"| {ck.get('gather_seconds', 0):.2f} | {ck.get('write_seconds', 0):.2f} "
             f"| {t(b, 't_go') - t(a, 't_gone'):.2f} | {f'{early:.2f}' if early else '-'} "
             f"| {t(b, 't_engine_built') - t(b, 't_delta_loaded'):.2f} | {t(b, 't_restored') - t(b, 't_engine_built'):.2f} "
-            f"| {t(b, 't_first_step_end') - t(b, 't_restored'):.2f} | {preparing} "
+            f"| {t(b, 't_first_step_end') - t(b, 't_restored'):.2f} | {preparing} | {paused} "
             f"| {overhead.get((a['phase'], b['phase']), float('nan')):.2f} |")
     return out
 

@@ -173,7 +173,9 @@ def write_schedule(path: Path, setup: dict) -> None:
         "lr_schedule": {"kind": "constant"},
         "schedule": {"phases": setup["phases"]},
         "deepspeed": {"zero_stage": setup["zero_stage"]},
-        "launch": {"launcher": "local", "nproc": 1, "prewarm_depth": setup["prewarm_depth"]},
+        "launch": {"launcher": "local", "nproc": 1, "prewarm_depth": setup["prewarm_depth"],
+                   **({} if setup["pause_preparing_seconds"] is None
+                      else {"pause_preparing_seconds": setup["pause_preparing_seconds"]})},
         "checkpoint": {"every_steps": 0, "keep_last": 2},
     }
     text = "".join(f"[{name}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in body.items()) + "\n"
@@ -506,6 +508,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--zero-stage", type=int, default=2, choices=(1, 2))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prewarm-depth", type=int, default=2, help="relayer's [launch] prewarm_depth")
+    ap.add_argument("--pause-preparing-seconds", type=float,
+                    help="relayer's [launch] pause_preparing_seconds (default: relayer's; 0 turns pausing off)")
     args = ap.parse_args(argv)
     bad = [w for w in args.ways.split(",") if w not in WAYS]
     if bad or not args.ways:
@@ -542,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed, "model_config": shape["model"], "model_dir": str(work / "model"),
         "data_path": str(work / "train.jsonl"), "work_dir": str(work), "setup_path": str(work / "setup.json"),
         "dtype": "bfloat16" if cuda else "float32", "zero_stage": args.zero_stage, "prewarm_depth": args.prewarm_depth,
+        "pause_preparing_seconds": args.pause_preparing_seconds,
         "seq_len": shape["seq_len"], "batch_size": shape["batch_size"], "micro_batch_size": shape["micro_batch_size"],
         "lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "grad_clip": 1.0,
         "phases": [{"steps": steps, "layers": [k % layers]} for k in range(n_phases)],
@@ -552,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
         # Other work on a shared machine shows in every timing; this says how busy it was.
         "load_average": {"start": os.getloadavg()},
         "shape": {"name": shape_name, **{k: setup[k] for k in ("dtype", "zero_stage", "seq_len", "batch_size",
-                                                                 "micro_batch_size", "lr", "phases")},
+                                                                 "micro_batch_size", "lr", "phases", "prewarm_depth",
+                                                                 "pause_preparing_seconds")},
                   "model": shape["model"]},
         "ways": {},
     }
