@@ -181,16 +181,12 @@ class Phase:
         self.restored: Manifest | None = None
         self.delta: tuple[Path, str] | None = None
         """The checkpoint whose changes the host model holds, and its manifest's text."""
-        self.head_buffers: dict[str, torch.Tensor] | None = None
         self.records["t_model_ready"] = time.time()
         if spec.prewarm:
             self._warm_up()
             self.records["t_warmed_up"] = time.time()
-            # The predecessor's head state is read into these before the go: touched now, reading
-            # it then is a copy, not page faults. The head's weights get pages of their own too
-            # (a forked process shares the fork server's until it writes them).
-            shapes = zero_state.full_shapes(list(model.named_parameters()))
-            self.head_buffers = {f"{k}/{n}": torch.zeros(shapes[n]) for n in self.head_names for k in OPTIM_KEYS}
+            # The head's weights get pages of their own now (a forked process shares the fork
+            # server's until it writes them), not when the predecessor's are put in them.
             params = dict(model.named_parameters())
             for n in self.head_names:
                 params[n].data = params[n].data.clone()
@@ -306,7 +302,7 @@ class Phase:
                 return  # an older checkpoint at that step (damaged, being replaced): not the predecessor's
             sources = layer_sources(self.run_dir, restore)
             self._overlay(layer_weights({l: s for l, s in sources.items() if self.preloaded.get(l) != s}))
-            self.head_state = optim_state(restore, HEAD, into=self.head_buffers)
+            self.head_state = optim_state(restore, HEAD, mapped=True)  # its pages, as its writer left them
             self._overlay(self.head_state["master"])
         except (OSError, CheckpointError):
             if not early:
@@ -374,7 +370,7 @@ class Phase:
         restore_scaler(getattr(self.engine.optimizer, "loss_scaler", None), load_tensors(ckpt / STATE))
         if same_phase:
             self._restore_rng(ckpt)
-        self.head_state = self.head_buffers = None  # on the device now; the host copies can go
+        self.head_state = None  # on the device now; the host copies can go
         self.trained = {}
         self.records["t_restored"] = time.time()
 

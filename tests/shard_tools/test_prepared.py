@@ -1,4 +1,4 @@
-"""Checkpoint files made ahead of their write (PreparedFiles) and the parallel reader (read_into)."""
+"""Checkpoint files made ahead of their write (PreparedFiles) and the mapping reader (map_tensors)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shard_tools.checkpoint import HEAD, LAYERS, STATE, PreparedFiles, load_tensors, read_into, write_checkpoint
+from shard_tools.checkpoint import HEAD, LAYERS, STATE, PreparedFiles, load_tensors, map_tensors, write_checkpoint
 from shard_tools.manifest import CheckpointError, Manifest, list_checkpoints, verify_checkpoint
 
 
@@ -91,30 +91,29 @@ except CheckpointError as e:
     assert not list((tmp_path / "checkpoints").iterdir())
 
 
-def test_read_into_reads_what_was_written(tmp_path):
+def test_map_tensors_reads_what_was_written_and_never_writes_the_file(tmp_path):
     files = tensors(3)
     path = write_checkpoint(tmp_path, manifest(1), files, META)
-    fresh = read_into(path / HEAD)
-    assert fresh.keys() == files[HEAD].keys()
-    assert all(torch.equal(fresh[k], files[HEAD][k]) for k in fresh)
-    buffers = {k: torch.zeros_like(t) for k, t in files[HEAD].items()}
-    got = read_into(path / HEAD, buffers)
-    assert got is buffers and all(torch.equal(buffers[k], files[HEAD][k]) for k in buffers)
-    assert load_tensors(path / LAYERS).keys() == read_into(path / LAYERS).keys()
+    before = (path / HEAD).read_bytes()
+    mapped = map_tensors(path / HEAD)
+    assert mapped.keys() == files[HEAD].keys()
+    assert all(torch.equal(mapped[k], files[HEAD][k]) for k in mapped)
+    for t in mapped.values():  # a private mapping: what a reader changes stays its own
+        t.add_(1.0)
+    assert (path / HEAD).read_bytes() == before
+    assert load_tensors(path / LAYERS).keys() == map_tensors(path / LAYERS).keys()
 
 
-def test_read_into_names_a_damaged_or_unexpected_file(tmp_path):
+def test_map_tensors_names_a_damaged_file(tmp_path):
     files = tensors(4)
     path = write_checkpoint(tmp_path, manifest(1), files, META)
     head = path / HEAD
-    with pytest.raises(CheckpointError, match="does not hold the tensors expected"):
-        read_into(head, {"master/norm": torch.zeros(70)})
     data = head.read_bytes()
     head.write_bytes(data[:-100])
     with pytest.raises(CheckpointError, match=f"{head}: truncated"):
-        read_into(head)
+        map_tensors(head)
     head.write_bytes(b"\xff" * 64)
     with pytest.raises(CheckpointError, match="not a readable safetensors file"):
-        read_into(head)
+        map_tensors(head)
     with pytest.raises(CheckpointError, match="missing"):
-        read_into(path / "nothing.safetensors")
+        map_tensors(path / "nothing.safetensors")
