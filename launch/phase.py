@@ -183,8 +183,11 @@ class Phase:
         """The checkpoint whose changes the host model holds, and its manifest's text."""
         self.records["t_model_ready"] = time.time()
         if spec.prewarm:
+            modules = set(sys.modules)
             self._warm_up()
             self.records["t_warmed_up"] = time.time()
+            # What the fork server could import for every phase (launch.zygote.WARM_IMPORTS).
+            self.records["warm_up_imports"] = sorted(set(sys.modules) - modules)[:50]
             # The head's weights get pages of their own now (a forked process shares the fork
             # server's until it writes them), not when the predecessor's are put in them.
             params = dict(model.named_parameters())

@@ -28,11 +28,17 @@ from launch import procs
 from launch.spec import PhaseSpec
 
 REQUEST = 4096  # one request; PIPE_BUF, so a write arrives whole
-# Modules deepspeed.initialize imports on its first call; importing them here (no device is touched
-# by importing) saves every forked phase that part of its first-initialize cost.
+# Modules a phase's first optimizer and first deepspeed.initialize import; importing them here (no
+# device is touched by importing) saves every forked phase that part of its warm-up. The biggest:
+# torch.optim's first optimizer imports torch._dynamo, and DeepSpeed's optimizer check imports its
+# Muon module, which compiles with it (sympy, networkx, ...): 3.1 s of the first initialize on
+# this CPU, 0.03 s once imported (``records.json``'s ``warm_up_imports`` lists what a warm-up still
+# imports). Optional: one a DeepSpeed version lacks is skipped.
 WARM_IMPORTS = (
     "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3", "deepspeed.runtime.bf16_optimizer",
     "deepspeed.runtime.python_gc", "deepspeed.ops.adam", "deepspeed.utils.bwc", "deepspeed.runtime.state_dict_factory",
+    "torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.module_inject.auto_ep_layer",
+    "deepspeed.utils.pin_memory", "torch.profiler._cupti_monitor",
 )
 
 
@@ -53,7 +59,10 @@ class Zygote:
         from shard_tools.model import ModelSpec
 
         for name in WARM_IMPORTS:
-            importlib.import_module(name)
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                continue
         from launch.ops import load_comm_ops
 
         load_comm_ops()  # cached in every forked phase: none of them touches the build lock
