@@ -173,9 +173,8 @@ def write_schedule(path: Path, setup: dict) -> None:
         "lr_schedule": {"kind": "constant"},
         "schedule": {"phases": setup["phases"]},
         "deepspeed": {"zero_stage": setup["zero_stage"]},
-        "launch": {"launcher": "local", "nproc": 1, "prewarm_depth": setup["prewarm_depth"],
-                   **({} if setup["pause_preparing_seconds"] is None
-                      else {"pause_preparing_seconds": setup["pause_preparing_seconds"]})},
+        "launch": {"launcher": "local", "nproc": 1,  # relayer's defaults unless given
+                   **{k: setup[k] for k in ("prewarm_depth", "pause_preparing_seconds") if setup[k] is not None}},
         "checkpoint": {"every_steps": 0, "keep_last": 2},
     }
     text = "".join(f"[{name}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in body.items()) + "\n"
@@ -507,7 +506,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds any one process may run")
     ap.add_argument("--zero-stage", type=int, default=2, choices=(1, 2))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prewarm-depth", type=int, default=2, help="relayer's [launch] prewarm_depth")
+    ap.add_argument("--prewarm-depth", type=int, help="relayer's [launch] prewarm_depth (default: relayer's)")
     ap.add_argument("--pause-preparing-seconds", type=float,
                     help="relayer's [launch] pause_preparing_seconds (default: relayer's; 0 turns pausing off)")
     args = ap.parse_args(argv)

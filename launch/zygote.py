@@ -38,7 +38,7 @@ WARM_IMPORTS = (
     "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3", "deepspeed.runtime.bf16_optimizer",
     "deepspeed.runtime.python_gc", "deepspeed.ops.adam", "deepspeed.utils.bwc", "deepspeed.runtime.state_dict_factory",
     "torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.module_inject.auto_ep_layer",
-    "deepspeed.utils.pin_memory", "torch.profiler._cupti_monitor",
+    "deepspeed.utils.pin_memory", "torch.profiler._cupti_monitor", "deepspeed.compile.backend",
 )
 
 

@@ -194,7 +194,7 @@ class LaunchSection(Section):
     """How long a phase gets to stop after SIGTERM before SIGKILL."""
     prewarm: bool = True
     """Start each phase's processes while earlier ones train, to hide imports and setup."""
-    prewarm_depth: PositiveInt = 2
+    prewarm_depth: PositiveInt = 3
     """How many phases ahead to start: more where a phase trains for less time than a start takes
     (each waiting phase holds a CUDA context and a host copy of the model)."""
     pause_preparing_seconds: Annotated[float, Field(ge=0)] = 30.0

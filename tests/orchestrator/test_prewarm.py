@@ -27,7 +27,7 @@ def events(run: Path) -> list[dict]:
 
 def six(tmp: Path, model: Path, data: Path, **launch) -> Path:
     return write_schedule(tmp / "s.toml", schedule_dict(model, data, schedule={"phases": SIX},
-                                                        launch={"grace_seconds": 10, **launch}))
+                                                        launch={"grace_seconds": 10, "prewarm_depth": 2, **launch}))
 
 
 def run_six(tmp: Path, model: Path, data: Path, prewarm: bool, env: dict | None = None,
