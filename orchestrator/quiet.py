@@ -42,9 +42,6 @@ class Pauser:
     def overdue(self) -> bool:
         return self.since is not None and time.time() - self.since > self.limit
 
-    def is_paused(self, group: Group) -> bool:
-        return self.paused.get(group.work.phase.index, (None,))[0] is group
-
     def pause(self, groups: list[Group]) -> None:
         if self.limit <= 0 or self.active:
             return
