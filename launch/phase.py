@@ -43,6 +43,23 @@ HEAD_DECAY, HEAD_NO_DECAY, BODY_DECAY, BODY_NO_DECAY = range(4)
 RELAYER_VERSION = "0.1.0"
 
 
+def _page_faults() -> int:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
+
+
+def _dirty_page_cache() -> dict[str, int]:
+    """Linux: MB of the page cache that is dirty and under writeback; nothing elsewhere."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return {}
+    kb = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in lines) if k in ("Dirty", "Writeback")}
+    return {f"{k.lower()}_mb": v // 1024 for k, v in kb.items()}
+
+
 def lr_at(step: int, opt) -> float:
     """The learning rate of a global step: a pure function of it, so resumes and phases agree."""
     if opt.warmup_steps and step < opt.warmup_steps:
@@ -479,6 +496,7 @@ class Phase:
         """Gathers full tensors on every rank (collectives); rank 0 copies them into its prepared
         files (so on a GPU the copy from the device is the write) and commits the checkpoint."""
         t0 = time.time()
+        faults0, cache0 = _page_faults(), _dirty_page_cache()
         writer = self.rank == 0
         views = self.prepared.views if writer and self.prepared is not None else {}
         zero_state.relink(self.engine)
@@ -493,6 +511,9 @@ class Phase:
             layers = body.pop("master", {})
         state = self._state_tensors()
         t_gathered = time.time()
+        # Why a gather was slow: pages that had to be faulted in again (cleaned by writeback since
+        # they were prepared), and how much of the page cache was dirty or under writeback.
+        gather_faults = _page_faults() - faults0
         if not writer:
             torch.distributed.barrier()
             return None
@@ -518,7 +539,8 @@ class Phase:
                                 prepared=prepared)
         self.records.setdefault("checkpoints", []).append(
             {"step": self.step, "gather_seconds": t_gathered - t0, "write_seconds": time.time() - t_gathered,
-             "prepared": prepared is not None, **{f"{k}_seconds": v for k, v in last_write_timing.items()}})
+             "prepared": prepared is not None, **{f"{k}_seconds": v for k, v in last_write_timing.items()},
+             "gather_page_faults": gather_faults, **cache0})
         torch.distributed.barrier()
         return path
 
