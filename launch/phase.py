@@ -294,7 +294,7 @@ class Phase:
     def await_go(self) -> None:
         """A pre-warmed process waits here until its predecessor's processes are gone. Once the
         predecessor's checkpoint is committed (while its processes still exit), what it changed
-        is read into host memory already: reading touches no device."""
+        is read (the head file mapped) into host memory already: reading touches no device."""
         expected = checkpoints_dir(self.run_dir) / step_dir_name(self.spec.start_step)
 
         def read_early() -> None:
@@ -390,7 +390,7 @@ class Phase:
         restore_scaler(getattr(self.engine.optimizer, "loss_scaler", None), load_tensors(ckpt / STATE))
         if same_phase:
             self._restore_rng(ckpt)
-        self.head_state = None  # on the device now; the host copies can go
+        self.head_state = None  # on the device now; the mapping of the head file can go
         self.trained = {}
         self.records["t_restored"] = time.time()
 
@@ -496,8 +496,8 @@ class Phase:
         """Gathers full tensors on every rank (collectives); rank 0 copies them into its prepared
         files (so on a GPU the copy from the device is the write) and commits the checkpoint."""
         t0 = time.time()
-        faults0, cache0 = _page_faults(), _dirty_page_cache()
         writer = self.rank == 0
+        faults0, cache0 = _page_faults(), _dirty_page_cache() if writer else {}
         views = self.prepared.views if writer and self.prepared is not None else {}
         zero_state.relink(self.engine)
         head = zero_state.get_state(self.head, into=views.get(HEAD), keep=writer, staging=self.staging)

@@ -217,13 +217,13 @@ class Runner:
                 raise Preempted(f"stopped by signal {self.stop_signal} before phase {work.phase.index}; run again to resume")
             current = self._take(pending, work)
             self._after_switch(finished, current)
-            ahead = lambda: self._prewarm_ahead(pending, work)  # noqa: E731 (bound to this work)
-            if not (current.prewarmed and pending and self.pauser.limit > 0):
-                ahead()
-                ahead = None
-            # else: started once the switch is over (a start would slow it as much as a preparation)
+            # With a switch to keep quiet, the phases further ahead start once it is over (a start
+            # would slow it as much as a preparation does).
+            defer = current.prewarmed and bool(pending) and self.pauser.limit > 0
+            if not defer:
+                self._prewarm_ahead(pending, work)
             try:
-                self._supervise(current, pending, ahead)
+                self._supervise(current, pending, ahead=defer)
             except BaseException:
                 self._abort(pending)  # already done, unless this process itself failed
                 raise
@@ -345,18 +345,18 @@ class Runner:
         phase_dir = self.groups.phase_dir(work.phase)
         return self.groups.spawn(work, phase_dir, self._spec(work, phase_dir), prewarm)
 
-    def _supervise(self, group: Group, pending: list[Group], ahead: Callable[[], None] | None = None) -> None:
+    def _supervise(self, group: Group, pending: list[Group], ahead: bool = False) -> None:
         """Waits for a phase's group, makes sure all of it is gone, and judges the result; the
         pre-warmed successors go down with a phase that failed or stopped.
 
         Keeps switches quiet (``orchestrator.quiet``): pauses the successors after the next from
         this phase's last step on, lets the paused ones go on once this phase has done its first
-        step, and only then calls ``ahead`` (which starts the phases further ahead)."""
+        step, and only then (with ``ahead``) starts the phases further ahead."""
         work, ph, phase_dir, proc = group.work, group.work.phase, group.phase_dir, group.proc
         grace = self.loaded.schedule.launch.grace_seconds
         steps = JsonlTail(self.run_dir / "metrics.jsonl")
         done = work.start_step  # the global step this phase's rank 0 has logged last
-        switching = ahead is not None or self.pauser.active  # until this phase's first step is done
+        switching = ahead or self.pauser.active  # until this phase's first step is done
         paused_here = False
         self._event("phase_started", phase=ph.index, start_step=work.start_step, end_step=ph.end_step,
                     layers=list(ph.layers), nproc=ph.nproc, pid=proc.pid,
@@ -372,8 +372,8 @@ class Runner:
                 if switching and (done > work.start_step or late):
                     switching = False
                     self.pauser.resume("limit" if done == work.start_step else "first_step")
-                    if ahead is not None:
-                        ahead()
+                    if ahead:
+                        self._prewarm_ahead(pending, work)
                 if self.pauser.overdue():
                     self.pauser.resume("limit")
                 if not switching and not paused_here and done >= ph.end_step - 1:

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from orchestrator.procs import recorded
 from tests.conftest import cli, schedule_dict, write_schedule
 from tests.reference import bitwise_equal, composed
 
@@ -77,15 +78,7 @@ def start_six(tmp: Path, model: Path, data: Path, env: dict | None = None) -> su
 
 def all_gone(run: Path, timeout: float = 10) -> bool:
     """Every process the run's phases ever recorded is gone (or its pid reused) within ``timeout``."""
-    live = []
-    for f in (run / "phases").glob("*/pids/*.json"):
-        rec = json.loads(f.read_text())
-        try:
-            p = psutil.Process(rec["pid"])
-            if abs(p.create_time() - rec["create_time"]) < 0.01:
-                live.append(p)
-        except psutil.NoSuchProcess:
-            continue
+    live = [p for phase_dir in (run / "phases").glob("phase-*") for p in recorded(phase_dir)]
     _, alive = psutil.wait_procs(live, timeout=timeout)
     return not alive
 
