@@ -4,11 +4,14 @@
 
 Per switch k -> k+1, in the order they happen (seconds):
 
-- end: phase k's last step -> its processes gone (gather to the host, write, exit);
+- end: phase k's last step -> its processes gone (gather to the host, write, exit); of it: gather,
+  write (what of the hash was left after the gather, and the commit), exit (the end of the save ->
+  the last rank reaped by the fork server: mostly the device's teardown) and reaped -> gone (the
+  orchestrator seeing it);
 - gone -> go read: the orchestrator's go, as read by phase k+1 (later when k+1 was still preparing,
   or still reading phase k's checkpoint, which it starts at the commit);
-- engine: k+1 building its engine (weights to the device);
-- restore: injecting the head's optimizer state;
+- engine: k+1 building its engine; of it: weights to the device (the rest is ``deepspeed.initialize``);
+- restore: injecting the head's optimizer state; of it: waiting for the head's moments to be mapped;
 - first: k+1's first step;
 - preparing: how many later phases were still preparing (warm-up etc.) during the switch;
 - paused: how many of the later phases the orchestrator paused for the switch (``orchestrator.quiet``);
@@ -24,13 +27,17 @@ from pathlib import Path
 
 def rows(result: dict) -> list[str]:
     phases = result["phases"]
-    out = ["| switch | end | (gather | write) | gone -> go read | early read | engine | restore | first step "
-           "| preparing | paused | overhead |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    out = ["| switch | end | (gather | write | exit | reaped -> gone) | gone -> go read | early read | engine "
+           "| (to device) | restore | (populate wait) | first step | preparing | paused | overhead |",
+           "| --- |" + " ---: |" * 16]
     pauses = [e for e in result.get("journal", []) if e["event"] == "preparing_paused"]
     overhead = {(s["from"], s["to"]): s["overhead_seconds"] for s in result["switches"]}
     for a, b in zip(phases, phases[1:]):
         t = lambda p, k: p.get(k) or 0.0  # noqa: E731
+
+        def span(p, k0, q, k1) -> str:  # "-" where a record lacks a time (older results)
+            return f"{t(q, k1) - t(p, k0):.2f}" if p.get(k0) and q.get(k1) else "-"
+
         ck = (a.get("checkpoints") or [{}])[-1]
         window = (t(a, "t_last_step_end"), t(b, "t_first_step_end"))
         preparing = sum(1 for p in phases[b["phase"] + 1:]
@@ -40,8 +47,10 @@ def rows(result: dict) -> list[str]:
         out.append(
             f"| {a['phase']} -> {b['phase']} | {t(a, 't_gone') - t(a, 't_last_step_end'):.2f} "
             f"| {ck.get('gather_seconds', 0):.2f} | {ck.get('write_seconds', 0):.2f} "
+            f"| {span(a, 't_saved', a, 't_reaped')} | {span(a, 't_reaped', a, 't_gone')} "
             f"| {t(b, 't_go') - t(a, 't_gone'):.2f} | {f'{early:.2f}' if early else '-'} "
-            f"| {t(b, 't_engine_built') - t(b, 't_delta_loaded'):.2f} | {t(b, 't_restored') - t(b, 't_engine_built'):.2f} "
+            f"| {t(b, 't_engine_built') - t(b, 't_delta_loaded'):.2f} | {span(b, 't_delta_loaded', b, 't_on_device')} "
+            f"| {t(b, 't_restored') - t(b, 't_engine_built'):.2f} | {span(b, 't_engine_built', b, 't_head_populated')} "
             f"| {t(b, 't_first_step_end') - t(b, 't_restored'):.2f} | {preparing} | {paused} "
             f"| {overhead.get((a['phase'], b['phase']), float('nan')):.2f} |")
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -12,6 +13,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from launch import procs, zero_state
+from launch.zero_state import MOMENTS
 from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.data import SampleOrder, load_examples, micro_batch
 from launch.scaler import restore_scaler, scaler_tensors
@@ -31,7 +34,7 @@ from launch.spec import PhaseSpec
 from launch.staging import Staging
 from shard_tools.checkpoint import (
     BODY_OPTIM, HEAD, LAYERS, OPTIM_KEYS, STATE, PreparedFiles, flatten_optim_state, last_write_timing, layer_weights,
-    load_tensors, optim_state, write_checkpoint,
+    load_tensors, optim_state, populate_pages, write_checkpoint,
 )
 from shard_tools.manifest import MANIFEST, CheckpointError, Manifest, checkpoints_dir, layer_sources, step_dir_name
 from shard_tools.model import (
@@ -196,6 +199,8 @@ class Phase:
         self.preloaded = layer_sources(self.run_dir, preload) if preload else {}
         self._overlay(layer_weights(self.preloaded))
         self.restored: Manifest | None = None
+        self.populating: threading.Thread | None = None
+        """Maps the head's moments (``_read_delta``) while the engine is built."""
         self.delta: tuple[Path, str] | None = None
         """The checkpoint whose changes the host model holds, and its manifest's text."""
         self.records["t_model_ready"] = time.time()
@@ -322,15 +327,23 @@ class Phase:
                 return  # an older checkpoint at that step (damaged, being replaced): not the predecessor's
             sources = layer_sources(self.run_dir, restore)
             self._overlay(layer_weights({l: s for l, s in sources.items() if self.preloaded.get(l) != s}))
-            self.head_state = optim_state(restore, HEAD, mapped=True)  # its pages, as its writer left them
+            t_layers = time.time()
+            # The head file's pages, as its writer left them: the masters now, since they go into
+            # the model before the engine is built; the moments while it is built (``restore``
+            # waits for them), so that the go need not wait for them.
+            self.head_state = optim_state(restore, HEAD, mapped=True, populate=False)
+            populate_pages(list(self.head_state["master"].values()))
             self._overlay(self.head_state["master"])
         except (OSError, CheckpointError):
             if not early:
                 raise
             return  # read again at the go, which names only a checkpoint the orchestrator checked
+        self.populating = threading.Thread(target=populate_pages, daemon=True, name="populate",
+                                           args=([t for k in MOMENTS for t in self.head_state[k].values()],))
+        self.populating.start()
         self.preloaded, self.restored, self.delta = sources, manifest, (restore, text)
         if early:
-            self.records.update(t_early_read_start=t0, t_early_read_end=time.time())
+            self.records.update(t_early_read_start=t0, t_early_read_end=time.time(), t_early_read_layers=t_layers)
 
     def assemble(self) -> None:
         """Reads what the predecessor changed (its layers and the head), unless read already, and
@@ -357,6 +370,7 @@ class Phase:
         self.gas = self.ds_config["gradient_accumulation_steps"]
         if self.staging is not None and spec.zero_stage < 3:
             self.staging.module_to_device(model)  # what deepspeed.initialize would do, at pinned speed
+        self.records["t_on_device"] = time.time()
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
         named = dict(self.engine.module.named_parameters())
         self.head = [(n, named[n]) for n in self.head_names]
@@ -376,7 +390,12 @@ class Phase:
         body_step = m.body_step if same_phase else 0
         steps = [m.head_step if role in (HEAD_DECAY, HEAD_NO_DECAY) else body_step for role in self.roles]
         zero_state.materialise(self.engine, steps)
+        if self.populating is not None:
+            self.populating.join()
+            self.populating = None
+            self.records["t_head_populated"] = time.time()
         zero_state.set_state(self.head, self.head_state, with_moments=True, staging=self.staging)
+        self.records["t_head_set"] = time.time()
         body_masters = {n: self.trained[n] for n, _ in self.body if n in self.trained}
         if same_phase:
             body = optim_state(ckpt, BODY_OPTIM)
@@ -498,16 +517,18 @@ class Phase:
         t0 = time.time()
         writer = self.rank == 0
         faults0, cache0 = _page_faults(), _dirty_page_cache() if writer else {}
-        views = self.prepared.views if writer and self.prepared is not None else {}
+        prepared = self.prepared if writer else None
+        views = prepared.views if prepared is not None else {}
+        # Each tensor is hashed on the other cores as soon as it is in its file.
+        gather = {"keep": writer, "staging": self.staging, "landed": prepared.landed if prepared is not None else None}
         zero_state.relink(self.engine)
-        head = zero_state.get_state(self.head, into=views.get(HEAD), keep=writer, staging=self.staging)
+        head = zero_state.get_state(self.head, into=views.get(HEAD), **gather)
         steps = zero_state.group_steps(self.engine)
         into_layers = views.get(LAYERS, {})
         if phase_complete:
-            layers, body = zero_state.get_masters(self.body, into=into_layers, keep=writer, staging=self.staging), {}
+            layers, body = zero_state.get_masters(self.body, into=into_layers, **gather), {}
         else:
-            body = zero_state.get_state(self.body, into={f"master/{n}": t for n, t in into_layers.items()}, keep=writer,
-                                        staging=self.staging)
+            body = zero_state.get_state(self.body, into={f"master/{n}": t for n, t in into_layers.items()}, **gather)
             layers = body.pop("master", {})
         state = self._state_tensors()
         t_gathered = time.time()
@@ -542,6 +563,7 @@ class Phase:
              "prepared": prepared is not None, **{f"{k}_seconds": v for k, v in last_write_timing.items()},
              "gather_page_faults": gather_faults, **cache0})
         torch.distributed.barrier()
+        self.records["t_saved"] = time.time()
         return path
 
     def _state_tensors(self) -> dict[str, torch.Tensor]:
@@ -581,8 +603,9 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict) -> int:
         phase.prepare()
         if spec.prewarm:
             phase.await_go()
-        phase.assemble()
-        phase.restore()
+        with _profiled(Path(spec.phase_dir) / f"switch-profile-rank{rank}.txt"):
+            phase.assemble()
+            phase.restore()
         done = phase.train(stop)
         phase.save(phase_complete=done)
     except BaseException:
@@ -590,6 +613,28 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict) -> int:
         raise
     phase.write_records()
     return 0 if done else PREEMPTED
+
+
+@contextlib.contextmanager
+def _profiled(report: Path):
+    """For the benchmarks (``RELAYER_PROFILE_SWITCH=1``): where the engine build and the restore
+    spend their time, as cProfile sees it, written to ``report``; otherwise nothing."""
+    if not os.environ.get("RELAYER_PROFILE_SWITCH"):
+        yield
+        return
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(60)
+        report.write_text(out.getvalue())
 
 
 def hash_seed(*parts: int) -> int:

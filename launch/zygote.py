@@ -84,7 +84,8 @@ class Zygote:
             with self.lock:
                 phase_dir, rank = self.children.pop(pid, (None, None))
             if phase_dir is not None:
-                _write_json(phase_dir / "exit" / f"rank-{rank}.json", {"rc": os.waitstatus_to_exitcode(status)})
+                _write_json(phase_dir / "exit" / f"rank-{rank}.json",
+                            {"rc": os.waitstatus_to_exitcode(status), "time": time.time()})
 
     def fork_phase(self, spec_path: str, nproc: int, requests_fd: int) -> None:
         spec = PhaseSpec.read(spec_path)

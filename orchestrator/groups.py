@@ -47,18 +47,23 @@ class ForkedProc:
         self.phase_dir, self.nproc, self.zygote = phase_dir, nproc, zygote
         self.pid: int | None = None
         self.returncode: int | None = None
+        self.times: dict[str, float] = {}
+        """When the last rank was reaped by the zygote (``t_reaped``) and that was seen here (``t_seen``)."""
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            codes = []
+            codes, reaped = [], []
             for r in range(self.nproc):
                 try:
-                    codes.append(json.loads((self.phase_dir / "exit" / f"rank-{r}.json").read_text())["rc"])
+                    exit_ = json.loads((self.phase_dir / "exit" / f"rank-{r}.json").read_text())
                 except (OSError, json.JSONDecodeError):
                     continue
+                codes.append(exit_["rc"])
+                reaped.append(exit_.get("time", 0.0))
             if len(codes) == self.nproc or any(codes):
                 # A failed rank ends the group: the others may wait on it in a collective forever.
                 self.returncode = next((c for c in codes if c != 0), 0)
+                self.times = {"t_reaped": max(reaped), "t_seen": time.time()}
             elif self.zygote.poll() is not None:  # its children die with it (parent-death signal)
                 self.returncode = -signal.SIGKILL
         return self.returncode

@@ -408,7 +408,7 @@ class Runner:
         if killed:
             self._event("killed", phase=ph.index, pids=killed)
         group.pids = pids
-        records = {**self._records(phase_dir), "t_gone": t_gone}
+        records = {**self._records(phase_dir), **getattr(proc, "times", {}), "t_gone": t_gone}
         end = self.run_dir / "checkpoints" / f"step-{ph.end_step:08d}"
         if rc == 0 and not verify_checkpoint(end, checksums=False):
             # Journaled by _after_switch, once the next phase has its go and the checkpoint is durable.

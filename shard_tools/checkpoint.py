@@ -7,7 +7,9 @@ the manifest (with sizes and sha256) is written last, and only then is the direc
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import hashlib
 import json
 import math
 import mmap
@@ -16,7 +18,7 @@ import shutil
 import signal
 import struct
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -157,6 +159,13 @@ class PreparedFiles:
         self.layouts = {file: (dict(specs), metadata.get(file)) for file, specs in layouts.items()}
         self.maps: dict[str, mmap.mmap] = {}
         self.views: dict[str, dict[str, torch.Tensor]] = {}
+        self.waiting: dict[str, list[set[str]]] = {}
+        """Per file and chunk: the tensors it holds that have not landed yet."""
+        self.hashes: dict[str, dict[int, Future]] = {}
+        """Per file: the digests of the chunks hashed so far, by chunk index."""
+        self.spans: dict[str, dict[str, tuple[int, int]]] = {}
+        self.by_ptr: dict[int, tuple[str, str]] = {}
+        self.pool: ThreadPoolExecutor | None = None
         try:
             for file, specs in layouts.items():
                 lead, spans, size = _layout(specs, metadata.get(file))
@@ -170,6 +179,14 @@ class PreparedFiles:
                 mm[:len(lead)] = lead
                 self.maps[file] = mm
                 self.views[file] = {name: _view(mm, specs[name], start) for name, (start, _) in spans.items()}
+                # Which tensors each 64 MiB chunk of the file holds (some of), for ``landed``.
+                chunks = [set() for _ in range(max(1, -(-size // digest.CHUNK)))]
+                for name, (start, end) in spans.items():
+                    for c in range(start // digest.CHUNK, -(-end // digest.CHUNK) if end > start else 0):
+                        chunks[c].add(name)
+                self.waiting[file], self.spans[file] = chunks, spans
+                self.hashes[file] = {}
+                self.by_ptr.update({v.data_ptr(): (file, n) for n, v in self.views[file].items() if v.numel()})
         except OSError as e:
             self.discard()
             raise CheckpointError(f"{self.dir}: could not prepare the checkpoint's files ({e.strerror or e})") from e
@@ -177,17 +194,51 @@ class PreparedFiles:
     def fits(self, file: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> bool:
         return file in self.views and self.layouts[file] == (_specs(tensors), metadata)
 
-    def write(self, file: str, tensors: dict[str, torch.Tensor], pool: ThreadPoolExecutor) -> str:
-        """Puts ``tensors`` into the file (a tensor already in its view is not copied); its digest."""
+    def landed(self, t: torch.Tensor) -> None:
+        """Says that a view (``views[file][name]``) now holds its final bytes: the chunks of its
+        file that it completes are hashed now, on all cores, while the gather goes on. Anything
+        else is ignored."""
+        if (key := self.by_ptr.get(t.data_ptr())) is not None:
+            self._landed(*key)
+
+    def _landed(self, file: str, name: str) -> None:
+        for c, waiting in enumerate(self.waiting[file]):
+            if name in waiting:
+                waiting.discard(name)
+                if not waiting:
+                    self._hash(file, c)
+
+    def _hash(self, file: str, c: int) -> None:
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(digest.THREADS, thread_name_prefix="hash")
+        mm = self.maps[file]
+        view = memoryview(mm)[c * digest.CHUNK:(c + 1) * digest.CHUNK]
+        self.hashes[file][c] = self.pool.submit(lambda: hashlib.sha256(view).digest())
+
+    def write(self, file: str, tensors: dict[str, torch.Tensor]) -> str:
+        """Puts ``tensors`` into the file (a tensor already in its view is not copied); its digest
+        (``digest.digest_file``'s), from the chunks hashed as their tensors landed and the rest now."""
         views = self.views[file]
         for name, t in tensors.items():
             if t.data_ptr() != views[name].data_ptr() or t.numel() == 0:
                 views[name].copy_(t)
-        return digest.digest_buffer(memoryview(self.maps[file]), pool)
+                start, end = self.spans[file][name]
+                for c in range(start // digest.CHUNK, -(-end // digest.CHUNK)):  # hashed again below
+                    if (stale := self.hashes[file].pop(c, None)) is not None:
+                        stale.cancel()
+                self._landed(file, name)
+        for c, waiting in enumerate(self.waiting[file]):
+            waiting.clear()
+            if c not in self.hashes[file]:
+                self._hash(file, c)
+        return digest.combine([self.hashes[file][c].result() for c in range(len(self.waiting[file]))])
 
     def release(self) -> None:
-        """Drops the views: the mappings go with the last tensor over them."""
-        self.views, self.maps = {}, {}
+        """Drops the views (the mappings go with the last tensor over them) and the hashing threads."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+        self.views, self.maps, self.hashes, self.by_ptr = {}, {}, {}, {}
 
     def discard(self) -> None:
         self.release()
@@ -232,7 +283,7 @@ def _write_files(tmp: Path, manifest: Manifest, files: dict[str, dict[str, torch
             path = tmp / name
             t0 = time.perf_counter()
             if prepared is not None and prepared.fits(name, tensors, metadata.get(name)):
-                checksum = prepared.write(name, tensors, pool)
+                checksum = prepared.write(name, tensors)
                 t1 = time.perf_counter()
                 if durable:
                     fsync_path(path)
@@ -280,7 +331,7 @@ def load_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
 
 
-def map_tensors(path: Path) -> dict[str, torch.Tensor]:
+def map_tensors(path: Path, populate: bool = True) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file as a view of a private mapping of it: no copy.
 
     For the biggest file on the switch's critical path, the head, which its writer has just put in
@@ -288,6 +339,7 @@ def map_tensors(path: Path) -> dict[str, torch.Tensor]:
     copying 1.6 GB into host memory takes (``safe_open`` copies on one core). Copy-on-write: the
     file is never changed. A committed checkpoint is never rewritten; one cut short under the
     mapping would fault (SIGBUS) where a copy would fail, as with any mapped loader.
+    ``populate=False``: the pages are mapped as they are first read, or by ``populate_pages``.
     """
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -311,11 +363,28 @@ def map_tensors(path: Path) -> dict[str, torch.Tensor]:
         mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    try:
-        mm.madvise(MADV_POPULATE_READ)
-    except OSError:  # an older kernel: the pages are mapped as they are first read
-        pass
+    if populate:
+        try:
+            mm.madvise(MADV_POPULATE_READ)
+        except OSError:  # an older kernel: the pages are mapped as they are first read
+            pass
     return {k: _view(mm, specs[k], start) for k, (start, _) in spans.items()}
+
+
+def populate_pages(tensors: list[torch.Tensor]) -> None:
+    """Maps the pages of tensors over ``map_tensors``' mappings now (``MADV_POPULATE_READ``), so
+    that the copy that reads them later does not stop at every page. The GIL is free meanwhile:
+    a thread can do it while the caller goes on. Does nothing where the kernel cannot."""
+    madvise = _libc().madvise
+    for t in tensors:
+        if t.numel():
+            start = t.data_ptr() - t.data_ptr() % mmap.PAGESIZE
+            madvise(ctypes.c_void_p(start), ctypes.c_size_t(t.data_ptr() + t.nbytes - start),
+                    ctypes.c_int(MADV_POPULATE_READ))  # an error leaves the pages to their first read
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)  # calls into it release the GIL
 
 
 def file_metadata(path: Path) -> dict[str, str]:
@@ -323,12 +392,13 @@ def file_metadata(path: Path) -> dict[str, str]:
         return f.metadata() or {}
 
 
-def optim_state(ckpt: Path, file: str, mapped: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+def optim_state(ckpt: Path, file: str, mapped: bool = False, populate: bool = True,
+                ) -> dict[str, dict[str, torch.Tensor]]:
     """{'master'|'exp_avg'|'exp_avg_sq': {param name: fp32 tensor}} of head or body_optim.
 
-    ``mapped``: views of the file's pages (``map_tensors``), not copies.
+    ``mapped``: views of the file's pages (``map_tensors``, which ``populate`` goes to), not copies.
     """
-    tensors = map_tensors(ckpt / file) if mapped else load_tensors(ckpt / file)
+    tensors = map_tensors(ckpt / file, populate) if mapped else load_tensors(ckpt / file)
     out: dict[str, dict[str, torch.Tensor]] = {k: {} for k in OPTIM_KEYS}
     for key, t in tensors.items():
         kind, _, name = key.partition("/")
