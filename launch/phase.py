@@ -215,6 +215,9 @@ class Phase:
             params = dict(model.named_parameters())
             for n in self.head_names:
                 params[n].data = params[n].data.clone()
+            if self.staging is not None and spec.zero_stage < 3:
+                # Pinned in place, for a fast upload at the go (``Staging.register_module``).
+                self.records["weights_registered"] = self.staging.register_module(model)
         torch.manual_seed(hash_seed(spec.seed, spec.phase, self.rank))
         self.prepared = self._prepare_files()
         self.records["t_prepared"] = time.time()
@@ -456,6 +459,8 @@ class Phase:
             step_times.append(dt)
             if self.step == spec.start_step + 1:
                 self.records["t_first_step_end"] = time.time()  # before the orchestrator can see the step
+                if self.staging is not None:
+                    self.staging.unregister_later()  # the host weights are on the device: unpinned off the switch
             if self.rank == 0:
                 self._log(metrics, {
                     "time": time.time(), "step": self.step, "phase": spec.phase, "layers": spec.layers,
@@ -517,10 +522,8 @@ class Phase:
         t0 = time.time()
         writer = self.rank == 0
         faults0, cache0 = _page_faults(), _dirty_page_cache() if writer else {}
-        prepared = self.prepared if writer else None
-        views = prepared.views if prepared is not None else {}
-        # Each tensor is hashed on the other cores as soon as it is in its file.
-        gather = {"keep": writer, "staging": self.staging, "landed": prepared.landed if prepared is not None else None}
+        views = self.prepared.views if writer and self.prepared is not None else {}
+        gather = {"keep": writer, "staging": self.staging}
         zero_state.relink(self.engine)
         head = zero_state.get_state(self.head, into=views.get(HEAD), **gather)
         steps = zero_state.group_steps(self.engine)

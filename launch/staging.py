@@ -6,9 +6,17 @@ pages must be unpinned again, ~0.14 s per GB on an H200 host, at the process's e
 which is on the switch's critical path (benchmarks/results/2026-11-29-nvidia-h200-v3/exit_write.md).
 So tensors go through a few pinned slots: the host side of one slot is copied on all cores while
 the device copies another.
+
+The model's weights, which a pre-warmed phase holds long before its go, are the exception
+(``register_module``): they go into one host buffer that the driver pins in place
+(``cudaHostRegister``) while the phase prepares, are copied to the device by DMA alone at the go
+(2.2 GB: 0.04 s against 0.14-0.33 s through the ring inside a switch), and are unpinned in a
+thread once the phase trains (0.04 s; ``benchmarks/results/2026-11-30-nvidia-h200-v5/``).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -36,19 +44,65 @@ class Staging:
             self.done[i].synchronize()  # the device is through with this slot's last copy
         return i, self.slots[i]
 
+    registered: torch.Tensor | None = None
+    """The host buffer ``register_module`` put the weights in, while the driver has it pinned."""
+
+    def register_module(self, module: torch.nn.Module) -> bool:
+        """Puts every host parameter and buffer of ``module`` (tied ones once) into one host
+        buffer of their own and has the driver pin it in place, for ``module_to_device``. Costs a
+        copy of the weights (pages shared with the fork server become this process's own) and
+        their pinning: done while the phase prepares. False where the driver refuses (the ring
+        is used then)."""
+        with torch.no_grad():
+            host: list[torch.Tensor] = []
+            _replace_tensors(module, lambda t: host.append(t) if t.device.type == "cpu" else None)
+            buf = torch.empty(max(1, sum(_aligned(t) for t in host)), dtype=torch.uint8)
+            offset = 0
+
+            def move(t: torch.Tensor) -> torch.Tensor | None:
+                nonlocal offset
+                if t.device.type != "cpu":
+                    return None
+                view = buf[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
+                view.copy_(t)
+                offset += _aligned(t)
+                return view
+
+            _replace_tensors(module, move)  # the same order as above
+        if int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.nbytes, 0)) != 0:
+            return False
+        self.registered = buf
+        return True
+
+    def unregister_later(self) -> None:
+        """Unpins the registered buffer in a thread and frees it (a running step is slowed by a few
+        ms; at the exit it would cost about as much, on the switch's critical path)."""
+        buf, self.registered = self.registered, None
+        if buf is None:
+            return
+        torch.cuda.current_stream(self.device).synchronize()  # no copy from it is still in flight
+
+        def unpin() -> None:
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+        threading.Thread(target=unpin, name="unpin", daemon=True).start()
+
+    def _registered(self, t: torch.Tensor) -> bool:
+        buf = self.registered
+        return buf is not None and buf.data_ptr() <= t.data_ptr() < buf.data_ptr() + buf.nbytes
+
     def module_to_device(self, module: torch.nn.Module) -> None:
         """Moves every parameter and buffer of ``module`` to the device (tied ones once)."""
         with torch.no_grad():
-            for m in module.modules():
-                for name, p in m._parameters.items():
-                    if p is not None and p.device != self.device:
-                        p.data = self.to_device(p.data)
-                for name, b in m._buffers.items():
-                    if b is not None and b.device != self.device:
-                        m._buffers[name] = self.to_device(b)
+            _replace_tensors(module, lambda t: self.to_device(t) if t.device != self.device else None)
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A device copy of a host tensor; ready for work on the current stream."""
+        if self._registered(host):  # pinned: the device copies it by itself
+            return host.to(self.device, non_blocking=True)
+        return self._through_ring(host)
+
+    def _through_ring(self, host: torch.Tensor) -> torch.Tensor:
         host = host.contiguous()
         out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
         src, dst = _bytes(host), _bytes(out)
@@ -87,3 +141,22 @@ class Staging:
         i, offset, n = job
         self.done[i].synchronize()
         dst[offset:offset + n].copy_(self.slots[i][:n])
+
+
+def _aligned(t: torch.Tensor) -> int:
+    return -(-t.nbytes // 64) * 64
+
+
+def _replace_tensors(module: torch.nn.Module, new) -> None:
+    """Replaces each parameter's data and each buffer by ``new(tensor)`` where that is not None;
+    a tied parameter (the same object in two modules) is seen once."""
+    seen: set[int] = set()
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                if (t := new(p.data)) is not None:
+                    p.data = t
+        for name, b in m._buffers.items():
+            if b is not None and (t := new(b)) is not None:
+                m._buffers[name] = t

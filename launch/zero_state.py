@@ -7,8 +7,6 @@ is created lazily at the first step, so a fresh engine's state is materialised h
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from deepspeed.utils import (
     safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
@@ -69,22 +67,15 @@ def group_steps(engine) -> dict[int, int]:
 KEYS = ("master", *MOMENTS)
 
 
-Landed = Callable[[torch.Tensor], None]
-
-
-def _to_host(t: torch.Tensor, shape: torch.Size, out: torch.Tensor | None, staging: Staging | None,
-             landed: Landed | None) -> torch.Tensor:
+def _to_host(t: torch.Tensor, shape: torch.Size, out: torch.Tensor | None, staging: Staging | None) -> torch.Tensor:
     """The fp32 full tensor on the host: copied into ``out`` where given (a prepared checkpoint
-    file's view, so the copy from the device is the write; ``landed(out)`` is told when it is
-    there), else a host tensor of its own."""
+    file's view, so the copy from the device is the write), else a host tensor of its own."""
     t = t.detach().float().view(shape)
     if out is not None:
         if staging is not None and t.device.type == "cuda":
             staging.to_host(t, out)
         else:
             out.copy_(t)
-        if landed is not None:
-            landed(out)
         return out
     return t if t.device.type == "cpu" else t.cpu()  # on the CPU the accessors return a fresh tensor
 
@@ -98,34 +89,31 @@ def full_shapes(named: list[tuple[str, nn.Parameter]]) -> dict[str, tuple[int, .
 
 
 def get_state(named: list[tuple[str, nn.Parameter]], into: dict[str, torch.Tensor] | None = None,
-              keep: bool = True, staging: Staging | None = None, landed: Landed | None = None,
-              ) -> dict[str, dict[str, torch.Tensor]]:
+              keep: bool = True, staging: Staging | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """Full fp32 master weights and moments on the host, {key: {name: tensor}}. Collective: all
-    ranks, same order. ``into``: host tensors by "key/name" to copy into (``landed`` is called
-    with each once it is there); ``keep=False``: gather only, for ranks that write nothing (the
-    result is empty)."""
+    ranks, same order. ``into``: host tensors by "key/name" to copy into; ``keep=False``: gather
+    only, for ranks that write nothing (the result is empty)."""
     into = into or {}
     out: dict[str, dict[str, torch.Tensor]] = {
         "master": get_masters(named, {n[len("master/"):]: t for n, t in into.items() if n.startswith("master/")}, keep,
-                              staging, landed),
+                              staging),
         "exp_avg": {}, "exp_avg_sq": {}}
     for name, p in named:
         for key in MOMENTS:
             full = safe_get_full_optimizer_state(p, key)
             if keep:
-                out[key][name] = _to_host(full, _shape(p), into.get(f"{key}/{name}"), staging, landed)
+                out[key][name] = _to_host(full, _shape(p), into.get(f"{key}/{name}"), staging)
     return out if keep else {}
 
 
 def get_masters(named: list[tuple[str, nn.Parameter]], into: dict[str, torch.Tensor] | None = None,
-                keep: bool = True, staging: Staging | None = None, landed: Landed | None = None,
-                ) -> dict[str, torch.Tensor]:
+                keep: bool = True, staging: Staging | None = None) -> dict[str, torch.Tensor]:
     into = into or {}
     out = {}
     for n, p in named:
         full = safe_get_full_fp32_param(p)
         if keep:
-            out[n] = _to_host(full, _shape(p), into.get(n), staging, landed)
+            out[n] = _to_host(full, _shape(p), into.get(n), staging)
     return out
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import json
 import math
 import mmap
@@ -18,7 +17,7 @@ import shutil
 import signal
 import struct
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -159,13 +158,6 @@ class PreparedFiles:
         self.layouts = {file: (dict(specs), metadata.get(file)) for file, specs in layouts.items()}
         self.maps: dict[str, mmap.mmap] = {}
         self.views: dict[str, dict[str, torch.Tensor]] = {}
-        self.waiting: dict[str, list[set[str]]] = {}
-        """Per file and chunk: the tensors it holds that have not landed yet."""
-        self.hashes: dict[str, dict[int, Future]] = {}
-        """Per file: the digests of the chunks hashed so far, by chunk index."""
-        self.spans: dict[str, dict[str, tuple[int, int]]] = {}
-        self.by_ptr: dict[int, tuple[str, str]] = {}
-        self.pool: ThreadPoolExecutor | None = None
         try:
             for file, specs in layouts.items():
                 lead, spans, size = _layout(specs, metadata.get(file))
@@ -179,14 +171,6 @@ class PreparedFiles:
                 mm[:len(lead)] = lead
                 self.maps[file] = mm
                 self.views[file] = {name: _view(mm, specs[name], start) for name, (start, _) in spans.items()}
-                # Which tensors each 64 MiB chunk of the file holds (some of), for ``landed``.
-                chunks = [set() for _ in range(max(1, -(-size // digest.CHUNK)))]
-                for name, (start, end) in spans.items():
-                    for c in range(start // digest.CHUNK, -(-end // digest.CHUNK) if end > start else 0):
-                        chunks[c].add(name)
-                self.waiting[file], self.spans[file] = chunks, spans
-                self.hashes[file] = {}
-                self.by_ptr.update({v.data_ptr(): (file, n) for n, v in self.views[file].items() if v.numel()})
         except OSError as e:
             self.discard()
             raise CheckpointError(f"{self.dir}: could not prepare the checkpoint's files ({e.strerror or e})") from e
@@ -194,51 +178,17 @@ class PreparedFiles:
     def fits(self, file: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> bool:
         return file in self.views and self.layouts[file] == (_specs(tensors), metadata)
 
-    def landed(self, t: torch.Tensor) -> None:
-        """Says that a view (``views[file][name]``) now holds its final bytes: the chunks of its
-        file that it completes are hashed now, on all cores, while the gather goes on. Anything
-        else is ignored."""
-        if (key := self.by_ptr.get(t.data_ptr())) is not None:
-            self._landed(*key)
-
-    def _landed(self, file: str, name: str) -> None:
-        for c, waiting in enumerate(self.waiting[file]):
-            if name in waiting:
-                waiting.discard(name)
-                if not waiting:
-                    self._hash(file, c)
-
-    def _hash(self, file: str, c: int) -> None:
-        if self.pool is None:
-            self.pool = ThreadPoolExecutor(digest.THREADS, thread_name_prefix="hash")
-        mm = self.maps[file]
-        view = memoryview(mm)[c * digest.CHUNK:(c + 1) * digest.CHUNK]
-        self.hashes[file][c] = self.pool.submit(lambda: hashlib.sha256(view).digest())
-
-    def write(self, file: str, tensors: dict[str, torch.Tensor]) -> str:
-        """Puts ``tensors`` into the file (a tensor already in its view is not copied); its digest
-        (``digest.digest_file``'s), from the chunks hashed as their tensors landed and the rest now."""
+    def write(self, file: str, tensors: dict[str, torch.Tensor], pool: ThreadPoolExecutor) -> str:
+        """Puts ``tensors`` into the file (a tensor already in its view is not copied); its digest."""
         views = self.views[file]
         for name, t in tensors.items():
             if t.data_ptr() != views[name].data_ptr() or t.numel() == 0:
                 views[name].copy_(t)
-                start, end = self.spans[file][name]
-                for c in range(start // digest.CHUNK, -(-end // digest.CHUNK)):  # hashed again below
-                    if (stale := self.hashes[file].pop(c, None)) is not None:
-                        stale.cancel()
-                self._landed(file, name)
-        for c, waiting in enumerate(self.waiting[file]):
-            waiting.clear()
-            if c not in self.hashes[file]:
-                self._hash(file, c)
-        return digest.combine([self.hashes[file][c].result() for c in range(len(self.waiting[file]))])
+        return digest.digest_buffer(memoryview(self.maps[file]), pool)
 
     def release(self) -> None:
-        """Drops the views (the mappings go with the last tensor over them) and the hashing threads."""
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-            self.pool = None
-        self.views, self.maps, self.hashes, self.by_ptr = {}, {}, {}, {}
+        """Drops the views: the mappings go with the last tensor over them."""
+        self.views, self.maps = {}, {}
 
     def discard(self) -> None:
         self.release()
@@ -283,7 +233,7 @@ def _write_files(tmp: Path, manifest: Manifest, files: dict[str, dict[str, torch
             path = tmp / name
             t0 = time.perf_counter()
             if prepared is not None and prepared.fits(name, tensors, metadata.get(name)):
-                checksum = prepared.write(name, tensors)
+                checksum = prepared.write(name, tensors, pool)
                 t1 = time.perf_counter()
                 if durable:
                     fsync_path(path)

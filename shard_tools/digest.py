@@ -18,7 +18,7 @@ _READ = 8 << 20
 THREADS = min(16, os.cpu_count() or 1)
 
 
-def combine(digests: list[bytes]) -> str:
+def _combine(digests: list[bytes]) -> str:
     return hashlib.sha256(b"".join(digests)).hexdigest()
 
 
@@ -43,13 +43,13 @@ def digest_file(path: Path, chunk: int = CHUNK) -> str:
             digests = list(pool.map(lambda o: _file_chunk(fd, o, min(chunk, size - o)), offsets))
     finally:
         os.close(fd)
-    return combine(digests)
+    return _combine(digests)
 
 
 def digest_buffer(buf: memoryview, pool: ThreadPoolExecutor, chunk: int = CHUNK) -> str:
     """The digest of bytes in memory (a mapped file), a chunk a thread."""
     views = [buf[o:o + chunk] for o in range(0, max(len(buf), 1), chunk)]
-    return combine(list(pool.map(lambda v: hashlib.sha256(v).digest(), views)))
+    return _combine(list(pool.map(lambda v: hashlib.sha256(v).digest(), views)))
 
 
 def chunk_pieces(buffers: list[memoryview], chunk: int = CHUNK) -> list[list[memoryview]]:
@@ -86,4 +86,4 @@ def write_and_digest(fd: int, buffers: list[memoryview], pool: ThreadPoolExecuto
     for pieces in chunk_pieces(buffers, chunk):
         jobs.append(pool.submit(_write_and_hash, fd, offset, pieces))
         offset += sum(len(p) for p in pieces)
-    return combine([j.result() for j in jobs])
+    return _combine([j.result() for j in jobs])

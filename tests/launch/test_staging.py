@@ -34,3 +34,35 @@ def test_module_to_device_keeps_ties_and_buffers():
     assert model.lm_head.weight is model.transformer.wte.weight
     assert all(t.device.type == "cuda" for t in model.state_dict().values())
     assert all(torch.equal(model.state_dict()[n].cpu(), t) for n, t in before.items())
+
+
+def test_registered_module_goes_to_the_device_by_dma_and_is_unpinned_after():
+    import threading
+
+    from launch.staging import Staging
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=16))
+    model.transformer.h[0].attn.c_attn.weight.data = model.transformer.h[0].attn.c_attn.weight.data.bfloat16()
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    staging = Staging(torch.device("cuda", 0), slots=2, slot_bytes=4096)
+    assert staging.register_module(model)
+    buf = staging.registered
+    # Every weight now lives in the one registered buffer, tied ones once, values unchanged.
+    assert model.lm_head.weight is model.transformer.wte.weight
+    for t in model.state_dict().values():
+        assert buf.data_ptr() <= t.data_ptr() < buf.data_ptr() + buf.nbytes
+    assert all(torch.equal(model.state_dict()[n], t) for n, t in before.items())
+    with torch.no_grad():
+        model.transformer.wte.weight.add_(1.0)  # written after registering (the early read does): still copied
+    staging.module_to_device(model)
+    torch.cuda.synchronize()
+    assert all(t.device.type == "cuda" for t in model.state_dict().values())
+    assert torch.equal(model.lm_head.weight.cpu(), before["lm_head.weight"] + 1.0)
+    assert all(torch.equal(model.state_dict()[n].cpu(), t) for n, t in before.items() if "wte" not in n and "lm_head" not in n)
+    staging.unregister_later()
+    assert staging.registered is None
+    for t in threading.enumerate():
+        if t.name == "unpin":
+            t.join(10)
+    assert torch.cuda.cudart().cudaHostUnregister(buf.data_ptr()) != 0  # already unpinned

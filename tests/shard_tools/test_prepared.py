@@ -118,25 +118,3 @@ def test_map_tensors_names_a_damaged_file(tmp_path):
     with pytest.raises(CheckpointError, match="missing"):
         map_tensors(path / "nothing.safetensors")
 
-
-def test_chunks_are_hashed_as_their_tensors_land(tmp_path):
-    # 160 MB over three 64 MiB chunks (the format's chunk size), landed out of order, one tensor
-    # landed and then overwritten by the write: the digest is that of the file, as verify reads it.
-    g = torch.Generator().manual_seed(5)
-    head = {f"{k}/w{i}": torch.randn(10_000_000, generator=g) for k in ("exp_avg", "master") for i in (0, 1)}
-    files = {HEAD: head, STATE: {"global_step": torch.tensor([7])}}
-    prepared = PreparedFiles(tmp_path, {HEAD: {n: (t.dtype, tuple(t.shape)) for n, t in head.items()}})
-    views = prepared.views[HEAD]
-    for name in ("master/w1", "exp_avg/w0", "exp_avg/w1"):
-        views[name].copy_(head[name])
-        prepared.landed(views[name])
-        files[HEAD][name] = views[name]
-    # Sorted by name: chunk 0 holds the exp_avg tensors, chunk 2 the end of master/w1; both are
-    # being hashed already. Chunk 1 waits for master/w0.
-    assert sorted(prepared.hashes[HEAD]) == [0, 2]
-    prepared.landed(torch.zeros(3))  # not one of its views: ignored
-    files[HEAD]["exp_avg/w1"] = torch.ones(10_000_000)  # the write copies it over what landed
-    path = write_checkpoint(tmp_path, manifest(7), files, prepared=prepared)
-    assert verify_checkpoint(path) == []
-    back = load_file(path / HEAD)
-    assert all(torch.equal(back[n], files[HEAD][n]) for n in head)
