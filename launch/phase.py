@@ -218,6 +218,7 @@ class Phase:
             if self.staging is not None and spec.zero_stage < 3:
                 # Pinned in place, for a fast upload at the go (``Staging.register_module``).
                 self.records["weights_registered"] = self.staging.register_module(model)
+                self.records["t_registered"] = time.time()
         torch.manual_seed(hash_seed(spec.seed, spec.phase, self.rank))
         self.prepared = self._prepare_files()
         self.records["t_prepared"] = time.time()
