@@ -205,23 +205,32 @@ class Phase:
         """The checkpoint whose changes the host model holds, and its manifest's text."""
         self.records["t_model_ready"] = time.time()
         if spec.prewarm:
+            # On CUDA the weights go into one host buffer pinned in place, for a fast upload at
+            # the go (``Staging.register_module``): in a thread, while the warm-up (which does
+            # not touch this model) waits for the device.
+            registering = _Background(self._register) if self.staging is not None and spec.zero_stage < 3 else None
             modules = set(sys.modules)
             self._warm_up()
             self.records["t_warmed_up"] = time.time()
             # What the fork server could import for every phase (launch.zygote.WARM_IMPORTS).
             self.records["warm_up_imports"] = sorted(set(sys.modules) - modules)[:50]
-            # The head's weights get pages of their own now (a forked process shares the fork
-            # server's until it writes them), not when the predecessor's are put in them.
-            params = dict(model.named_parameters())
-            for n in self.head_names:
-                params[n].data = params[n].data.clone()
-            if self.staging is not None and spec.zero_stage < 3:
-                # Pinned in place, for a fast upload at the go (``Staging.register_module``).
-                self.records["weights_registered"] = self.staging.register_module(model)
-                self.records["t_registered"] = time.time()
+            if registering is not None:
+                registering.join()
+            else:
+                # The head's weights get pages of their own now (a forked process shares the fork
+                # server's until it writes them), not when the predecessor's are put in them.
+                params = dict(model.named_parameters())
+                for n in self.head_names:
+                    params[n].data = params[n].data.clone()
         torch.manual_seed(hash_seed(spec.seed, spec.phase, self.rank))
         self.prepared = self._prepare_files()
         self.records["t_prepared"] = time.time()
+
+    def _register(self) -> None:
+        t0 = time.time()
+        self.records["weights_registered"] = self.staging.register_module(self.model)
+        self.records.update(t_registered=time.time(), register_seconds=self.staging.register_seconds,
+                            t_register_start=t0)
 
     def _file_metadata(self) -> dict[str, dict[str, str]]:
         return {LAYERS: {"layers": ",".join(map(str, self.spec.layers)), "layers_prefix": self.layers_attr}}
@@ -639,6 +648,26 @@ def _profiled(report: Path):
         out = io.StringIO()
         pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(60)
         report.write_text(out.getvalue())
+
+
+class _Background(threading.Thread):
+    """Runs ``target`` in a thread; ``join`` raises what it raised."""
+
+    def __init__(self, target):
+        super().__init__(name=target.__name__.strip("_"), daemon=True)
+        self.work, self.error = target, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.work()
+        except BaseException as e:  # noqa: BLE001 - handed to join's caller
+            self.error = e
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
 
 
 def hash_seed(*parts: int) -> int:

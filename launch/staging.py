@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+import time
 
 import torch
 
@@ -47,6 +48,8 @@ class Staging:
 
     registered: torch.Tensor | None = None
     """The host buffer ``register_module`` put the weights in, while the driver has it pinned."""
+    register_seconds: dict[str, float] = {}
+    """What ``register_module`` took: the copy into the buffer and the pinning."""
 
     def register_module(self, module: torch.nn.Module) -> bool:
         """Puts every host parameter and buffer of ``module`` (tied ones once) into one host
@@ -54,6 +57,7 @@ class Staging:
         copy of the weights (pages shared with the fork server become this process's own) and
         their pinning: done while the phase prepares. False where the driver refuses (the ring
         is used then)."""
+        t0 = time.perf_counter()
         with torch.no_grad():
             host: list[torch.Tensor] = []
             _replace_tensors(module, lambda t: host.append(t) if t.device.type == "cpu" else None)
@@ -70,7 +74,11 @@ class Staging:
                 return view
 
             _replace_tensors(module, move)  # the same order as above
-        if int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.nbytes, 0)) != 0:
+        t1 = time.perf_counter()
+        torch.cuda.set_device(self.device)  # per thread: pinned for this device's context, not device 0's
+        rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.nbytes, 0))
+        self.register_seconds = {"copy": t1 - t0, "pin": time.perf_counter() - t1}
+        if rc != 0:
             return False
         self.registered = buf
         return True
@@ -84,6 +92,7 @@ class Staging:
         torch.cuda.current_stream(self.device).synchronize()  # no copy from it is still in flight
 
         def unpin() -> None:
+            torch.cuda.set_device(self.device)
             torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
         threading.Thread(target=unpin, name="unpin", daemon=True).start()
