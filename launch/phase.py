@@ -204,27 +204,38 @@ class Phase:
         self.delta: tuple[Path, str] | None = None
         """The checkpoint whose changes the host model holds, and its manifest's text."""
         self.records["t_model_ready"] = time.time()
+        self.prepared: PreparedFiles | None = None
         if spec.prewarm:
-            # On CUDA the weights go into one host buffer pinned in place, for a fast upload at
-            # the go (``Staging.register_module``): in a thread, while the warm-up (which does
-            # not touch this model) waits for the device.
-            registering = _Background(self._register) if self.staging is not None and spec.zero_stage < 3 else None
+            # While the warm-up waits for the device, a thread does the host side: this phase's
+            # checkpoint files (``_prepare_files``) and, on CUDA, the weights put into one host
+            # buffer pinned in place for a fast upload at the go (``Staging.register_module``).
+            # Both done early: a preparation that ends during its predecessor's save slowed that
+            # save's gather from 0.07 to 0.4-0.5 s on the H200. The warm-up does not touch this model.
+            host_side = _Background(self._prepare_host_side)
             modules = set(sys.modules)
-            self._warm_up()
+            try:
+                self._warm_up()
+            finally:
+                host_side.join()
             self.records["t_warmed_up"] = time.time()
             # What the fork server could import for every phase (launch.zygote.WARM_IMPORTS).
             self.records["warm_up_imports"] = sorted(set(sys.modules) - modules)[:50]
-            if registering is not None:
-                registering.join()
-            else:
-                # The head's weights get pages of their own now (a forked process shares the fork
-                # server's until it writes them), not when the predecessor's are put in them.
-                params = dict(model.named_parameters())
-                for n in self.head_names:
-                    params[n].data = params[n].data.clone()
+        else:
+            self.prepared = self._prepare_files()
         torch.manual_seed(hash_seed(spec.seed, spec.phase, self.rank))
-        self.prepared = self._prepare_files()
         self.records["t_prepared"] = time.time()
+
+    def _prepare_host_side(self) -> None:
+        self.prepared = self._prepare_files()
+        self.records["t_files_prepared"] = time.time()
+        if self.staging is not None and self.spec.zero_stage < 3:
+            self._register()
+        else:
+            # The head's weights get pages of their own now (a forked process shares the fork
+            # server's until it writes them), not when the predecessor's are put in them.
+            params = dict(self.model.named_parameters())
+            for n in self.head_names:
+                params[n].data = params[n].data.clone()
 
     def _register(self) -> None:
         t0 = time.time()

@@ -199,12 +199,18 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 
 
 def _populate(mm: mmap.mmap, fd: int) -> None:
-    """Every page of a new file's mapping in the page cache, dirty and mapped writable."""
+    """Every page of a new file's mapping in the page cache, dirty and mapped writable. The GIL
+    is free meanwhile (ctypes; ``mmap.madvise`` holds it): a phase does this in a thread."""
+    anchor = ctypes.c_char.from_buffer(mm)
     try:
-        mm.madvise(MADV_POPULATE_WRITE)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
+        rc = _libc().madvise(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(len(mm)),
+                             ctypes.c_int(MADV_POPULATE_WRITE))
+        err = ctypes.get_errno() if rc else 0
+    finally:
+        del anchor  # the mapping may be closed once nothing exports it
+    if rc:
+        if err != errno.EINVAL:
+            raise OSError(err, os.strerror(err))
         # An older kernel: write the file (errors are errors, not SIGBUS), then touch each page.
         zeros = bytes(digest.CHUNK)
         for offset in range(0, len(mm), digest.CHUNK):
