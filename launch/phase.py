@@ -26,7 +26,6 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from launch import procs, zero_state
-from launch.zero_state import MOMENTS
 from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.data import SampleOrder, load_examples, micro_batch
 from launch.scaler import restore_scaler, scaler_tensors
@@ -363,7 +362,7 @@ class Phase:
                 raise
             return  # read again at the go, which names only a checkpoint the orchestrator checked
         self.populating = threading.Thread(target=populate_pages, daemon=True, name="populate",
-                                           args=([t for k in MOMENTS for t in self.head_state[k].values()],))
+                                           args=([t for k in zero_state.MOMENTS for t in self.head_state[k].values()],))
         self.populating.start()
         self.preloaded, self.restored, self.delta = sources, manifest, (restore, text)
         if early:

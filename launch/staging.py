@@ -10,8 +10,8 @@ the device copies another.
 The model's weights, which a pre-warmed phase holds long before its go, are the exception
 (``register_module``): they go into one host buffer that the driver pins in place
 (``cudaHostRegister``) while the phase prepares, are copied to the device by DMA alone at the go
-(2.2 GB: 0.04 s against 0.14-0.33 s through the ring inside a switch), and are unpinned in a
-thread once the phase trains (0.04 s; ``benchmarks/results/2026-11-30-nvidia-h200-v5/``).
+(2.2 GB: 0.01-0.02 s against 0.14-0.33 s through the ring inside a switch), and are unpinned in
+a thread once the phase trains (0.04 s; ``benchmarks/results/2026-11-30-nvidia-h200-v5/``).
 """
 
 from __future__ import annotations
@@ -154,9 +154,9 @@ class Staging:
 
 
 def _host_buffer(size: int) -> torch.Tensor:
-    """``size`` bytes of host memory in huge pages where the kernel has them (transparent huge
-    pages): a 2 MB page is faulted and zeroed at once, where 4 KB pages take 512 faults (the
-    copy into a fresh 2.2 GB buffer was most of registering it), and fewer pages are pinned."""
+    """``size`` bytes of host memory, in transparent huge pages where the kernel gives them: one
+    fault per 2 MB instead of 512, and fewer pages to pin. (Copying into a fresh 2.2 GB buffer is
+    most of registering it: 0.2 s on a quiet H200 host, pinning 0.05-0.1 s.)"""
     mm = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         mm.madvise(mmap.MADV_HUGEPAGE)

@@ -128,6 +128,10 @@ def test_switches_are_quiet(warm):
     for k, (p, r) in enumerate(zip(paused, resumed)):
         assert done[k]["t_first_step_end"] < p["time"] < done[k]["t_gone"] < done[k + 1]["t_go"]
         assert r["time"] >= done[k + 1]["t_first_step_end"]
+    for rec in done.values():  # the end of a phase, as benchmarks/breakdown.py splits it
+        assert rec["t_last_step_end"] < rec["t_saved"] < rec["t_reaped"] <= rec["t_seen"] <= rec["t_gone"]
+    for k in range(1, 6):  # a pre-warmed phase made its files in a thread during its warm-up
+        assert done[k]["t_model_ready"] < done[k]["t_files_prepared"] <= done[k]["t_prepared"] < done[k]["t_go"]
     started = {e["phase"]: e["time"] for e in ev if e["event"] == "prewarm_started"}
     assert sorted(started) == [1, 2, 3, 4, 5]
     for j in range(3, 6):  # started once the switch into phase j - 2 was over

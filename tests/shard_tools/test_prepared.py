@@ -118,3 +118,29 @@ def test_map_tensors_names_a_damaged_file(tmp_path):
     with pytest.raises(CheckpointError, match="missing"):
         map_tensors(path / "nothing.safetensors")
 
+
+def _rss_kb(address: int) -> int:
+    """Resident kB of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds that address")
+
+
+def test_map_tensors_without_populate_maps_pages_only_when_asked(tmp_path):
+    from shard_tools.checkpoint import populate_pages
+
+    g = torch.Generator().manual_seed(6)
+    big = {HEAD: {"master/w": torch.randn(2_000_000, generator=g), "exp_avg/w": torch.randn(2_000_000, generator=g)}}
+    path = write_checkpoint(tmp_path, manifest(2), big)
+    lazy = map_tensors(path / HEAD, populate=False)
+    moments = lazy["exp_avg/w"]
+    assert _rss_kb(moments.data_ptr()) < 1000  # 16 MB mapped, nothing of it in this process yet
+    populate_pages([moments])
+    assert _rss_kb(moments.data_ptr()) >= 7800  # its 8 MB now are (the page cache's own pages)
+    assert torch.equal(moments, big[HEAD]["exp_avg/w"]) and torch.equal(lazy["master/w"], big[HEAD]["master/w"])
