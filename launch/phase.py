@@ -196,7 +196,7 @@ class Phase:
         self.order = SampleOrder(len(self.examples), spec.seed, spec.data.shuffle)
         preload = Path(spec.preload) if spec.preload else (Path(spec.restore) if spec.restore else None)
         self.preloaded = layer_sources(self.run_dir, preload) if preload else {}
-        self._overlay(layer_weights(self.preloaded))
+        self._overlay(layer_weights(self.preloaded, mapped=True))
         self.restored: Manifest | None = None
         self.populating: threading.Thread | None = None
         """Maps the head's moments (``_read_delta``) while the engine is built."""
@@ -349,7 +349,7 @@ class Phase:
             if early and manifest.created < self.records["t_process_start"]:
                 return  # an older checkpoint at that step (damaged, being replaced): not the predecessor's
             sources = layer_sources(self.run_dir, restore)
-            self._overlay(layer_weights({l: s for l, s in sources.items() if self.preloaded.get(l) != s}))
+            self._overlay(layer_weights({l: s for l, s in sources.items() if self.preloaded.get(l) != s}, mapped=True))
             t_layers = time.time()
             # The head file's pages, as its writer left them: the masters now, since they go into
             # the model before the engine is built; the moments while it is built (``restore``
