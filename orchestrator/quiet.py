@@ -46,18 +46,28 @@ class Pauser:
         if self.limit <= 0 or self.active:
             return
         for g in groups:
-            ranks = procs.recorded(g.phase_dir, "rank-")
-            if g.proc.poll() is None and ranks:
-                procs.signal_all(ranks, signal.SIGSTOP)
-                self.paused[g.work.phase.index] = (g, ranks)
+            if g.proc.poll() is None:
+                self.paused[g.work.phase.index] = (g, [])
         if self.paused:
             self.since = time.time()
+            self.stop_new_ranks()
             self.event("preparing_paused", phases=sorted(self.paused),
                        pids=sorted(p.pid for _, ranks in self.paused.values() for p in ranks))
 
+    def stop_new_ranks(self) -> None:
+        """SIGSTOP to the ranks of paused groups that were recorded since: a group started just
+        before the pause may not have been forked yet (the fork server forks when it gets to it),
+        and must not start preparing in the middle of the switch."""
+        for g, ranks in self.paused.values():
+            known = {p.pid for p in ranks}
+            new = [p for p in procs.recorded(g.phase_dir, "rank-") if p.pid not in known]
+            if new:
+                procs.signal_all(new, signal.SIGSTOP)
+                ranks.extend(new)
+
     def resume(self, reason: str, groups: list[Group] | None = None) -> None:
         """SIGCONT to ``groups`` (every paused one if None): the ranks stopped, and any recorded
-        since (a rank the fork server forked after the pause is not stopped, but harmless)."""
+        since."""
         chosen = [i for i, (g, _) in self.paused.items() if groups is None or any(g is x for x in groups)]
         if not chosen:
             return

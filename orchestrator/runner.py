@@ -376,6 +376,7 @@ class Runner:
                         self._prewarm_ahead(pending, work)
                 if self.pauser.overdue():
                     self.pauser.resume("limit")
+                self.pauser.stop_new_ranks()
                 if not switching and not paused_here and done >= ph.end_step - 1:
                     self.pauser.pause(pending[1:])
                     paused_here = True
