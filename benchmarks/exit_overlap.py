@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from _report import write_report
+
 CHILD = r"""
 import ctypes, hashlib, json, os, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
@@ -91,14 +93,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    import torch
-
     runs = [r for mode in ("sequential", "reset") for r in run(mode, args.repeat)]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "exit_overlap.json").write_text(json.dumps(runs, indent=1))
-    lines = [f"# Device teardown overlapping the hash ({time.strftime('%Y-%m-%d')}, "
-             f"{torch.cuda.get_device_name(0)}, torch {torch.__version__})", "",
-             "| mode | rc | t0 -> reaped (median) | runs: t0 -> reaped / hash done / exit / reset / destroy |",
+    lines = ["| mode | rc | t0 -> reaped (median) | runs: t0 -> reaped / hash done / exit / reset / destroy |",
              "| --- | --- | ---: | --- |"]
     for mode in ("sequential", "reset"):
         rs = [r for r in runs if r["mode"] == mode and "end_seconds" in r]
@@ -106,8 +102,7 @@ def main() -> None:
                           f"{r.get('reset_seconds', 0):.3f} / {r.get('destroy_seconds', 0):.3f}" for r in rs)
         med = f"{statistics.median(r['end_seconds'] for r in rs):.3f}" if rs else "-"
         lines.append(f"| {mode} | {sorted({r['rc'] for r in runs if r['mode'] == mode})} | {med} | {cells} |")
-    (args.out / "exit_overlap.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "exit_overlap", runs, "Device teardown overlapping the hash", lines)
 
 
 if __name__ == "__main__":

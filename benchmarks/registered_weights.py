@@ -23,8 +23,9 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from _report import write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,11 +110,7 @@ def main() -> None:
             runs.append({"way": way, **json.loads(r.stdout.strip().splitlines()[-1])})
         except (json.JSONDecodeError, IndexError):
             runs.append({"way": way, "error": r.stderr[-2000:]})
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "registered_weights.json").write_text(json.dumps(runs, indent=1))
-    lines = [f"# 2.2 GB of host weights: registered vs the ring ({time.strftime('%Y-%m-%d')}, "
-             f"{torch.cuda.get_device_name(0)}, torch {torch.__version__})", "",
-             "| way | register s | upload s | unregister s (in a thread) | step s median | steps during unregister |",
+    lines = ["| way | register s | upload s | unregister s (in a thread) | step s median | steps during unregister |",
              "| --- | ---: | ---: | ---: | ---: | --- |"]
     for r in runs:
         if "error" in r:
@@ -121,8 +118,7 @@ def main() -> None:
             continue
         lines.append(f"| {r['way']} | {r.get('register', 0):.3f} | {r['upload']:.3f} | {r.get('unregister', 0):.3f} "
                      f"| {statistics.median(r['steps']):.3f} | {', '.join(f'{s:.3f}' for s in r.get('steps_during', []))} |")
-    (args.out / "registered_weights.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "registered_weights", runs, "2.2 GB of host weights: registered vs the ring", lines)
 
 
 if __name__ == "__main__":

@@ -198,7 +198,7 @@ class Phase:
         self.preloaded = layer_sources(self.run_dir, preload) if preload else {}
         self._overlay(layer_weights(self.preloaded, mapped=True))
         self.restored: Manifest | None = None
-        self.populating: threading.Thread | None = None
+        self.populating: _Background | None = None
         """Maps the head's moments (``_read_delta``) while the engine is built."""
         self.delta: tuple[Path, str] | None = None
         """The checkpoint whose changes the host model holds, and its manifest's text."""
@@ -361,9 +361,7 @@ class Phase:
             if not early:
                 raise
             return  # read again at the go, which names only a checkpoint the orchestrator checked
-        self.populating = threading.Thread(target=populate_pages, daemon=True, name="populate",
-                                           args=([t for k in zero_state.MOMENTS for t in self.head_state[k].values()],))
-        self.populating.start()
+        self.populating = _Background(populate_pages, [t for k in zero_state.MOMENTS for t in self.head_state[k].values()])
         self.preloaded, self.restored, self.delta = sources, manifest, (restore, text)
         if early:
             self.records.update(t_early_read_start=t0, t_early_read_end=time.time(), t_early_read_layers=t_layers)
@@ -661,16 +659,16 @@ def _profiled(report: Path):
 
 
 class _Background(threading.Thread):
-    """Runs ``target`` in a thread; ``join`` raises what it raised."""
+    """Runs ``target(*args)`` in a thread; ``join`` raises what it raised."""
 
-    def __init__(self, target):
+    def __init__(self, target, *args):
         super().__init__(name=target.__name__.strip("_"), daemon=True)
-        self.work, self.error = target, None
+        self.work, self.args_, self.error = target, args, None
         self.start()
 
     def run(self) -> None:
         try:
-            self.work()
+            self.work(*self.args_)
         except BaseException as e:  # noqa: BLE001 - handed to join's caller
             self.error = e
 

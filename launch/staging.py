@@ -38,6 +38,10 @@ class Staging:
         self.done: list[torch.cuda.Event | None] = [None] * slots
         self.stream = torch.cuda.Stream(device)
         self.turn = 0
+        self.registered: torch.Tensor | None = None
+        """The host buffer ``register_module`` put the weights in, while the driver has it pinned."""
+        self.register_seconds: dict[str, float] = {}
+        """What ``register_module`` took: the copy into the buffer and the pinning."""
 
     def _slot(self) -> tuple[int, torch.Tensor]:
         i = self.turn % len(self.slots)
@@ -45,11 +49,6 @@ class Staging:
         if self.done[i] is not None:
             self.done[i].synchronize()  # the device is through with this slot's last copy
         return i, self.slots[i]
-
-    registered: torch.Tensor | None = None
-    """The host buffer ``register_module`` put the weights in, while the driver has it pinned."""
-    register_seconds: dict[str, float] = {}
-    """What ``register_module`` took: the copy into the buffer and the pinning."""
 
     def register_module(self, module: torch.nn.Module) -> bool:
         """Puts every host parameter and buffer of ``module`` (tied ones once) into one host

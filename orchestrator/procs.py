@@ -10,22 +10,31 @@ from pathlib import Path
 import psutil
 
 
+def _pid_records(phase_dir: Path, prefix: str = "") -> list[dict]:
+    """The readable pid files in phase_dir/pids whose names start with ``prefix``, in name order."""
+    out = []
+    for f in sorted((phase_dir / "pids").glob(f"{prefix}*.json")):
+        try:
+            rec = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
 def recorded(phase_dir: Path, prefix: str = "") -> list[psutil.Process]:
     """Live processes whose pid files are in phase_dir/pids (matched on create time: no pid reuse).
 
     Ranks record themselves as ``rank-N``, the launcher as ``launcher``.
     """
     out = []
-    pids = phase_dir / "pids"
-    if not pids.is_dir():
-        return out
-    for f in sorted(pids.glob(f"{prefix}*.json")):
+    for rec in _pid_records(phase_dir, prefix):
         try:
-            rec = json.loads(f.read_text())
             p = psutil.Process(rec["pid"])
             if abs(p.create_time() - rec["create_time"]) < 0.01:
                 out.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, json.JSONDecodeError, KeyError, OSError):
+        except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError):
             continue
     return out
 
@@ -33,10 +42,10 @@ def recorded(phase_dir: Path, prefix: str = "") -> list[psutil.Process]:
 def recorded_pids(phase_dir: Path) -> set[int]:
     """Every pid ever recorded in phase_dir/pids, alive or not."""
     out = set()
-    for f in (phase_dir / "pids").glob("*.json"):
+    for rec in _pid_records(phase_dir):
         try:
-            out.add(int(json.loads(f.read_text())["pid"]))
-        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+            out.add(int(rec["pid"]))
+        except (KeyError, TypeError, ValueError):
             continue
     return out
 

@@ -64,7 +64,8 @@ def write_checkpoint(
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(manifest.global_step)
-    if prepared is not None and any(prepared.fits(f, t, metadata.get(f)) for f, t in files.items()):
+    fitting = {f for f, t in files.items() if prepared is not None and prepared.fits(f, t, metadata.get(f))}
+    if fitting:
         tmp = prepared.dir
     else:
         if prepared is not None:
@@ -73,7 +74,7 @@ def write_checkpoint(
         tmp = root / f"{TMP_PREFIX}{final.name}.{os.getpid()}"
         tmp.mkdir(mode=0o700)
     try:
-        timing = _write_files(tmp, manifest, files, metadata, durable, prepared)
+        timing = _write_files(tmp, manifest, files, metadata, durable, prepared, fitting)
     except (OSError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         reason = getattr(e, "strerror", None) or str(e).rsplit("I/O error: ", 1)[-1]
@@ -198,17 +199,28 @@ class PreparedFiles:
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 
 
-def _populate(mm: mmap.mmap, fd: int) -> None:
-    """Every page of a new file's mapping in the page cache, dirty and mapped writable. The GIL
-    is free meanwhile (ctypes; ``mmap.madvise`` holds it): a phase does this in a thread."""
+def _madvise(address: int, length: int, advice: int) -> int:
+    """madvise(2) through ctypes, which frees the GIL meanwhile (``mmap.madvise`` holds it): 0, or
+    the errno."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), ctypes.c_int(advice)) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def _madvise_mapping(mm: mmap.mmap, advice: int) -> int:
+    """``_madvise`` over all of ``mm``."""
     anchor = ctypes.c_char.from_buffer(mm)
     try:
-        rc = _libc().madvise(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(len(mm)),
-                             ctypes.c_int(MADV_POPULATE_WRITE))
-        err = ctypes.get_errno() if rc else 0
+        return _madvise(ctypes.addressof(anchor), len(mm), advice)
     finally:
         del anchor  # the mapping may be closed once nothing exports it
-    if rc:
+
+
+def _populate(mm: mmap.mmap, fd: int) -> None:
+    """Every page of a new file's mapping in the page cache, dirty and mapped writable. The GIL
+    is free meanwhile: a phase does this in a thread."""
+    if err := _madvise_mapping(mm, MADV_POPULATE_WRITE):
         if err != errno.EINVAL:
             raise OSError(err, os.strerror(err))
         # An older kernel: write the file (errors are errors, not SIGBUS), then touch each page.
@@ -228,8 +240,10 @@ def _view(mm: mmap.mmap, spec: tuple[torch.dtype, tuple[int, ...]], start: int) 
 
 
 def _write_files(tmp: Path, manifest: Manifest, files: dict[str, dict[str, torch.Tensor]],
-                 metadata: dict[str, dict[str, str]], durable: bool, prepared: PreparedFiles | None) -> dict[str, float]:
-    """Writes every file, hashing its bytes on all cores while they are written; returns timings."""
+                 metadata: dict[str, dict[str, str]], durable: bool, prepared: PreparedFiles | None,
+                 fitting: set[str]) -> dict[str, float]:
+    """Writes every file, hashing its bytes on all cores while they are written (those in
+    ``fitting`` into ``prepared``'s); returns timings."""
     # Fault injection for the crash tests: SIGKILL this process right after writing one file.
     kill_after = os.environ.get("RELAYER_TEST_KILL_AFTER")
     entries: dict[str, FileEntry] = {}
@@ -238,7 +252,7 @@ def _write_files(tmp: Path, manifest: Manifest, files: dict[str, dict[str, torch
         for name, tensors in files.items():
             path = tmp / name
             t0 = time.perf_counter()
-            if prepared is not None and prepared.fits(name, tensors, metadata.get(name)):
+            if name in fitting:
                 checksum = prepared.write(name, tensors, pool)
                 t1 = time.perf_counter()
                 if durable:
@@ -320,10 +334,7 @@ def map_tensors(path: Path, populate: bool = True) -> dict[str, torch.Tensor]:
     finally:
         os.close(fd)
     if populate:
-        try:
-            mm.madvise(MADV_POPULATE_READ)
-        except OSError:  # an older kernel: the pages are mapped as they are first read
-            pass
+        _madvise_mapping(mm, MADV_POPULATE_READ)  # an error (an older kernel): mapped as first read
     return {k: _view(mm, specs[k], start) for k, (start, _) in spans.items()}
 
 
@@ -331,16 +342,11 @@ def populate_pages(tensors: list[torch.Tensor]) -> None:
     """Maps the pages of tensors over ``map_tensors``' mappings now (``MADV_POPULATE_READ``), so
     that the copy that reads them later does not stop at every page. The GIL is free meanwhile:
     a thread can do it while the caller goes on. Does nothing where the kernel cannot."""
-    madvise = _libc().madvise
     for t in tensors:
         if t.numel():
             start = t.data_ptr() - t.data_ptr() % mmap.PAGESIZE
-            madvise(ctypes.c_void_p(start), ctypes.c_size_t(t.data_ptr() + t.nbytes - start),
-                    ctypes.c_int(MADV_POPULATE_READ))  # an error leaves the pages to their first read
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)  # calls into it release the GIL
+            # An error leaves the pages to their first read.
+            _madvise(start, t.data_ptr() + t.nbytes - start, MADV_POPULATE_READ)
 
 
 def file_metadata(path: Path) -> dict[str, str]:
