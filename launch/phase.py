@@ -75,6 +75,18 @@ def lr_at(step: int, opt) -> float:
     return opt.lr * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
+class NonFinite(procs.PhaseError):
+    """The loss or the gradient norm of a step is inf or NaN: training on would make garbage."""
+
+
+def check_finite(phase: int, step: int, loss: float, bad_norm: bool, norm) -> None:
+    """Raises NonFinite naming the phase and the step (numbered as ``orchestrator plan`` does)."""
+    what = ([] if math.isfinite(loss) else [f"the loss is {loss}"]) + ([f"the gradient norm is {norm}"] if bad_norm else [])
+    if what:
+        raise NonFinite(f"phase {phase}, step {step}: {' and '.join(what)}; stopped there, nothing of this step "
+                        "or after it is saved")
+
+
 def versions() -> dict[str, str]:
     return {
         "relayer": RELAYER_VERSION, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
@@ -468,9 +480,15 @@ class Phase:
                 self.engine.step()
                 loss_sum += loss.item()
             self.step += 1
-            # One small collective a step: the mean loss, and whether any rank was asked to stop.
-            flags = torch.tensor([loss_sum / self.gas, 1.0 if stop["signal"] else 0.0], device=self.device)
+            # One small collective a step: the mean loss, whether any rank was asked to stop, and
+            # whether any saw a non-finite gradient norm (fp16's loss scaler skips those steps).
+            norm = self.engine.get_global_grad_norm()
+            bad_norm = norm is not None and not self.engine.fp16_enabled() and not math.isfinite(float(norm))
+            flags = torch.tensor([loss_sum / self.gas, 1.0 if stop["signal"] else 0.0, float(bad_norm)],
+                                 device=self.device)
             torch.distributed.all_reduce(flags)
+            # Every rank decides on the reduced values, so all stop at the same step, before it is logged or saved.
+            check_finite(spec.phase, self.step - 1, flags[0].item() / self.world, flags[2].item() > 0, norm)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0

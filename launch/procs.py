@@ -114,8 +114,16 @@ def background(on: bool) -> bool:
     return True
 
 
+class PhaseError(Exception):
+    """A fault whose message says all there is to say (a non-finite loss, say): reported as one
+    line, without a traceback."""
+
+
 def report_error(phase_dir: Path, rank: int, error: BaseException) -> None:
     """Leaves the reason a rank failed where the orchestrator looks for it (errors/rank-N.txt)."""
-    errors = phase_dir / "errors"
-    errors.mkdir(parents=True, exist_ok=True)
-    (errors / f"rank-{rank}.txt").write_text(f"{type(error).__name__}: {error}\n")
+    write_reason(phase_dir / "errors" / f"rank-{rank}.txt", error)
+
+
+def write_reason(path: Path, error: BaseException) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{type(error).__name__}: {error}\n")

@@ -41,6 +41,10 @@ def main(argv: list[str]) -> int:
         from launch.phase import run_phase
 
         return run_phase(spec, rank, world, stop)
+    except procs.PhaseError as e:
+        procs.report_error(Path(spec.phase_dir), rank, e)
+        print(f"rank {rank}: {e}", file=sys.stderr)
+        return 1
     except BaseException as e:
         procs.report_error(Path(spec.phase_dir), rank, e)
         raise

@@ -28,6 +28,7 @@ from launch import procs
 from launch.spec import PhaseSpec
 
 REQUEST = 4096  # one request; PIPE_BUF, so a write arrives whole
+ERROR_FILE = "zygote.error"  # RUN_DIR/zygote.error: why this process failed
 # Modules a phase's first optimizer and first deepspeed.initialize import; importing them here (no
 # device is touched by importing) saves every forked phase that part of its warm-up. The biggest:
 # torch.optim's first optimizer imports torch._dynamo, and DeepSpeed's optimizer check imports its
@@ -130,12 +131,21 @@ class Zygote:
 
 def main(argv: list[str]) -> None:
     spec = PhaseSpec.read(argv[1])
+    try:
+        serve(spec, argv[2])
+    except Exception as e:
+        # The orchestrator names this reason (and zygote.log's last lines) in the phase's failure.
+        procs.write_reason(Path(spec.run_dir) / ERROR_FILE, e)
+        raise
+
+
+def serve(spec: PhaseSpec, requests: str) -> None:
     procs.set_parent_death_signal()
     if spec.orchestrator_pid is not None:
         procs.watch_orchestrator(spec.orchestrator_pid)
     zygote = Zygote(spec)
     threading.Thread(target=zygote.reap_forever, daemon=True, name="reaper").start()
-    fd = os.open(argv[2], os.O_RDONLY)
+    fd = os.open(requests, os.O_RDONLY)
     while True:
         record = b""
         while len(record) < REQUEST:

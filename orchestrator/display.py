@@ -13,6 +13,7 @@ from typing import Callable
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from orchestrator.errors import ScheduleError
 from orchestrator.estimate import PlanEstimate, format_bytes
@@ -116,10 +117,14 @@ def run_state(run_dir: Path, events: list[dict]) -> str:
             return "running"
         finally:
             os.close(fd)
-    last = next((e["event"] for e in reversed(events) if e["event"] in
-                 ("run_done", "preempted", "phase_failed", "phase_started", "run_started", "resumed")), None)
-    return {"run_done": "done", "preempted": "preempted", "phase_failed": "failed", None: "not started"}.get(
-        last, "stopped (the orchestrator was killed; run again to resume)")
+    last = next((e for e in reversed(events) if e["event"] in
+                 ("run_done", "preempted", "phase_failed", "run_failed", "phase_started", "run_started", "resumed")),
+                {"event": None})
+    if last["event"] in ("phase_failed", "run_failed"):
+        where = f"phase {last['phase']}: " if last["event"] == "phase_failed" else ""
+        return f"failed ({where}{last.get('reason') or 'no reason recorded'})"
+    return {"run_done": "done", "preempted": "preempted", None: "not started"}.get(
+        last["event"], "stopped (the orchestrator was killed; run again to resume)")
 
 
 def print_status(run_dir: Path) -> None:
@@ -130,7 +135,7 @@ def print_status(run_dir: Path) -> None:
     events = read_journal(run_dir)
     ckpt, manifest, skipped = newest_valid(run_dir, checksums=False)
     out = Console()
-    out.print(f"[bold]{run_dir}[/bold]: {run_state(run_dir, events)}")
+    out.print(Text.assemble((str(run_dir), "bold"), f": {run_state(run_dir, events)}"))
     started = [e for e in events if e["event"] == "phase_started"]
     if started:
         e = started[-1]

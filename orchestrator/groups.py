@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -28,6 +29,10 @@ GO_FIFO = "go"
 GO_RECORD = 1024
 ZYGOTE_FIFO = "zygote.fifo"
 ZYGOTE_REQUEST = 4096
+ZYGOTE_LOG = "zygote.log"
+ZYGOTE_ERROR = "zygote.error"
+"""Where the fork server leaves the reason it failed (``launch.zygote``)."""
+LOG_TAIL = 20
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,8 @@ class ForkedProc:
         self.phase_dir, self.nproc, self.zygote = phase_dir, nproc, zygote
         self.pid: int | None = None
         self.returncode: int | None = None
+        self.server_rc: int | None = None
+        """The fork server's exit code, where its end (not a rank's) ended the group."""
         self.times: dict[str, float] = {}
         """When the last rank was reaped by the zygote (``t_reaped``) and that was seen here (``t_seen``)."""
 
@@ -66,6 +73,7 @@ class ForkedProc:
                 self.times = {"t_reaped": max(reaped), "t_seen": time.time()}
             elif self.zygote.poll() is not None:  # its children die with it (parent-death signal)
                 self.returncode = -signal.SIGKILL
+                self.server_rc = self.zygote.returncode
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int | None:
@@ -109,6 +117,8 @@ class PhaseProcesses:
         self.run_dir, self.launch, self.event = run_dir, launch, event
         self.zygote: subprocess.Popen | None = None
         self.zygote_fd = -1
+        self.stopped: set[int] = set()
+        """Fork servers this process ended (their end is no failure of theirs)."""
 
     def phase_dir(self, phase: Phase) -> Path:
         """The phase's directory, emptied of what an earlier attempt at it left."""
@@ -162,7 +172,8 @@ class PhaseProcesses:
             fifo.unlink(missing_ok=True)
             os.mkfifo(fifo, 0o600)
             self.zygote_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
-            log = open(self.run_dir / "zygote.log", "ab")
+            (self.run_dir / ZYGOTE_ERROR).unlink(missing_ok=True)  # an earlier orchestrator's
+            log = open(self.run_dir / ZYGOTE_LOG, "ab")
             os.chmod(log.name, 0o600)
             self.zygote = subprocess.Popen([sys.executable, "-m", "launch.zygote", str(spec_path), str(fifo)],
                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -174,6 +185,7 @@ class PhaseProcesses:
     def stop_fork_server(self) -> None:
         if self.zygote is None:
             return
+        self.stopped.add(self.zygote.pid)
         try:
             os.killpg(self.zygote.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -193,6 +205,17 @@ class PhaseProcesses:
             self.stop_fork_server()
             rc = proc.wait()
         return rc
+
+    def failure(self, group: Group, rc: int) -> tuple[str, Path, list[str]]:
+        """Which process of a failed group ended it and how, its log, and the reasons left in
+        errors files: the fork server's where it died (nothing was forked, or its ranks died with
+        it), else the group's own (a rank or the launcher, all logging to worker.log)."""
+        proc = group.proc
+        if isinstance(proc, ForkedProc) and proc.server_rc is not None and proc.zygote.pid not in self.stopped:
+            return (f"the fork server (launch.zygote, pid {proc.zygote.pid}) ended {exit_text(proc.server_rc)}",
+                    self.run_dir / ZYGOTE_LOG, read_reasons([self.run_dir / ZYGOTE_ERROR]))
+        reasons = read_reasons(sorted((group.phase_dir / "errors").glob("rank-*.txt")))
+        return f"its processes ended {exit_text(rc)}", group.log_path, reasons
 
     def go(self, group: Group, restore: Path | None) -> None:
         """Tells a pre-warmed group its checkpoint; called only once its predecessor is gone."""
@@ -229,3 +252,35 @@ class PhaseProcesses:
         for path in remove_temporaries_of(self.run_dir, procs.recorded_pids(group.phase_dir)):
             self.event("stray_removed", path=str(path))
         procs.remove_comm_buffers(group.port)
+
+
+def exit_text(rc: int) -> str:
+    """How a process ended, after "ended": "with exit code 1", "by signal SIGKILL"."""
+    if rc < 0:
+        try:
+            return f"by signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"by signal {-rc}"
+    return f"with exit code {rc}"
+
+
+def read_reasons(paths: list[Path]) -> list[str]:
+    """The distinct reasons in errors files (one per rank that failed; ranks often agree)."""
+    reasons: list[str] = []
+    for path in paths:
+        try:
+            text = path.read_text(errors="replace").strip()
+        except OSError:
+            continue
+        if text and text not in reasons:
+            reasons.append(text)
+    return reasons
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL) -> str:
+    """The last lines of a log, or a line saying why there are none."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=lines)) or "(empty)\n"
+    except OSError as e:
+        return f"(none: {e.strerror or e})\n"

@@ -26,23 +26,55 @@ class Journal:
         return record
 
 
+# The fields that readers (status, report, the runner) take from events, with their types; an
+# event holding one of another type is not one this code wrote, and is skipped like a torn line.
+FIELD_TYPES: dict[str, type] = {"phase": int, "start_step": int, "end_step": int, "step": int, "layers": list,
+                                "records": dict, "reason": str}
+REQUIRED = {"phase_started": ("phase", "start_step", "end_step", "layers"), "phase_done": ("phase", "step", "layers"),
+            "resumed": ("step",), "preempted": ("step",), "phase_failed": ("phase",)}
+
+
+def is_event(record: Any) -> bool:
+    """A JSON object as ``Journal.write`` makes them: an event name, a time, fields of the types readers expect."""
+    if not (isinstance(record, dict) and isinstance(record.get("event"), str) and _number(record.get("time"))):
+        return False
+    if any(key not in record for key in REQUIRED.get(record["event"], ())):
+        return False
+    for key, kind in FIELD_TYPES.items():
+        value = record.get(key)
+        if value is None and key not in REQUIRED.get(record["event"], ()):
+            continue
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return False
+        if kind is list and not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return False
+    return True
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
+
+
 def read_journal(run_dir: Path) -> list[dict[str, Any]]:
-    """Every complete event; a torn last line (a writer killed mid-write) is skipped."""
+    """Every event; what is not one (a torn last line from a writer killed mid-write, a line edited
+    or damaged by hand) is skipped."""
     path = Path(run_dir) / JOURNAL
     if not path.exists():
         return []
     events = []
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().decode(errors="replace").splitlines():
         try:
-            events.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if is_event(record):
+            events.append(record)
     return events
 
 
 class JsonlTail:
     """What is appended to a JSON-lines file from now on, read incrementally: whole lines only (a
-    line still being written waits for the next read), unparsable ones skipped."""
+    line still being written waits for the next read), lines that are not JSON objects skipped."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -60,7 +92,9 @@ class JsonlTail:
         out = []
         for line in whole.splitlines():
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
                 continue
+            if isinstance(record, dict):
+                out.append(record)
         return out

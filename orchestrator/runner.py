@@ -12,14 +12,13 @@ import signal
 import socket
 import time
 import tomllib
-from collections import deque
 from pathlib import Path
 from typing import Callable
 
 import psutil
 
 from orchestrator import devmem, procs
-from orchestrator.groups import GO_FIFO, Group, PhaseProcesses, Work
+from orchestrator.groups import GO_FIFO, Group, PhaseProcesses, Work, log_tail
 from orchestrator.errors import PhaseFailed, Preempted, RelayerError, RunLocked, ScheduleError
 from orchestrator.journal import Journal, JsonlTail
 from orchestrator.quiet import Pauser
@@ -97,6 +96,11 @@ def schedule_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     return diffs
 
 
+def _without_output_dir(raw: dict) -> dict:
+    run = raw.get("run", {})
+    return {**raw, "run": {k: v for k, v in run.items() if k != "output_dir"}} if isinstance(run, dict) else raw
+
+
 class Runner:
     """Runs a schedule to completion in its run directory. ``run()`` is the whole public API."""
 
@@ -124,6 +128,11 @@ class Runner:
                 signal.signal(s, self._on_signal)
             try:
                 self._loop(fresh)
+            except (PhaseFailed, Preempted):
+                raise  # journaled where raised
+            except (RelayerError, OSError) as e:
+                self._journal_failure(e)
+                raise
             finally:
                 self.groups.stop_fork_server()
                 for s, h in old.items():
@@ -131,6 +140,13 @@ class Runner:
 
     def _event(self, event: str, **fields) -> None:
         self.on_event(self.journal.write(event, **fields))
+
+    def _journal_failure(self, error: Exception) -> None:
+        """For ``status``: why the run stopped, where that is not a phase's fault."""
+        try:
+            self._event("run_failed", reason=str(error))
+        except OSError:
+            pass  # the journal is what failed (a full disk): the message still reaches the user
 
     def _on_signal(self, signum, _frame) -> None:
         self.stop_signal = signum
@@ -142,32 +158,56 @@ class Runner:
         copy = rd / SCHEDULE_COPY
         text = self.loaded.source.read_text()
         if copy.exists():
-            self._check_same_schedule(tomllib.loads(copy.read_text()))
+            self._check_same_schedule(self._read_copy(copy))
             return False
         if rd.exists() and any(p.name != LOCK for p in rd.iterdir()):
             raise ScheduleError(f"{rd}: the output directory exists, is not empty and holds no relayer run")
-        rd.parent.mkdir(parents=True, exist_ok=True)
         tmp = rd.parent / f".tmp-{rd.name}.{os.getpid()}"
-        tmp.mkdir(mode=0o700)
-        (tmp / SCHEDULE_COPY).write_text(text)
-        (tmp / "checkpoints").mkdir()
-        (tmp / "phases").mkdir()
-        if rd.exists():
-            rd.rmdir() if not any(rd.iterdir()) else None
-        os.replace(tmp, rd)
+        try:
+            rd.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir(mode=0o700)
+        except OSError as e:
+            raise ScheduleError(f"{rd}: cannot create the run directory: {e.strerror or e}") from None
+        try:
+            (tmp / SCHEDULE_COPY).write_text(text)
+            (tmp / "checkpoints").mkdir()
+            (tmp / "phases").mkdir()
+            if rd.exists():
+                # Only a lock file left (a run whose first attempt stopped before its directory
+                # was made, or was emptied by hand): free, unless an orchestrator holds it.
+                with RunLock(rd):
+                    (rd / LOCK).unlink(missing_ok=True)
+                rd.rmdir()
+            os.replace(tmp, rd)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         return True
 
+    def _read_copy(self, copy: Path) -> dict:
+        """The run's own copy of its schedule, which a person may have edited: bad input naming it."""
+        try:
+            return tomllib.loads(copy.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ScheduleError(f"{copy}: expected a UTF-8 TOML file: {e.reason} at byte {e.start}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ScheduleError(f"{copy}: TOML syntax error: {e}") from None
+        except OSError as e:
+            raise ScheduleError(f"{copy}: cannot read the run's schedule copy: {e.strerror or e}") from None
+
     def _check_same_schedule(self, old_raw: dict) -> None:
-        new_raw = self.loaded.raw
-        old_raw = {**old_raw, "run": {k: v for k, v in old_raw.get("run", {}).items() if k != "output_dir"}}
-        new_raw = {**new_raw, "run": {k: v for k, v in new_raw.get("run", {}).items() if k != "output_dir"}}
-        diffs = schedule_differences(old_raw, new_raw)
+        diffs = schedule_differences(_without_output_dir(old_raw), _without_output_dir(self.loaded.raw))
         if not diffs:
             return
         _, manifest, _ = newest_valid(self.run_dir, checksums=False)
         done_step = manifest.global_step if manifest else 0
-        old_loaded = validate_schedule(old_raw, self.loaded.source)
-        old_phases = [p for p in plan_phases(old_loaded) if p.start_step < done_step]
+        try:
+            old_planned = plan_phases(validate_schedule(old_raw, self.loaded.source))
+        except ScheduleError as e:
+            # Messages name the user's file: the copy's relative paths are resolved from there.
+            raise ScheduleError(f"{self.run_dir / SCHEDULE_COPY}: the schedule this run was started with is no "
+                                f"longer valid (edited?): {e}") from None
+        old_phases = [p for p in old_planned if p.start_step < done_step]
         new_phases = [p for p in self.phases if p.start_step < done_step]
         # Where and how the work runs does not change what it computes; phases are compared below.
         changes_done = [d for d in diffs if not d.startswith(("schedule.", "launch.", "checkpoint.", "deepspeed.zero_stage"))]
@@ -423,13 +463,15 @@ class Runner:
             self._event("preempted", phase=ph.index, step=step, signal=self.stop_signal, rc=rc)
             raise Preempted(f"preempted by signal {self.stop_signal} in phase {ph.index}; "
                             f"checkpoint at step {step}; run again to resume")
-        tail = "".join(deque(open(group.log_path, errors="replace"), maxlen=20))
-        reasons = sorted({f.read_text().strip() for f in (phase_dir / "errors").glob("rank-*.txt")})
-        self._event("phase_failed", phase=ph.index, rc=rc, log=str(group.log_path), reasons=reasons)
+        who, log, reasons = self.groups.failure(group, rc)
+        if rc == 0:
+            who += f", but its checkpoint {end} is missing or incomplete"
+        steps = f"steps {work.start_step}-{ph.end_step - 1}"  # numbered as plan numbers them
+        self._event("phase_failed", phase=ph.index, rc=rc, log=str(log), reason="; ".join([who, *reasons]),
+                    reasons=reasons)
         why = "".join(f"\n  {r}" for r in reasons)
-        raise PhaseFailed(f"phase {ph.index} (steps {work.start_step}-{ph.end_step}, layers {list(ph.layers)}) "
-                          f"failed with exit code {rc}; earlier checkpoints are intact.{why}\n"
-                          f"last lines of {group.log_path}:\n{tail}")
+        raise PhaseFailed(f"phase {ph.index} ({steps}, layers {list(ph.layers)}) failed: {who}; "
+                          f"earlier checkpoints are intact.{why}\nlast lines of {log}:\n{log_tail(log)}")
 
     def _records(self, phase_dir: Path) -> dict:
         try:
