@@ -59,7 +59,7 @@ def read_journal(run_dir: Path) -> list[dict[str, Any]]:
     """Every event; what is not one (a torn last line from a writer killed mid-write, a line edited
     or damaged by hand) is skipped."""
     path = Path(run_dir) / JOURNAL
-    if not path.exists():
+    if not path.is_file():  # nor a FIFO, which would block the read, nor a folder
         return []
     events = []
     for line in path.read_bytes().decode(errors="replace").splitlines():

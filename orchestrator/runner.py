@@ -186,6 +186,8 @@ class Runner:
 
     def _read_copy(self, copy: Path) -> dict:
         """The run's own copy of its schedule, which a person may have edited: bad input naming it."""
+        if not copy.is_file():  # a FIFO would block the read
+            raise ScheduleError(f"{copy}: expected the run's copy of its schedule, a regular file")
         try:
             return tomllib.loads(copy.read_text(encoding="utf-8"))
         except UnicodeDecodeError as e:

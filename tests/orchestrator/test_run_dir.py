@@ -91,6 +91,16 @@ def test_edited_schedule_copy_is_named(tmp_path, sched, edit, expected):
     assert not list((tmp_path / "run" / "phases").iterdir())
 
 
+def test_schedule_copy_that_is_not_a_file_is_named(tmp_path, sched):
+    Runner(load_schedule(sched))._prepare_run_dir()
+    copy = tmp_path / "run" / "schedule.toml"
+    copy.unlink()
+    os.mkfifo(copy)
+    r = cli("orchestrator", "run", str(sched), timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == f"orchestrator: {copy}: expected the run's copy of its schedule, a regular file\n"
+
+
 NOT_EVENTS = [
     "not json", "[1, 2]", '"text"', "42", "null", "{}", '{"time": 1.0}', '{"event": "run_done"}',
     '{"event": 7, "time": 1.0}', '{"event": "x", "time": "noon"}', '{"event": "x", "time": true}',
