@@ -173,8 +173,8 @@ class Runner:
             (tmp / "checkpoints").mkdir()
             (tmp / "phases").mkdir()
             if rd.exists():
-                # Only a lock file left (a run whose first attempt stopped before its directory
-                # was made, or was emptied by hand): free, unless an orchestrator holds it.
+                # Only a lock file is there (the rest removed by hand, say): the folder is free
+                # unless an orchestrator holds the lock.
                 with RunLock(rd):
                     (rd / LOCK).unlink(missing_ok=True)
                 rd.rmdir()
