@@ -106,7 +106,7 @@ def _entry_fault(entry: Any) -> str | None:
     if not (isinstance(entry, dict) and entry.keys() == {"dtype", "shape", "data_offsets"}):
         return "its header entry is not {dtype, shape, data_offsets}"
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in DTYPE_BITS:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         return f"unknown dtype {dtype!r}"
     if not (isinstance(shape, list) and all(_natural(d) for d in shape)):
         return f"shape {shape!r} is not a list of integers >= 0"
