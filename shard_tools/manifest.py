@@ -166,7 +166,8 @@ def verify_checkpoint(ckpt: Path, *, checksums: bool = True) -> list[str]:
     """Every fault of one checkpoint, each naming its file; empty when the checkpoint is whole.
 
     Only regular files count, opened without following a symbolic link and without blocking on
-    a FIFO: a checksum vouches for the checkpoint's own bytes, and verifying never hangs.
+    a FIFO: a checksum vouches for the checkpoint's own bytes, and verifying never hangs. With
+    ``checksums``, each safetensors header is checked too (``shard_tools.inspect.tensor_headers``).
     """
     try:
         manifest = read_manifest(ckpt)
@@ -186,6 +187,13 @@ def verify_checkpoint(ckpt: Path, *, checksums: bool = True) -> list[str]:
                 faults.append(f"{f}: size {size} bytes, the manifest says {entry.size}")
             elif checksums and digest_fd(fd) != entry.sha256_chunked:
                 faults.append(f"{f}: checksum mismatch (sha256 differs from the manifest)")
+            elif checksums and name.endswith(".safetensors"):
+                # A manifest that vouches for a malformed file (a writer's bug) must not make it whole.
+                from shard_tools.inspect import read_header  # inspect reads manifests itself
+
+                read_header(fd, f)
+        except CheckpointError as e:
+            faults.append(str(e))
         except OSError as e:
             faults.append(f"{f}: cannot read: {e.strerror or e}")
         finally:
