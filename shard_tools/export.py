@@ -47,7 +47,7 @@ def base_spec(ckpt: Path, manifest: Manifest) -> ModelSpec:
     if not ((isinstance(path, str) and path and config is None) or (path is None and isinstance(config, dict))):
         raise CheckpointError(f"{ckpt / MANIFEST}: extra.base_model: expected a path (a string) or a config "
                               f"(an object), one of them null")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise CheckpointError(f"{ckpt / MANIFEST}: extra.base_model.dtype {dtype!r} is not one of "
                               f"{', '.join(DTYPES)}")
     if not isinstance(seed, int) or isinstance(seed, bool):

@@ -187,7 +187,6 @@ def _clean(result, what: str) -> None:
         assert "shard-tools: " in result.stderr, (what, result.output)
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("seed", range(CASES))
 def test_damaged_checkpoint(seed, tiny_run, tmp_path):
     rng = random.Random(seed)
