@@ -44,7 +44,8 @@ def base_spec(ckpt: Path, manifest: Manifest) -> ModelSpec:
         raise CheckpointError(f"{ckpt / MANIFEST}: extra.base_model {{path, config, dtype, seed}} is missing or "
                               f"incomplete, so the base model cannot be rebuilt")
     path, config, dtype, seed = base["path"], base["config"], base["dtype"], base["seed"]
-    if not ((isinstance(path, str) and path and config is None) or (path is None and isinstance(config, dict))):
+    if not ((isinstance(path, str) and path and "\0" not in path and config is None)
+            or (path is None and isinstance(config, dict))):
         raise CheckpointError(f"{ckpt / MANIFEST}: extra.base_model: expected a path (a string) or a config "
                               f"(an object), one of them null")
     if not isinstance(dtype, str) or dtype not in DTYPES:
@@ -126,7 +127,11 @@ _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 *
 def parse_size(value: str | int) -> int:
     """Bytes of a size such as ``500MB`` or ``5GiB`` (or a plain number of bytes); InputError otherwise."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
-    size = int(float(m.group(1)) * _UNITS[m.group(2).upper()]) if m and m.group(2).upper() in _UNITS else 0
+    unit = _UNITS.get(m.group(2).upper()) if m else None
+    try:
+        size = int(float(m.group(1)) * unit) if unit else 0
+    except OverflowError:
+        size = 0
     if size < 1:
         raise InputError(f"--max-shard-size: {str(value)!r} is not a size such as 500MB or 5GB (a positive number "
                          f"and B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)")
