@@ -24,6 +24,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from shard_tools import digest
+from shard_tools.files import describe, open_regular, regular_fault
+from shard_tools.inspect import read_header
 from shard_tools.manifest import (
     MANIFEST, TMP_PREFIX, CheckpointError, FileEntry, Manifest, checkpoints_dir, fsync_path, layer_sources,
     read_manifest, step_dir_name,
@@ -289,6 +291,7 @@ def _write_files(tmp: Path, manifest: Manifest, files: dict[str, dict[str, torch
 
 def load_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     """Tensors of one safetensors file whose names start with ``prefix`` (prefix removed)."""
+    _check_regular(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             return {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
@@ -296,6 +299,12 @@ def load_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: missing") from None
     except Exception as e:  # safetensors raises its own SafetensorError for malformed headers
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def _check_regular(path: Path) -> None:
+    """safe_open follows links and would wait on a FIFO: a checkpoint's files are regular files."""
+    if fault := regular_fault(path, follow_symlinks=False):
+        raise CheckpointError(f"{path}: {fault}")
 
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
@@ -312,24 +321,18 @@ def map_tensors(path: Path, populate: bool = True) -> dict[str, torch.Tensor]:
     ``populate=False``: the pages are mapped as they are first read, or by ``populate_pages``.
     """
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
+        fd = open_regular(path, follow_symlinks=False)
+    except OSError as e:
+        raise CheckpointError(f"{path}: {describe(e, follow_symlinks=False)}") from None
     try:
         size = os.fstat(fd).st_size
-        try:
-            (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-            if 8 + n > size:
-                raise ValueError("header past the end")
-            header = json.loads(os.pread(fd, n, 8))
-            header.pop("__metadata__", None)
-            specs = {k: (_TORCH_DTYPES[v["dtype"]], tuple(v["shape"])) for k, v in header.items()}
-            spans = {k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1]) for k, v in header.items()}
-        except (struct.error, ValueError, AttributeError, KeyError, TypeError):
-            raise CheckpointError(f"{path}: not a readable safetensors file") from None
-        if any(end > size or end - start != math.prod(specs[k][1]) * specs[k][0].itemsize
-               for k, (start, end) in spans.items()):
-            raise CheckpointError(f"{path}: truncated, or its header does not match its data")
+        header, _ = read_header(fd, path)
+        n = int.from_bytes(os.pread(fd, 8, 0), "little")
+        unknown = sorted({v["dtype"] for v in header.values()} - _TORCH_DTYPES.keys())
+        if unknown:
+            raise CheckpointError(f"{path}: dtype {unknown[0]} is not one relayer writes")
+        specs = {k: (_TORCH_DTYPES[v["dtype"]], tuple(v["shape"])) for k, v in header.items()}
+        spans = {k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1]) for k, v in header.items()}
         mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
@@ -350,8 +353,12 @@ def populate_pages(tensors: list[torch.Tensor]) -> None:
 
 
 def file_metadata(path: Path) -> dict[str, str]:
-    with safe_open(str(path), framework="pt") as f:
-        return f.metadata() or {}
+    _check_regular(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except Exception as e:  # safetensors raises its own SafetensorError for malformed headers
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 def optim_state(ckpt: Path, file: str, mapped: bool = False, populate: bool = True,
@@ -385,12 +392,19 @@ def layer_weights(sources: dict[int, Path], mapped: bool = False) -> dict[str, t
     weights: dict[str, torch.Tensor] = {}
     for src, layers in by_source.items():
         meta = file_metadata(src / LAYERS)
-        held = {int(k) for k in meta.get("layers", "").split(",") if k}
+        try:
+            held = {int(k) for k in meta.get("layers", "").split(",") if k}
+            prefix = meta["layers_prefix"] + "."
+        except (KeyError, ValueError):
+            raise CheckpointError(f"{src / LAYERS}: its metadata does not say which layers it holds "
+                                  f"(layers, layers_prefix)") from None
         if layers - held:
             raise CheckpointError(f"{src / LAYERS}: does not hold layers {sorted(layers - held)} its manifest lists")
-        prefix = meta["layers_prefix"] + "."
         for name, t in (map_tensors(src / LAYERS) if mapped else load_tensors(src / LAYERS)).items():
-            if int(name[len(prefix):].split(".", 1)[0]) in layers:
+            index = name[len(prefix):].split(".", 1)[0] if name.startswith(prefix) else ""
+            if not index.isdigit():
+                raise CheckpointError(f"{src / LAYERS}: tensor {name!r} is not under {prefix}<layer>")
+            if int(index) in layers:
                 weights[name] = t
     return weights
 

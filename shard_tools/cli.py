@@ -117,7 +117,7 @@ def diff(a: Path, b: Path, as_json: bool) -> None:
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The model directory to write.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
               help="Weights' dtype (default: the run's).")
-@click.option("--force", is_flag=True, help="Replace a non-empty --out.")
+@click.option("--force", is_flag=True, help="Replace an earlier export at --out (never anything else).")
 @click.option("--max-shard-size", help="Largest weights file, e.g. 500MB (default 5GB); bigger models are sharded.")
 def export(source: Path, out: Path, dtype: str | None, force: bool, max_shard_size: str | None) -> None:
     """A Hugging Face model directory from a run (its newest whole checkpoint) or a checkpoint."""

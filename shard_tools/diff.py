@@ -20,7 +20,7 @@ import torch
 
 from shard_tools.checkpoint import run_weights
 from shard_tools.export import base_model, base_spec
-from shard_tools.manifest import Manifest
+from shard_tools.manifest import MANIFEST, CheckpointError, Manifest
 from shard_tools.verify import trusted_checkpoint
 
 
@@ -80,6 +80,8 @@ def diff_paths(a: Path, b: Path) -> dict[str, Any]:
     names = set(sides[0].weights) | set(sides[1].weights)
     if not same_base:
         names |= set(_base(sides[0], built)) | set(_base(sides[1], built))
+    for side in sides:
+        _check_parts(side)
     extra = {**sides[1].manifest.extra, **sides[0].manifest.extra}
     layers_attr, persistent = extra.get("layers_attr"), extra.get("persistent") or []
     tensors = []
@@ -90,6 +92,16 @@ def diff_paths(a: Path, b: Path) -> dict[str, Any]:
                         **_compare(*(t.float() if t is not None else None for t in pair))})
     return {"a": _describe(sides[0]), "b": _describe(sides[1]), "same_base": same_base,
             "groups": _groups(tensors), "tensors": tensors}
+
+
+def _check_parts(side: _Side) -> None:
+    """The manifest fields that name the groups tensors are shown in must be what the writer writes."""
+    extra, where = side.manifest.extra, side.ckpt / MANIFEST
+    layers_attr, persistent = extra.get("layers_attr"), extra.get("persistent") or []
+    if not (layers_attr is None or isinstance(layers_attr, str)):
+        raise CheckpointError(f"{where}: field extra.layers_attr: expected a string, found {layers_attr!r}")
+    if not (isinstance(persistent, list) and all(isinstance(p, str) for p in persistent)):
+        raise CheckpointError(f"{where}: field extra.persistent: expected a list of strings, found {persistent!r}")
 
 
 def _describe(side: _Side) -> dict[str, Any]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 CHUNK = 64 << 20
 _READ = 8 << 20
@@ -34,15 +33,12 @@ def _file_chunk(fd: int, offset: int, length: int) -> bytes:
     return h.digest()
 
 
-def digest_file(path: Path, chunk: int = CHUNK) -> str:
-    size = os.stat(path).st_size
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        offsets = range(0, max(size, 1), chunk)
-        with ThreadPoolExecutor(THREADS) as pool:
-            digests = list(pool.map(lambda o: _file_chunk(fd, o, min(chunk, size - o)), offsets))
-    finally:
-        os.close(fd)
+def digest_fd(fd: int, chunk: int = CHUNK) -> str:
+    """The digest of an open file's bytes (the caller opened it and closes it)."""
+    size = os.fstat(fd).st_size
+    offsets = range(0, max(size, 1), chunk)
+    with ThreadPoolExecutor(THREADS) as pool:
+        digests = list(pool.map(lambda o: _file_chunk(fd, o, min(chunk, size - o)), offsets))
     return _combine(digests)
 
 

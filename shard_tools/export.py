@@ -4,13 +4,17 @@
     shard-tools export runs/tiny/checkpoints/step-00000020 --out exported/s20 --dtype bfloat16
 
 The directory is written under a temporary sibling name and renamed into place at the end, so
-``--out`` holds either a whole export or what was there before.
+``--out`` holds either a whole export or what was there before. ``--out`` must lie outside every
+run, checkpoint and the base model; ``--force`` replaces only an earlier export (a folder of
+files with its ``relayer.json``), never anything else.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -18,34 +22,49 @@ import torch
 from torch import nn
 
 from shard_tools.checkpoint import run_weights
-from shard_tools.manifest import MANIFEST, TMP_PREFIX, CheckpointError, InputError, Manifest
+from shard_tools.files import read_regular, regular_fault
+from shard_tools.manifest import (
+    CHECKPOINTS, JOURNAL, MANIFEST, TMP_PREFIX, CheckpointError, InputError, Manifest, list_checkpoints, path_kind,
+    step_of,
+)
 from shard_tools.model import DTYPES, ModelSpec, build_base_model
 from shard_tools.verify import trusted_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "generation_config.json")
+EXPORT_MARKER = "relayer.json"
+"""Written into every export: what it was exported from. ``--force`` replaces only a folder that has one."""
 # Shards of a few GB download and load piece by piece; one file per model would be up to 50 GB.
 MAX_SHARD_SIZE = "5GB"
 
 
 def base_spec(ckpt: Path, manifest: Manifest) -> ModelSpec:
-    try:
-        base = manifest.extra["base_model"]
-        return ModelSpec(path=base["path"], config=base["config"], dtype=base["dtype"], seed=base["seed"])
-    except (KeyError, TypeError):
+    base = manifest.extra.get("base_model")
+    if not (isinstance(base, dict) and base.keys() >= {"path", "config", "dtype", "seed"}):
         raise CheckpointError(f"{ckpt / MANIFEST}: extra.base_model {{path, config, dtype, seed}} is missing or "
-                              f"incomplete, so the base model cannot be rebuilt") from None
+                              f"incomplete, so the base model cannot be rebuilt")
+    path, config, dtype, seed = base["path"], base["config"], base["dtype"], base["seed"]
+    if not ((isinstance(path, str) and path and "\0" not in path and config is None)
+            or (path is None and isinstance(config, dict))):
+        raise CheckpointError(f"{ckpt / MANIFEST}: extra.base_model: expected a path (a string) or a config "
+                              f"(an object), one of them null")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise CheckpointError(f"{ckpt / MANIFEST}: extra.base_model.dtype {dtype!r} is not one of "
+                              f"{', '.join(DTYPES)}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise CheckpointError(f"{ckpt / MANIFEST}: extra.base_model.seed: expected an integer, found {seed!r}")
+    return ModelSpec(path=path, config=config, dtype=dtype, seed=seed)
 
 
 def base_model(ckpt: Path, manifest: Manifest) -> nn.Module:
     """The base model the checkpoint's run started from, in fp32."""
     spec = base_spec(ckpt, manifest)
-    if spec.dtype not in DTYPES:
-        raise CheckpointError(f"{ckpt / MANIFEST}: extra.base_model.dtype {spec.dtype!r} is not one of "
-                              f"{', '.join(DTYPES)}")
+    if spec.path is not None and not os.path.isdir(spec.path):
+        raise CheckpointError(f"{spec.path}: cannot build the base model that {ckpt / MANIFEST} names (not a "
+                              f"directory)")
     try:
         return build_base_model(spec).float()
-    except (OSError, ValueError, KeyError) as e:
+    except Exception as e:  # whatever transformers raises for a model folder or config it cannot build
         where = spec.path or "the config in the manifest"
         raise CheckpointError(f"{where}: cannot build the base model that {ckpt / MANIFEST} names ({e})") from None
 
@@ -71,32 +90,140 @@ def export(source: Path, out: Path, dtype: str | None = None, force: bool = Fals
     out = Path(out)
     if dtype is not None and dtype not in DTYPES:
         raise InputError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
-    if out.exists() and not out.is_dir():
-        raise InputError(f"{out}: exists and is not a directory")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise InputError(f"{out}: exists and is not empty; use --force to replace it")
+    shard_bytes = parse_size(MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
+    dest = check_out(out, force)
+    guard(out, dest, _source_paths(Path(source)))
     run_dir, ckpt, manifest = trusted_checkpoint(source)
     dtype = dtype or manifest.dtype
     if dtype not in DTYPES:
         raise CheckpointError(f"{ckpt / MANIFEST}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    base_path = base_spec(ckpt, manifest).path
+    if base_path is not None:
+        guard(out, dest, {real_path(Path(base_path)): f"the base model folder that {ckpt.name} names"})
     model = compose(run_dir, ckpt, manifest).to(DTYPES[dtype])
     _check_tied(model)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f"{TMP_PREFIX}{out.name}.{os.getpid()}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f"{TMP_PREFIX}{dest.name}.{os.getpid()}"
     try:
-        model.save_pretrained(tmp, max_shard_size=max_shard_size or MAX_SHARD_SIZE)
-        base_path = base_spec(ckpt, manifest).path
+        model.save_pretrained(tmp, max_shard_size=shard_bytes)
         for name in TOKENIZER_FILES if base_path else ():
             if (Path(base_path) / name).is_file():
                 shutil.copy2(Path(base_path) / name, tmp / name)
-        (tmp / "relayer.json").write_text(json.dumps({
-            "checkpoint": str(ckpt.resolve()), "global_step": manifest.global_step, "phase": manifest.phase,
-            "dtype": dtype, "versions": manifest.versions}, indent=2) + "\n")
-        _replace_dir(tmp, out)
+        (tmp / EXPORT_MARKER).write_text(json.dumps({
+            "export": "relayer", "run": str(run_dir.resolve()), "checkpoint": str(ckpt.resolve()),
+            "global_step": manifest.global_step, "phase": manifest.phase, "dtype": dtype,
+            "versions": manifest.versions}, indent=2) + "\n")
+        _replace_dir(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ckpt
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
+          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes of a size such as ``500MB`` or ``5GiB`` (or a plain number of bytes); InputError otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
+    unit = _UNITS.get(m.group(2).upper()) if m else None
+    try:
+        size = int(float(m.group(1)) * unit) if unit else 0
+    except OverflowError:
+        size = 0
+    if size < 1:
+        raise InputError(f"--max-shard-size: {str(value)!r} is not a size such as 500MB or 5GB (a positive number "
+                         f"and B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)")
+    return size
+
+
+def real_path(path: Path) -> Path:
+    """``path`` with every symbolic link resolved (also where its last parts do not exist yet)."""
+    try:
+        return Path(os.path.realpath(path, strict=True))
+    except FileNotFoundError:
+        return Path(os.path.realpath(path))
+    except OSError as e:
+        raise InputError(f"{path}: {'a symbolic link loop' if e.errno == errno.ELOOP else e.strerror}") from None
+
+
+def check_out(out: Path, force: bool) -> Path:
+    """The real path to write ``--out`` to; InputError unless it is new, empty, or (with ``force``) an earlier
+    export. The checks read, they write nothing."""
+    dest = real_path(out)
+    if dest == Path("/") or dest == real_path(Path.home()) or dest in (Path.cwd(), *Path.cwd().parents):
+        raise InputError(f"--out {out}: is the root, the home or the current directory, or holds the current "
+                         f"directory; an export replaces its --out")
+    if not dest.exists():
+        # The nearest folder that exists is where the export's folders are made.
+        parent = next(p for p in dest.parents if p.exists())
+        if not parent.is_dir():
+            raise InputError(f"--out {out}: {parent} is not a directory")
+        return dest
+    if not dest.is_dir():
+        raise InputError(f"--out {out}: exists and is not a directory")
+    if not any(dest.iterdir()):
+        return dest
+    if not force:
+        raise InputError(f"--out {out}: exists and is not empty; use --force to replace an earlier export")
+    if reason := not_an_export(dest):
+        raise InputError(f"--out {out}: --force replaces only an earlier export, and this folder is not one "
+                         f"({reason}); nothing was changed")
+    return dest
+
+
+def not_an_export(folder: Path) -> str | None:
+    """Why ``folder`` is not what an export writes (files only, with its ``relayer.json``), or None."""
+    for entry in sorted(folder.iterdir()):
+        if fault := regular_fault(entry, follow_symlinks=False):
+            return f"{entry.name} is {fault}"
+    try:
+        marker = json.loads(read_regular(folder / EXPORT_MARKER, 1 << 20, follow_symlinks=False))
+    except FileNotFoundError:
+        return f"no {EXPORT_MARKER}"
+    except (OSError, ValueError, RecursionError):
+        marker = None
+    if not (isinstance(marker, dict) and isinstance(marker.get("checkpoint"), str)
+            and isinstance(marker.get("global_step"), int)):
+        return f"its {EXPORT_MARKER} is not an export's"
+    return None
+
+
+def _source_paths(source: Path) -> dict[Path, str]:
+    """What exporting ``source`` must leave alone, by real path: the checkpoint and its run."""
+    kind = path_kind(source)
+    real = real_path(source)
+    if kind == "run":
+        return {real: "the run directory being exported"}
+    paths = {real: "the checkpoint being exported"}
+    if real.parent.name == CHECKPOINTS:
+        paths[real.parent.parent] = "the run directory of the checkpoint being exported"
+    return paths
+
+
+def guard(out: Path, dest: Path, keep: dict[Path, str]) -> None:
+    """InputError when ``dest`` (the real ``--out``) is, holds or lies inside a path of ``keep``, or lies
+    inside any run directory or checkpoint."""
+    for path, what in keep.items():
+        if dest == path:
+            raise InputError(f"--out {out}: is {what} ({path}); an export replaces its --out")
+        if dest in path.parents:
+            raise InputError(f"--out {out}: holds {what} ({path}); an export replaces its --out")
+        if path in dest.parents:
+            raise InputError(f"--out {out}: lies inside {what} ({path}); exports go outside it")
+    for folder in (dest, *dest.parents):
+        if what := _run_or_checkpoint(folder):
+            raise InputError(f"--out {out}: {'is' if folder == dest else 'lies inside'} {what} ({folder}); "
+                             f"exports go outside runs and checkpoints")
+
+
+def _run_or_checkpoint(folder: Path) -> str | None:
+    if (folder / MANIFEST).exists() or (step_of(folder) is not None and folder.parent.name == CHECKPOINTS):
+        return "a checkpoint"
+    if (folder / JOURNAL).exists() or list_checkpoints(folder):
+        return "a run directory"
+    return None
 
 
 def _check_tied(model: nn.Module) -> None:

@@ -10,11 +10,13 @@ once however big the run:
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from shard_tools.files import describe, open_regular, regular_fault
 from shard_tools.manifest import (
     JOURNAL, CheckpointError, list_checkpoints, path_kind, read_manifest, step_of, stray_temporaries,
     verify_checkpoint,
@@ -27,43 +29,99 @@ _MAX_HEADER = 100 << 20  # the safetensors library refuses larger headers too
 
 
 def tensor_headers(path: Path) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """({tensor name: {dtype, shape, data_offsets}}, metadata) of a safetensors file, without torch."""
+    """({tensor name: {dtype, shape, data_offsets}}, metadata) of a safetensors file, without torch.
+
+    Checked as the safetensors library checks before it reads: a known dtype, each tensor's byte
+    span equal to its shape times its dtype's size, the spans tiling the data exactly, the data
+    ending where the file does. A symbolic link is followed (a hub cache's snapshot is links); a
+    FIFO or a directory is refused, never waited on. CheckpointError naming the file otherwise.
+    """
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < 8:
-                raise CheckpointError(f"{path}: not a safetensors file ({size} bytes, less than its header length)")
-            length = int.from_bytes(f.read(8), "little")
-            if length > min(_MAX_HEADER, size - 8):
-                raise CheckpointError(f"{path}: truncated safetensors header ({length} bytes announced, "
-                                      f"{size - 8} present)")
-            raw = f.read(length)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
+        fd = open_regular(path)
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read: {e.strerror}") from None
+        raise CheckpointError(f"{path}: {describe(e)}") from None
+    try:
+        return read_header(fd, path)
+    finally:
+        os.close(fd)
+
+
+def read_header(fd: int, path: Path) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """``tensor_headers`` of a file already open (``path`` names it in messages)."""
+    try:
+        size = os.fstat(fd).st_size
+        if size < 8:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({size} bytes, less than its header length)")
+        length = int.from_bytes(os.pread(fd, 8, 0), "little")
+        if length > min(_MAX_HEADER, size - 8):
+            raise CheckpointError(f"{path}: not a readable safetensors file (a header of {length} bytes "
+                                  f"announced, {size - 8} present)")
+        raw = os.pread(fd, length, 8)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CheckpointError(f"{path}: not a safetensors file (its header is not JSON)") from None
+    except (ValueError, RecursionError):  # ValueError: not JSON, or not UTF-8
+        raise CheckpointError(f"{path}: not a readable safetensors file (its header is not JSON)") from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: not a safetensors file (its header is not a JSON object)")
+        raise CheckpointError(f"{path}: not a readable safetensors file (its header is not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
-    for name, entry in header.items():
-        if not _well_formed(entry):
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry")
-        end = entry["data_offsets"][1]
-        if 8 + length + end > size:
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: its __metadata__ is not an object of strings")
+    data = size - 8 - length
+    offset = 0
+    for name, entry in sorted(header.items(), key=lambda item: _start(item[1])):
+        fault = _entry_fault(entry)
+        if fault:
+            raise CheckpointError(f"{path}: tensor {name!r}: {fault}")
+        start, end = entry["data_offsets"]
+        if start != offset:
+            raise CheckpointError(f"{path}: tensor {name!r} starts at data byte {start}, the tensor before it "
+                                  f"ends at {offset} (a gap or an overlap)")
+        if end > data:
             raise CheckpointError(f"{path}: truncated: tensor {name!r} ends at byte {8 + length + end}, "
                                   f"the file has {size}")
+        offset = end
+    if offset != data:
+        raise CheckpointError(f"{path}: {data - offset} bytes after the last tensor's data")
     return header, metadata
 
 
-def _well_formed(entry: Any) -> bool:
-    return (isinstance(entry, dict) and isinstance(entry.get("dtype"), str)
-            and isinstance(entry.get("shape"), list) and all(isinstance(d, int) for d in entry["shape"])
-            and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
-            and all(isinstance(o, int) for o in entry["data_offsets"]))
+# Bits per element of every dtype the safetensors format names.
+DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E5M2FNUZ": 8, "F8_E4M3FNUZ": 8,
+              "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+              "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+
+
+def _start(entry: Any) -> int:
+    """Sort key: a malformed entry first, so that it is the one reported."""
+    try:
+        start = entry["data_offsets"][0]
+        return start if isinstance(start, int) else -1
+    except (TypeError, KeyError, IndexError):
+        return -1
+
+
+def _entry_fault(entry: Any) -> str | None:
+    if not (isinstance(entry, dict) and entry.keys() == {"dtype", "shape", "data_offsets"}):
+        return "its header entry is not {dtype, shape, data_offsets}"
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        return f"unknown dtype {dtype!r}"
+    if not (isinstance(shape, list) and all(_natural(d) for d in shape)):
+        return f"shape {shape!r} is not a list of integers >= 0"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_natural(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        return f"data_offsets {offsets!r} are not [start, end] with 0 <= start <= end"
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if bits % 8 or bits // 8 != offsets[1] - offsets[0]:
+        return (f"shape {shape} of {dtype} is {bits / 8:g} bytes, its data_offsets span "
+                f"{offsets[1] - offsets[0]}")
+    return None
+
+
+def _natural(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def inspect_checkpoint(ckpt: Path) -> dict[str, Any]:
@@ -72,6 +130,8 @@ def inspect_checkpoint(ckpt: Path) -> dict[str, Any]:
     files = sorted(manifest.files, key=lambda f: (order.index(f) if f in order else len(order), f))
     tensors, metadata = [], {}
     for file in files:
+        if fault := regular_fault(ckpt / file, follow_symlinks=False):
+            raise CheckpointError(f"{ckpt / file}: {fault}")
         header, metadata[file] = tensor_headers(ckpt / file)
         for name, entry in sorted(header.items()):
             start, end = entry["data_offsets"]
@@ -82,18 +142,24 @@ def inspect_checkpoint(ckpt: Path) -> dict[str, Any]:
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    """Every complete journal event; a torn last line (a writer killed mid-write) is skipped."""
+    """Every complete journal event. A line that is not one (torn by a writer killed mid-write,
+    or edited by hand) is skipped: the journal informs the report, it does not decide anything."""
+    path = Path(run_dir) / JOURNAL
     try:
-        lines = (Path(run_dir) / JOURNAL).read_text().splitlines()
+        fd = open_regular(path)
     except FileNotFoundError:
         return []
+    except OSError as e:
+        raise CheckpointError(f"{path}: {describe(e)}") from None
+    with os.fdopen(fd, "rb") as f:
+        lines = f.read().splitlines()
     events = []
     for line in lines:
         try:
             event = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # ValueError: not JSON, or not UTF-8
             continue
-        if isinstance(event, dict):
+        if isinstance(event, dict) and isinstance(event.get("event"), str):
             events.append(event)
     return events
 
@@ -110,24 +176,43 @@ def _checkpoint_summary(ckpt: Path) -> dict[str, Any]:
 
 
 def _phases(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Phase rows from the journal; events lacking a field leave it unknown rather than failing."""
+    """Phase rows from the journal; a field missing or of the wrong type is unknown rather than a failure."""
     phases: dict[int, dict[str, Any]] = {}
     for e in events:
-        kind, index = e.get("event"), e.get("phase")
-        if not isinstance(index, int) or kind not in ("phase_started", "phase_done", "phase_failed", "preempted"):
+        kind, index = e.get("event"), _int(e.get("phase"))
+        if index is None or kind not in ("phase_started", "phase_done", "phase_failed", "preempted"):
             continue
         p = phases.setdefault(index, _phase_row(index))
         if kind == "phase_started":
-            starts = [s for s in (p["start_step"], e.get("start_step")) if isinstance(s, int)]
+            starts = [s for s in (p["start_step"], _int(e.get("start_step"))) if s is not None]
             # A resumed phase starts again mid-way; the phase itself began at its first start.
-            p.update(start_step=min(starts, default=None), end_step=e.get("end_step"), layers=e.get("layers"),
-                     nproc=e.get("nproc"), status="started", attempts=p["attempts"] + 1)
+            p.update(start_step=min(starts, default=None), end_step=_int(e.get("end_step")),
+                     layers=_layers(e.get("layers")), nproc=_int(e.get("nproc")), status="started",
+                     attempts=p["attempts"] + 1)
         elif kind == "phase_done":
-            p.update(status="done", end_step=e.get("step", p["end_step"]), seconds=e.get("seconds"),
-                     records=e.get("records") or {})
+            step = _int(e.get("step"))
+            p.update(status="done", end_step=p["end_step"] if step is None else step,
+                     seconds=_number(e.get("seconds")), records=_records(e.get("records")))
         else:
             p["status"] = "failed" if kind == "phase_failed" else "preempted"
     return phases
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _number(v: Any) -> float | None:
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _layers(v: Any) -> list[int] | None:
+    return v if isinstance(v, list) and all(_int(x) is not None for x in v) else None
+
+
+def _records(v: Any) -> dict[str, float]:
+    """A phase's numeric records; anything else in them is not shown."""
+    return {k: x for k, x in v.items() if _number(x) is not None} if isinstance(v, dict) else {}
 
 
 def _phase_row(index: int, **known: Any) -> dict[str, Any]:

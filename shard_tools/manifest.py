@@ -6,7 +6,9 @@ A checkpoint is the directory ``checkpoints/step-NNNNNNNN``; it counts only when
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -14,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from shard_tools.digest import digest_file
+from shard_tools.digest import digest_fd
+from shard_tools.files import describe, open_regular, read_regular
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -22,6 +25,7 @@ CHECKPOINTS = "checkpoints"
 JOURNAL = "journal.jsonl"
 TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_MAX_MANIFEST = 16 << 20  # a manifest lists a few files; anything near this is not one
 
 
 class CheckpointError(Exception):
@@ -57,13 +61,77 @@ class Manifest:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, where: Path) -> Manifest:
+    def from_json(cls, text: str | bytes, where: Path) -> Manifest:
         try:
             data = json.loads(text)
-            data["files"] = {k: FileEntry(**v) for k, v in data["files"].items()}
-            return cls(**data)
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{where}: not a valid manifest ({type(e).__name__}: {e})") from None
+        except (ValueError, RecursionError) as e:  # ValueError: not JSON, or not UTF-8
+            raise CheckpointError(f"{where}: not a valid manifest (not JSON: {e})") from None
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{where}: not a valid manifest (not a JSON object)")
+        _check_fields(data, _FIELDS, where, "", optional={"extra", "format_version"})
+        if data.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
+            raise CheckpointError(f"{where}: format_version {data['format_version']}; this relayer reads "
+                                  f"format {FORMAT_VERSION}")
+        for name, entry in data["files"].items():
+            if not _plain_name(name):
+                raise CheckpointError(f"{where}: files: {json.dumps(name)} is not a plain file name inside the "
+                                      f"checkpoint (no path separators, no '..')")
+            _check_fields(entry, _FILE_FIELDS, where, f"files[{json.dumps(name)}].")
+        files = {k: FileEntry(**v) for k, v in data["files"].items()}
+        return cls(**{**data, "files": files})
+
+
+_MAX_INT = 2 ** 63 - 1  # what an int64 tensor holds
+
+
+def _count(lo: int = 0, hi: int = _MAX_INT):
+    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi,
+            f"an integer from {lo} to {hi}" if hi != _MAX_INT else f"an integer >= {lo}")
+
+
+def _of(kind: type, what: str):
+    return lambda v: isinstance(v, kind), what
+
+
+_FIELDS = {
+    "global_step": _count(), "phase": _count(), "head_step": _count(), "body_step": _count(),
+    "world_size": _count(1), "zero_stage": _count(0, 3), "format_version": _count(),
+    "layers": (lambda v: isinstance(v, list) and all(_count()[0](x) for x in v), "a list of integers >= 0"),
+    "phase_complete": _of(bool, "true or false"),
+    "dtype": _of(str, "a string"),
+    "files": (lambda v: isinstance(v, dict) and all(isinstance(e, dict) for e in v.values()),
+              "an object of file name -> {size, sha256_chunked}"),
+    "versions": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+                 "an object of strings"),
+    "created": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                "a finite number (seconds since the epoch)"),
+    "extra": _of(dict, "an object"),
+}
+_FILE_FIELDS = {
+    "size": _count(),
+    "sha256_chunked": (lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None,
+                       "64 lowercase hex digits"),
+}
+
+
+def _check_fields(data: dict, fields: dict, where: Path, prefix: str, optional: frozenset | set = frozenset()) -> None:
+    """CheckpointError naming the first field that is missing, unknown or of the wrong type or range."""
+    unknown = sorted(data.keys() - fields.keys())
+    if unknown:
+        raise CheckpointError(f"{where}: unknown field {prefix}{unknown[0]}")
+    for name, (ok, expected) in fields.items():
+        if name not in data:
+            if name in optional:
+                continue
+            raise CheckpointError(f"{where}: field {prefix}{name} is missing")
+        if not ok(data[name]):
+            shown = json.dumps(data[name])
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise CheckpointError(f"{where}: field {prefix}{name}: expected {expected}, found {shown}")
+
+
+def _plain_name(name: str) -> bool:
+    return name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
 
 
 def step_dir_name(step: int) -> str:
@@ -82,16 +150,25 @@ def is_checkpoint_dir(path: Path) -> bool:
 def read_manifest(ckpt: Path) -> Manifest:
     path = ckpt / MANIFEST
     try:
-        text = path.read_text()
+        text = read_regular(path, _MAX_MANIFEST, follow_symlinks=False)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing: the checkpoint is incomplete") from None
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read: {e.strerror}") from None
-    return Manifest.from_json(text, path)
+        raise CheckpointError(f"{path}: {describe(e, follow_symlinks=False)}") from None
+    manifest = Manifest.from_json(text, path)
+    step = step_of(ckpt)
+    if step is not None and manifest.global_step != step:
+        raise CheckpointError(f"{path}: global_step {manifest.global_step}, but the checkpoint is {ckpt.name}")
+    return manifest
 
 
 def verify_checkpoint(ckpt: Path, *, checksums: bool = True) -> list[str]:
-    """Every fault of one checkpoint, each naming its file; empty when the checkpoint is whole."""
+    """Every fault of one checkpoint, each naming its file; empty when the checkpoint is whole.
+
+    Only regular files count, opened without following a symbolic link and without blocking on
+    a FIFO: a checksum vouches for the checkpoint's own bytes, and verifying never hangs. With
+    ``checksums``, each safetensors header is checked too (``shard_tools.inspect.tensor_headers``).
+    """
     try:
         manifest = read_manifest(ckpt)
     except CheckpointError as e:
@@ -100,14 +177,27 @@ def verify_checkpoint(ckpt: Path, *, checksums: bool = True) -> list[str]:
     for name, entry in sorted(manifest.files.items()):
         f = ckpt / name
         try:
-            size = f.stat().st_size
-        except FileNotFoundError:
-            faults.append(f"{f}: missing")
+            fd = open_regular(f, follow_symlinks=False)
+        except OSError as e:
+            faults.append(f"{f}: {describe(e, follow_symlinks=False)}")
             continue
-        if size != entry.size:
-            faults.append(f"{f}: size {size} bytes, the manifest says {entry.size}")
-        elif checksums and digest_file(f) != entry.sha256_chunked:
-            faults.append(f"{f}: checksum mismatch (sha256 differs from the manifest)")
+        try:
+            size = os.fstat(fd).st_size
+            if size != entry.size:
+                faults.append(f"{f}: size {size} bytes, the manifest says {entry.size}")
+            elif checksums and digest_fd(fd) != entry.sha256_chunked:
+                faults.append(f"{f}: checksum mismatch (sha256 differs from the manifest)")
+            elif checksums and name.endswith(".safetensors"):
+                # A manifest that vouches for a malformed file (a writer's bug) must not make it whole.
+                from shard_tools.inspect import read_header  # inspect reads manifests itself
+
+                read_header(fd, f)
+        except CheckpointError as e:
+            faults.append(str(e))
+        except OSError as e:
+            faults.append(f"{f}: cannot read: {e.strerror or e}")
+        finally:
+            os.close(fd)
     return faults
 
 
@@ -134,7 +224,7 @@ def remove_stray_temporaries(run_dir: Path) -> list[Path]:
     """Removes what a killed writer left behind; returns what it removed."""
     gone = stray_temporaries(run_dir)
     for p in gone:
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
+        _remove(p)
     return gone
 
 
@@ -142,8 +232,13 @@ def remove_temporaries_of(run_dir: Path, pids: set[int]) -> list[Path]:
     """Removes the temporaries (``.tmp-<what>.<pid>[.<n>]``) of processes that are gone."""
     gone = [p for p in stray_temporaries(run_dir) if _pid_of(p.name) in pids]
     for p in gone:
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
+        _remove(p)
     return gone
+
+
+def _remove(path: Path) -> None:
+    # A symbolic link to a directory goes as a link: what it points to is not the run's to delete.
+    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
 
 
 def _pid_of(name: str) -> int | None:
@@ -238,8 +333,12 @@ class InputError(Exception):
 def path_kind(path: Path) -> str:
     """``"checkpoint"`` or ``"run"``: what a path given to a command is; InputError for anything else."""
     path = Path(path)
-    if not path.exists():
-        raise InputError(f"{path}: no such file or directory")
+    try:
+        path.stat()
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file or directory") from None
+    except OSError as e:
+        raise InputError(f"{path}: {'a symbolic link loop' if e.errno == errno.ELOOP else e.strerror}") from None
     if not path.is_dir():
         raise InputError(f"{path}: not a directory; expected a run directory or a checkpoint directory")
     # A step directory without its manifest is still a checkpoint, an incomplete one, so it is reported as such.

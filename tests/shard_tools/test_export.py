@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -67,15 +69,88 @@ def test_dtype(tiny_run, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16
 
 
-def test_refuses_a_non_empty_out_without_force(tiny_run, tmp_path):
+def test_force_replaces_only_an_earlier_export(tiny_run, tmp_path):
     out = tmp_path / "export"
     out.mkdir()
     (out / "keep.txt").write_text("mine\n")
     assert_fails(invoke("export", tiny_run, "--out", out), 2, out, "--force")
+    assert_fails(invoke("export", tiny_run, "--out", out, "--force"), 2, out, "not one", "no relayer.json")
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    assert invoke("export", tiny_run, "--out", out).exit_code == 0
+    (out / "notes.txt").write_text("about this export\n")
     assert invoke("export", tiny_run, "--out", out, "--force").exit_code == 0
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    assert not (out / "notes.txt").exists() and (out / "config.json").exists()
     assert _no_temporaries(tmp_path)
+    # A folder inside is nothing an export writes: someone else's.
+    (out / "mine").mkdir()
+    assert_fails(invoke("export", tiny_run, "--out", out, "--force"), 2, out, "mine is a directory")
+    assert (out / "mine").is_dir()
+
+
+def _tree(root: Path) -> dict[str, bytes | str]:
+    """Every path under ``root`` with its bytes (files), its target (links) or "dir"."""
+    tree = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        tree[rel] = os.readlink(p) if p.is_symlink() else "dir" if p.is_dir() else p.read_bytes()
+    return tree
+
+
+@pytest.fixture
+def guarded(run_copy, tiny_model, tmp_path) -> tuple[Path, Path]:
+    """(run, base): a run copy whose manifests name a base model copy that is itself an earlier export."""
+    base = Path(shutil.copytree(tiny_model, tmp_path / "base"))
+    (base / "relayer.json").write_text(json.dumps({"checkpoint": "/elsewhere/step-00000001", "global_step": 1}))
+    rewrite_manifests(run_copy, lambda m: m["extra"]["base_model"].update(path=str(base)))
+    return run_copy, base
+
+
+OUTS = {
+    "the run": lambda run, base: run,
+    "the run's parent": lambda run, base: run.parent,
+    "a checkpoint": lambda run, base: ckpt(run, 20),
+    "inside a checkpoint": lambda run, base: ckpt(run, 20) / "export",
+    "inside the run": lambda run, base: run / "export",
+    "the base model": lambda run, base: base,
+    "inside the base model": lambda run, base: base / "export",
+    "a link to the run": lambda run, base: _link(run.parent / "link", run),
+    "the checkpoints folder": lambda run, base: run / "checkpoints",
+}
+
+
+def _link(link: Path, target: Path) -> Path:
+    link.symlink_to(target)
+    return link
+
+
+@pytest.mark.parametrize("source", ["run", "checkpoint"])
+@pytest.mark.parametrize("where", OUTS)
+def test_out_never_replaces_what_it_exports_from(where, source, guarded, tmp_path):
+    run, base = guarded
+    out = OUTS[where](run, base)
+    before = _tree(tmp_path)
+    src = run if source == "run" else ckpt(run, 30)
+    assert_fails(invoke("export", src, "--out", out, "--force"), 2, f"--out {out}")
+    assert _tree(tmp_path) == before
+    assert invoke("verify", run).exit_code == 0
+
+
+def test_bad_max_shard_size(tiny_run, tmp_path):
+    for size in ("abc", "0MB", "-5GB", "5 parsecs", ""):
+        assert_fails(invoke("export", tiny_run, "--out", tmp_path / "out", "--max-shard-size", size), 2,
+                     "--max-shard-size")
+        assert list(tmp_path.iterdir()) == []
+    assert invoke("export", tiny_run, "--out", tmp_path / "out", "--max-shard-size", "20KiB").exit_code == 0
+    assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 1
+
+
+def test_out_through_a_symlink_loop(tiny_run, tmp_path):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    assert_fails(invoke("export", tiny_run, "--out", loop / "out"), 2, loop, "symbolic link loop")
+    assert_fails(invoke("export", loop, "--out", tmp_path / "out"), 2, loop, "symbolic link loop")
+    assert [p.name for p in tmp_path.iterdir()] == ["loop"]
 
 
 def test_out_is_a_file(tiny_run, tmp_path):
