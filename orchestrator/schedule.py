@@ -411,8 +411,6 @@ def _kind(path: Path) -> str:
     except OSError as e:
         if e.errno == errno.ELOOP:
             return "a symlink loop"
-        if os.path.islink(path):
-            return "a broken symlink"
         if e.errno in (errno.ENOENT, errno.ENOTDIR):
             return "missing"
         return f"unreadable ({e.strerror})"
