@@ -7,9 +7,15 @@ this module imports torch: model facts (layer count, family) come from ``config.
 from __future__ import annotations
 
 import difflib
+import errno
 import importlib.util
 import json
+import math
+import os
 import random
+import re
+import shutil
+import stat
 import tomllib
 import typing
 from pathlib import Path
@@ -18,9 +24,16 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator.errors import ScheduleError
+from shard_tools.inspect import tensor_headers
+from shard_tools.manifest import CheckpointError
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
+
+MAX_PHASES = 100_000
+"""A schedule of more phases is refused: at a second or more per switch, more than a day of switching."""
+MAX_PLANNED_LAYERS = 10_000_000
+"""Phases x layers_per_phase, the size of the phase table a strategy builds."""
 
 
 class KeyProblem(ValueError):
@@ -65,6 +78,9 @@ class ModelSection(Section):
             raise KeyProblem("model", "expected exactly one of model.path and model.config")
         if self.config is not None and "model_type" not in self.config:
             raise KeyProblem("model.config", 'expected a model_type key (for example model_type = "llama")')
+        if self.config is not None and not (isinstance(self.config["model_type"], str) and self.config["model_type"]):
+            raise KeyProblem("model.config.model_type",
+                             f'expected a model type name such as "llama", got {_show(self.config["model_type"])}')
         return self
 
 
@@ -166,6 +182,10 @@ DERIVED_DEEPSPEED_KEYS = {
 }
 
 
+# Sections of the generated DeepSpeed config that deepspeed.config merges into, key by key.
+MERGED_DEEPSPEED_TABLES = ("zero_optimization", "bf16", "fp16")
+
+
 class DeepSpeedSection(Section):
     zero_stage: Literal[1, 2, 3] = 2
     config: dict[str, Any] = Field(default_factory=dict)
@@ -173,6 +193,10 @@ class DeepSpeedSection(Section):
 
     @model_validator(mode="after")
     def _not_derived(self) -> DeepSpeedSection:
+        for section in MERGED_DEEPSPEED_TABLES:
+            if section in self.config and not isinstance(self.config[section], dict):
+                raise KeyProblem(f"deepspeed.config.{section}",
+                                 f"expected a table (merged into relayer's), got {_show(self.config[section])}")
         for dotted, source in DERIVED_DEEPSPEED_KEYS.items():
             *parents, key = dotted.split(".")
             table = self.config
@@ -360,19 +384,194 @@ def _read_model_config(model: ModelSection, model_path: Path | None, source: Pat
         return model.config
     assert model_path is not None
     cfg = model_path / "config.json"
-    if not model_path.is_dir():
+    if _kind(model_path) != "a directory":
         raise ScheduleError(f"{source}: model.path: expected a Hugging Face model directory, {model_path} "
-                            f"{'is not a directory' if model_path.exists() else 'does not exist'}")
-    if not cfg.is_file():
+                            f"{_is(model_path)}")
+    if _kind(cfg) != "a file":
         raise ScheduleError(f"{source}: model.path: expected a Hugging Face model directory with config.json, "
-                            f"{cfg} does not exist")
+                            f"{cfg} {_is(cfg)}")
     try:
         config = json.loads(cfg.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ScheduleError(f"{source}: model.path: {cfg} is not valid JSON: {e}") from None
     if not isinstance(config, dict):
         raise ScheduleError(f"{source}: model.path: {cfg} is not valid: expected a JSON object")
+    if not (isinstance(config.get("model_type"), str) and config["model_type"]):
+        raise ScheduleError(f"{source}: model.path: {cfg}: expected a model_type name such as \"llama\", got "
+                            f"{_show(config.get('model_type'))}")
     return config
+
+
+def _kind(path: Path) -> str:
+    """What is at ``path``, following symlinks: 'a file', 'a directory', 'a symlink loop', ..."""
+    try:
+        mode = os.stat(path).st_mode
+    except ValueError:
+        return "not a valid path"
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symlink loop"
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            return "missing"
+        return f"unreadable ({e.strerror})"
+    if stat.S_ISREG(mode):
+        return "a file"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+
+
+def _is(path: Path) -> str:
+    kind = _kind(path)
+    return {"missing": "does not exist", "not a valid path": "is not a valid path"}.get(kind, f"is {kind}")
+
+
+def _resolve(base: Path, value: str) -> Path:
+    """``value`` against ``base``, symlinks followed where they lead somewhere; a loop stays as written."""
+    path = base / value
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError, ValueError):
+        return Path(os.path.abspath(path))
+
+
+def _need_file(path: Path, key: str, what: str, source: Path) -> None:
+    if _kind(path) != "a file":
+        raise ScheduleError(f"{source}: {key}: expected {what}, {path} {_is(path)}")
+
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_LAYER_NAME = re.compile(r"(.+?)\.(\d+)\.(.+)")
+_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def _weight_names(model_path: Path, source: Path) -> tuple[str, set[str]]:
+    """(how to name the weight files in a message, every tensor name they hold), from the safetensors
+    headers alone; raises ScheduleError for pickle-only folders and unreadable or inconsistent files."""
+    single, index = model_path / "model.safetensors", model_path / "model.safetensors.index.json"
+    if _kind(single) != "missing" or _kind(index) == "missing":
+        if _kind(single) == "missing":
+            try:
+                pickles = sorted(p.name for p in model_path.iterdir() if p.name.endswith(_PICKLE_SUFFIXES))
+            except OSError as e:
+                raise ScheduleError(f"{source}: model.path: cannot list {model_path}: {e.strerror}") from None
+            if pickles:
+                raise ScheduleError(f"{source}: model.path: {model_path / pickles[0]}: pickle weights are not "
+                                    "loaded; convert to safetensors (model.safetensors)")
+        _need_file(single, "model.path", "the weights in model.safetensors", source)
+        return str(single), set(_headers(single, source))
+    _need_file(index, "model.path", "a safetensors index", source)
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, AttributeError) as e:
+        raise ScheduleError(f"{source}: model.path: {index} is not a safetensors index: {e}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ScheduleError(f"{source}: model.path: {index}: expected a weight_map object of tensor name -> file name")
+    names: set[str] = set()
+    for file in sorted(set(weight_map.values())):
+        if Path(file).name != file or file in (".", ".."):
+            raise ScheduleError(f"{source}: model.path: {index}: expected shard file names inside {model_path}, "
+                                f"got {file!r}")
+        _need_file(model_path / file, "model.path", f"a shard that {index.name} names", source)
+        held = _headers(model_path / file, source)
+        absent = sorted(n for n, f in weight_map.items() if f == file and n not in held)
+        if absent:
+            raise ScheduleError(f"{source}: model.path: {index} places {absent[0]} in {file}, which does not hold "
+                                f"it{f' ({len(absent) - 1} more like it)' if len(absent) > 1 else ''}")
+        names |= held.keys()
+    return f"the shards of {index}", names
+
+
+def _headers(file: Path, source: Path) -> dict[str, Any]:
+    try:
+        return tensor_headers(file)[0]
+    except (CheckpointError, ValueError, RecursionError) as e:
+        raise ScheduleError(f"{source}: model.path: {e}") from None
+
+
+def _ranges(indices: set[int]) -> str:
+    """0..3, 5, 7..8"""
+    out, ordered = [], sorted(indices)
+    start = prev = ordered[0]
+    for i in [*ordered[1:], None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(str(start) if start == prev else f"{start}..{prev}")
+        if i is not None:
+            start = prev = i
+    return ", ".join(out)
+
+
+def _check_weights(model: ModelSection, config: dict[str, Any], n_layers: int, model_path: Path,
+                   source: Path) -> None:
+    """Every weight config.json implies is in the safetensors files, and only those: the layer list
+    covers exactly layers 0..n-1, no layer lacks a tensor its siblings hold, the embedding is there."""
+    weights, names = _weight_names(model_path, source)
+    cfg = model_path / "config.json"
+    layers: dict[str, dict[int, set[str]]] = {}
+    for name in names:
+        m = _LAYER_NAME.fullmatch(name)
+        if m and (model.layers is None or m.group(1) == model.layers):
+            layers.setdefault(m.group(1), {}).setdefault(int(m.group(2)), set()).add(m.group(3))
+    if not layers:
+        wanted = f"{model.layers}.0." if model.layers else "model.layers.0."
+        raise ScheduleError(f"{source}: {'model.layers' if model.layers else 'model.path'}: {weights} holds no "
+                            f"numbered layers (tensor names beginning {wanted})")
+    # The body is the numbered list that config.json counts, else the one with the most tensors.
+    prefix = max(layers, key=lambda p: (len(layers[p]) == n_layers, sum(map(len, layers[p].values()))))
+    held = layers[prefix]
+    if set(held) != set(range(n_layers)):
+        raise ScheduleError(f"{source}: model.path: {cfg} names {n_layers} layers, {weights} holds layers "
+                            f"{_ranges(set(held))} ({prefix}.N)")
+    # Layers of one model may differ (dense and MoE, attention and linear attention): only a layer
+    # holding a strict subset of another's tensors is missing some.
+    kinds: dict[frozenset[str], int] = {}
+    for i in sorted(held):
+        kinds.setdefault(frozenset(held[i]), i)
+    for small, i in kinds.items():
+        for big, j in kinds.items():
+            if small < big:
+                lacking = sorted(big - small)
+                more = f" (and {len(lacking) - 1} more)" if len(lacking) > 1 else ""
+                raise ScheduleError(f"{source}: model.path: {weights}: layer {prefix}.{i} lacks {lacking[0]}{more}, "
+                                    f"which {prefix}.{j} holds")
+    outside = [n for n in names if not n.startswith(prefix + ".")]
+    if not any(re.search(r"embed|wte", n) for n in outside):
+        raise ScheduleError(f"{source}: model.path: {weights} holds no token embedding (no tensor named like "
+                            "embed_tokens or wte)")
+    for p in model.persistent or []:
+        if any(n == p or n.startswith(p + ".") for n in names):
+            continue
+        # A tied output embedding is saved once, as the input embedding.
+        if p.rsplit(".", 1)[-1] == "lm_head" and config.get("tie_word_embeddings") is not False:
+            continue
+        tops = sorted({".".join(n.split(".")[:2]) for n in outside})
+        raise ScheduleError(f"{source}: model.persistent: {p!r} matches no tensor in {weights} (outside the layers "
+                            f"it holds {', '.join(tops[:8])}{', ...' if len(tops) > 8 else ''})")
+
+
+def _positions(config: dict[str, Any]) -> tuple[str, int] | None:
+    for key in _POSITION_KEYS:
+        n = config.get(key)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return key, n
+    text = config.get("text_config")
+    return _positions(text) if isinstance(text, dict) else None
+
+
+def _non_finite(raw: dict[str, Any]) -> list[tuple[str, float]]:
+    """(dotted key, value) of every inf and nan in a parsed schedule, however deep."""
+    found, todo = [], [("", raw)]
+    while todo:
+        key, value = todo.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            found.append((key, value))
+        elif isinstance(value, dict):
+            todo.extend((f"{key}.{k}" if key else str(k), v) for k, v in value.items())
+        elif isinstance(value, list):
+            todo.extend((f"{key}[{i}]", v) for i, v in enumerate(value))
+    return sorted(found)
 
 
 def num_layers_of(config: dict[str, Any]) -> int | None:
@@ -388,7 +587,9 @@ def load_schedule(
     path: str | Path, *, output_dir: str | Path | None = None, nproc: int | None = None
 ) -> LoadedSchedule:
     """Reads and validates a schedule file; raises ScheduleError naming the file and key."""
-    source = Path(path).resolve()
+    source = _resolve(Path.cwd(), str(path))
+    if _kind(source) not in ("a file", "missing"):
+        raise ScheduleError(f"{path}: expected a schedule file, it {_is(source)}")
     try:
         text = source.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -401,6 +602,8 @@ def load_schedule(
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ScheduleError(f"{path}: TOML syntax error: {e}") from None
+    except RecursionError:
+        raise ScheduleError(f"{path}: TOML nested too deeply") from None
     return validate_schedule(raw, source, output_dir=output_dir, nproc=nproc)
 
 
@@ -410,37 +613,50 @@ def validate_schedule(
     """Checks a parsed schedule against the model, the data and the launch it names; touches nothing."""
     if nproc is not None and nproc < 1:
         raise ScheduleError(f"--nproc: expected a positive integer, got {nproc}")
+    non_finite = _non_finite(raw)
+    if non_finite:
+        raise ScheduleError("\n".join(f"{source}: {key}: expected a finite number, got {v}" for key, v in non_finite))
+    listed = raw.get("schedule", {}).get("phases") if isinstance(raw.get("schedule"), dict) else None
+    if isinstance(listed, list) and len(listed) > MAX_PHASES:
+        raise ScheduleError(f"{source}: schedule.phases: expected at most {MAX_PHASES:,} phases, got {len(listed):,}")
     try:
         sched = Schedule.model_validate(raw)
     except ValidationError as e:
         raise ScheduleError(_format_validation(e, source)) from None
     base = source.parent
-    model_path = (base / sched.model.path).resolve() if sched.model.path else None
+    model_path = _resolve(base, sched.model.path) if sched.model.path else None
     config = _read_model_config(sched.model, model_path, source)
     n_layers = num_layers_of(config)
     if n_layers is None:
         where = f"model.path: {model_path / 'config.json'}" if model_path else "model.config"
         raise ScheduleError(f"{source}: {where}: expected num_hidden_layers (or n_layer, num_layers), "
                             "a positive integer")
-    data_path = (base / sched.data.path).resolve()
-    if not data_path.is_file():
-        raise ScheduleError(f"{source}: data.path: expected a data file, {data_path} "
-                            f"{'is not a file' if data_path.exists() else 'does not exist'}")
+    if model_path is not None:
+        _check_weights(sched.model, config, n_layers, model_path, source)
+    positions = _positions(config)
+    if positions is not None and sched.data.seq_len > positions[1]:
+        raise ScheduleError(f"{source}: data.seq_len: expected at most the model's {positions[0]} = {positions[1]}, "
+                            f"got {sched.data.seq_len}")
+    data_path = _resolve(base, sched.data.path)
+    _need_file(data_path, "data.path", "a data file", source)
     if sched.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ScheduleError(f"{source}: run.tensorboard: needs the tensorboard package, which is not installed "
                             "(pip install 'relayer[tensorboard]')")
-    if sched.data.validation_path is not None and not (base / sched.data.validation_path).is_file():
-        raise ScheduleError(f"{source}: data.validation_path: expected a data file, "
-                            f"{(base / sched.data.validation_path).resolve()} does not exist")
+    if sched.data.validation_path is not None:
+        _need_file(_resolve(base, sched.data.validation_path), "data.validation_path", "a data file", source)
     if sched.data.eval_every and sched.data.validation_path is None:
         raise ScheduleError(f"{source}: data.eval_every: needs data.validation_path, which is missing")
     launch = sched.launch
-    if launch.hostfile is not None and not (base / launch.hostfile).is_file():
-        raise ScheduleError(f"{source}: launch.hostfile: {(base / launch.hostfile).resolve()} does not exist")
-    out = Path(output_dir).resolve() if output_dir is not None else (base / sched.run.output_dir).resolve()
-    if out.exists() and not out.is_dir():
-        key = "--output-dir" if output_dir is not None else f"{source}: run.output_dir"
-        raise ScheduleError(f"{key}: expected a directory, {out} is a file")
+    if launch.hostfile is not None:
+        _need_file(_resolve(base, launch.hostfile), "launch.hostfile", "a hostfile", source)
+    out = _resolve(Path.cwd(), str(output_dir)) if output_dir is not None else _resolve(base, sched.run.output_dir)
+    key = "--output-dir" if output_dir is not None else f"{source}: run.output_dir"
+    # The nearest existing folder on the way must be a folder: the run directory is made there.
+    existing = out
+    while _kind(existing) == "missing" and existing.parent != existing:
+        existing = existing.parent
+    if _kind(existing) != "a directory":
+        raise ScheduleError(f"{key}: expected a directory, {existing} {_is(existing)}")
     loaded = LoadedSchedule(
         source=source, schedule=sched, raw=raw, num_layers=n_layers,
         model_path=model_path, data_path=data_path, output_dir=out, nproc_override=nproc,
@@ -453,6 +669,8 @@ def validate_schedule(
                 raise ScheduleError(f"{source}: {key}: layer {layer} is out of range: the model has {n_layers} "
                                     f"layers (0..{n_layers - 1})")
         check_batch(sched.data, ph.nproc, source, ph.index, nnodes=launch.nnodes)
+    if launch.launcher == "slurm" and shutil.which("srun") is None:
+        raise ScheduleError(f'{source}: launch.launcher: "slurm" starts each phase with srun, which is not on PATH')
     return loaded
 
 
@@ -485,14 +703,21 @@ def plan_phases(loaded: LoadedSchedule) -> list[Phase]:
     if k > n:
         raise ScheduleError(f"{loaded.source}: schedule.layers_per_phase: expected at most the model's {n} layers, "
                             f"got {k}")
+    count = -(-sc.total_steps // sc.interval)
+    if count > MAX_PHASES:
+        raise ScheduleError(f"{loaded.source}: schedule.interval: expected at most {MAX_PHASES:,} phases, got "
+                            f"total_steps / interval = {sc.total_steps:,} / {sc.interval:,} = {count:,} phases")
+    if count * k > MAX_PLANNED_LAYERS:
+        raise ScheduleError(f"{loaded.source}: schedule.layers_per_phase: expected at most {MAX_PLANNED_LAYERS:,} "
+                            f"layers over all phases, got {count:,} phases x {k:,}")
     rng = random.Random(f"relayer-lisa-{s.run.seed}")
     phases, step, i = [], 0, 0
     while step < sc.total_steps:
         if sc.strategy == "lisa":
             layers = tuple(sorted(rng.sample(range(n), k)))
         else:
-            order = list(range(n)) if sc.strategy == "ascending" else list(range(n - 1, -1, -1))
-            layers = tuple(sorted(order[(i * k + j) % n] for j in range(k)))
+            walk = ((i * k + j) % n for j in range(k))
+            layers = tuple(sorted(walk if sc.strategy == "ascending" else (n - 1 - x for x in walk)))
         end = min(step + sc.interval, sc.total_steps)
         phases.append(Phase(index=i, start_step=step, end_step=end, layers=layers, nproc=nproc_default))
         step, i = end, i + 1

@@ -6,7 +6,9 @@ the same wherever they are composed.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,13 +44,44 @@ def build_base_model(spec: ModelSpec) -> nn.Module:
 
     dtype = DTYPES[spec.dtype]
     if spec.path is not None:
-        return AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
+        config_json = Path(spec.path) / "config.json"
+        _known_model_type(json.loads(config_json.read_text()).get("model_type"), f"model.path: {config_json}")
+        # use_safetensors: a pickle file is never opened, even beside a safetensors file.
+        model, info = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, use_safetensors=True,
+                                                           output_loading_info=True)
+        _strict(spec.path, info)
+        return model
     cfg = dict(spec.config or {})
+    _known_model_type(cfg.get("model_type"), "model.config")
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.to(dtype)
+
+
+def _known_model_type(model_type: Any, where: str) -> None:
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"{where}: model_type {model_type!r} is not a model type this transformers "
+                         f"knows")
+
+
+def _strict(path: str, info: dict[str, Any]) -> None:
+    """Every weight the config implies comes from the files, and every tensor in them is used:
+    a missing weight would otherwise train from a random init. Tied weights are not missing."""
+    problems = []
+    for what, keys in (("missing from the files", info["missing_keys"]),
+                       ("in the files but not in the model", info["unexpected_keys"])):
+        if keys:
+            named = ", ".join(sorted(keys)[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+            problems.append(f"{len(keys)} weight(s) {what}: {named}")
+    for name, *shapes in sorted(info["mismatched_keys"])[:8]:
+        problems.append(f"{name} has shape {shapes[0]} in the files, the config implies {shapes[1]}")
+    problems += info["error_msgs"]
+    if problems:
+        raise ValueError(f"model.path: {path}: the weights do not match config.json: " + "; ".join(problems))
 
 
 def detect_parts(model: nn.Module, persistent: list[str] | None, layers: str | None) -> tuple[list[str], str]:

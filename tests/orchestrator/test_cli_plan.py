@@ -108,7 +108,7 @@ BAD = [
     ("deepspeed-nodes-without-hostfile", setting("launch", launcher="deepspeed", nnodes=2),
      "launch.hostfile: required with launcher deepspeed on 2 nodes, but missing"),
     ("hostfile-missing", setting("launch", launcher="deepspeed", nnodes=2, hostfile="hosts"),
-     "launch.hostfile: {tmp}/hosts does not exist"),
+     "launch.hostfile: expected a hostfile, {tmp}/hosts does not exist"),
     ("phases-and-strategy", setting("schedule", strategy="lisa", total_steps=20, interval=10, layers_per_phase=1),
      "schedule.strategy: expected either schedule.phases or schedule.strategy (with total_steps, interval, "
      "layers_per_phase), not both"),
@@ -124,7 +124,7 @@ BAD = [
     ("data-section-missing", lambda s, _: s.pop("data"), "data: required, but missing"),
     ("data-file-missing", setting("data", path="nope.jsonl"),
      "data.path: expected a data file, {tmp}/nope.jsonl does not exist"),
-    ("data-path-is-a-directory", setting("data", path="."), "data.path: expected a data file, {tmp} is not a file"),
+    ("data-path-is-a-directory", setting("data", path="."), "data.path: expected a data file, {tmp} is a directory"),
     ("model-dir-missing", setting("model", path="no-model"),
      "model.path: expected a Hugging Face model directory, {tmp}/no-model does not exist"),
     ("model-without-config-json", lambda s, tmp: (tmp / "empty-model").mkdir() or s["model"].update(path="empty-model"),
@@ -228,6 +228,30 @@ def test_several_faults_are_one_message_with_a_line_each(tmp_path, tiny_model, t
                         f"{path.resolve()}: data.shufle: unknown key (did you mean shuffle?)\n")
 
 
+def llama_names(layers: int) -> list[str]:
+    per_layer = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                 "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    return ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+            *(f"model.layers.{i}.{p}.weight" for i in range(layers) for p in per_layer)]
+
+
+def write_header_only(path: Path, names: list[str]) -> Path:
+    """A valid safetensors file holding one float32 element under each name."""
+    header = {n: {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]} for i, n in enumerate(names)}
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(4 * len(names)))
+    return path
+
+
+def on_path(monkeypatch, tmp_path: Path, command: str) -> None:
+    """An executable named ``command`` on PATH, for checks that look for it and never run it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / command).write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / command).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
 def table_rows(stdout: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip("│").split("│")] for line in stdout.splitlines()
             if line.startswith("│")]
@@ -273,12 +297,15 @@ def test_plan_of_a_strategy(tmp_path, tiny_model, tiny_data):
     ]
 
 
-def test_the_slurm_example_plans(tmp_path):
-    # The example names an 8B model that is not here; its config.json is all that plan reads.
+def test_the_slurm_example_plans(tmp_path, monkeypatch):
+    # The example names an 8B model that is not here; plan reads only its config.json and the
+    # safetensors headers, so tensors of one element with the 8B model's names stand in for it.
     shutil.copy(ROOT / "examples" / "slurm" / "schedule.toml", tmp_path)
-    (tmp_path / "models" / "Meta-Llama-3.1-8B").mkdir(parents=True)
-    (tmp_path / "models" / "Meta-Llama-3.1-8B" / "config.json").write_text(
-        json.dumps({"model_type": "llama", "num_hidden_layers": 32}))
+    model = tmp_path / "models" / "Meta-Llama-3.1-8B"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 32}))
+    write_header_only(model / "model.safetensors", llama_names(32))
+    on_path(monkeypatch, tmp_path, "srun")
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
     r = invoke("plan", str(tmp_path / "schedule.toml"))
