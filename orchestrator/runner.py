@@ -23,7 +23,9 @@ from orchestrator.groups import GO_FIFO, Group, PhaseProcesses, Work
 from orchestrator.errors import PhaseFailed, Preempted, RelayerError, RunLocked, ScheduleError
 from orchestrator.journal import Journal, JsonlTail
 from orchestrator.quiet import Pauser
-from orchestrator.schedule import LoadedSchedule, Phase, check_batch, plan_phases, validate_schedule
+from orchestrator.schedule import (
+    LoadedSchedule, Phase, chat_template_of, check_batch, plan_phases, tokenizer_of, validate_schedule,
+)
 from shard_tools.manifest import (
     CheckpointError, Manifest, layer_sources, list_checkpoints, make_durable, needed_by, newest_valid, read_manifest,
     remove_stray_temporaries, verify_checkpoint,
@@ -324,8 +326,11 @@ class Runner:
             "restore": str(work.restore) if work.restore else None,
             "model": {"path": str(self.loaded.model_path) if self.loaded.model_path else None,
                       "config": s.model.config, "dtype": s.model.dtype, "persistent": s.model.persistent,
-                      "layers": s.model.layers, "gradient_checkpointing": s.model.gradient_checkpointing},
+                      "layers": s.model.layers, "gradient_checkpointing": s.model.gradient_checkpointing,
+                      "tokenizer": str(t) if (t := tokenizer_of(s.model, self.loaded.source.parent)) else None},
             "data": {"path": str(self.loaded.data_path), "format": s.data.format, "seq_len": s.data.seq_len,
+                     "pack": s.data.pack, "train_on_prompt": s.data.train_on_prompt, "fields": s.data.fields,
+                     "chat_template": chat_template_of(s.data, self.loaded.source.parent),
                      "batch_size": s.data.batch_size, "micro_batch_size": s.data.micro_batch_size,
                      "shuffle": s.data.shuffle, "eval_every": s.data.eval_every,
                      "validation_path": str(self.loaded.source.parent / s.data.validation_path)
