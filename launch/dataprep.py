@@ -143,8 +143,13 @@ def _build(data: DataPart, tokenizer: str | None, out: Path) -> None:
         raise DataError("no examples", str(path))
     encode = _Encoder(data, tok)
     num_proc = min(8, os.cpu_count() or 1) if len(ds) >= PARALLEL_FROM else None
-    enc = ds.map(encode, batched=True, batch_size=256, with_indices=True, num_proc=num_proc,
-                 remove_columns=ds.column_names, desc=None)
+    try:
+        enc = ds.map(encode, batched=True, batch_size=256, with_indices=True, num_proc=num_proc,
+                     remove_columns=ds.column_names, desc=None)
+    except UnicodeDecodeError:
+        # pyarrow's JSON reader keeps invalid bytes; they fail when the strings are read here.
+        _find_bad_record(data, path)
+        raise DataError("not UTF-8", str(path)) from None
     bad = [i for i, e in enumerate(enc["error"]) if e]
     if bad:
         i = bad[0]
