@@ -411,6 +411,11 @@ def _read_model_config(model: ModelSection, model_path: Path | None, source: Pat
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+def is_saved_dataset(path: Path) -> bool:
+    """A folder written by ``datasets``' save_to_disk (a Dataset or a DatasetDict)."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
 def tokenizer_of(model: ModelSection, base: Path) -> Path | None:
     """The tokenizer directory: model.tokenizer, else model.path (None for an inline config)."""
     path = model.tokenizer or model.path
@@ -471,9 +476,9 @@ def validate_schedule(
         raise ScheduleError(f"{source}: {where}: expected num_hidden_layers (or n_layer, num_layers), "
                             "a positive integer")
     data_path = (base / sched.data.path).resolve()
-    if not data_path.exists():
-        raise ScheduleError(f"{source}: data.path: expected a data file or a datasets.save_to_disk folder, "
-                            f"{data_path} does not exist")
+    if not data_path.is_file() and not is_saved_dataset(data_path):
+        raise ScheduleError(f"{source}: data.path: expected a data file or a datasets.save_to_disk folder, {data_path} "
+                            f"{'is neither' if data_path.exists() else 'does not exist'}")
     tokenizer_path = tokenizer_of(sched.model, base)
     if sched.data.format != "tokens":
         key = "model.tokenizer" if sched.model.tokenizer else "model.tokenizer (default model.path)"
@@ -490,7 +495,8 @@ def validate_schedule(
     if sched.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ScheduleError(f"{source}: run.tensorboard: needs the tensorboard package, which is not installed "
                             "(pip install 'relayer[tensorboard]')")
-    if sched.data.validation_path is not None and not (base / sched.data.validation_path).exists():
+    if sched.data.validation_path is not None and not ((base / sched.data.validation_path).is_file()
+                                                       or is_saved_dataset(base / sched.data.validation_path)):
         raise ScheduleError(f"{source}: data.validation_path: expected a data file, "
                             f"{(base / sched.data.validation_path).resolve()} does not exist")
     if sched.data.eval_every and sched.data.validation_path is None:

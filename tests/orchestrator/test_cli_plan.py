@@ -123,8 +123,21 @@ BAD = [
      "schedule.layers_per_phase: expected at most the model's 4 layers, got 5"),
     ("data-section-missing", lambda s, _: s.pop("data"), "data: required, but missing"),
     ("data-file-missing", setting("data", path="nope.jsonl"),
-     "data.path: expected a data file, {tmp}/nope.jsonl does not exist"),
-    ("data-path-is-a-directory", setting("data", path="."), "data.path: expected a data file, {tmp} is not a file"),
+     "data.path: expected a data file or a datasets.save_to_disk folder, {tmp}/nope.jsonl does not exist"),
+    ("data-path-is-a-directory", setting("data", path="."),
+     "data.path: expected a data file or a datasets.save_to_disk folder, {tmp} is neither"),
+    ("text-without-tokenizer", setting("data", format="text"),
+     'model.tokenizer (default model.path): data.format = "text" needs a tokenizer: expected tokenizer.json or '
+     "tokenizer_config.json in {model}"),
+    ("tokenizer-missing", lambda s, tmp: s["data"].update(format="chat") or s["model"].update(tokenizer=str(tmp)),
+     'model.tokenizer: data.format = "chat" needs a tokenizer: expected tokenizer.json or tokenizer_config.json '
+     "in {tmp}"),
+    ("data-field-of-another-format", setting("data", format="instruction", fields={"messages": "turns"}),
+     'data.fields.messages: not a field of data.format = "instruction"; expected one of instruction, input, output'),
+    ("data-format-unknown", setting("data", format="alpaca"),
+     "data.format: expected 'tokens', 'text', 'instruction' or 'chat', got 'alpaca'"),
+    ("chat-template-file-missing", setting("data", chat_template="nope.jinja"),
+     "data.chat_template: expected a Jinja template or a file holding one, {tmp}/nope.jinja does not exist"),
     ("model-dir-missing", setting("model", path="no-model"),
      "model.path: expected a Hugging Face model directory, {tmp}/no-model does not exist"),
     ("model-without-config-json", lambda s, tmp: (tmp / "empty-model").mkdir() or s["model"].update(path="empty-model"),
@@ -145,8 +158,8 @@ BAD = [
 ]
 
 
-def expand(message: str, tmp_path: Path) -> str:
-    return message.replace("{tmp}", str(tmp_path.resolve()))
+def expand(message: str, tmp_path: Path, model: Path | None = None) -> str:
+    return message.replace("{tmp}", str(tmp_path.resolve())).replace("{model}", str(model and model.resolve()))
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -156,7 +169,7 @@ def test_bad_schedule_exits_2_with_one_message_and_writes_nothing(command, edit,
     sched = build(tmp_path, tiny_model, tiny_data, edit)
     r = invoke(command, str(sched))
     assert r.exit_code == 2, r.output
-    assert r.stderr == f"orchestrator: {sched.resolve()}: {expand(message, tmp_path)}\n"
+    assert r.stderr == f"orchestrator: {sched.resolve()}: {expand(message, tmp_path, tiny_model)}\n"
     assert r.stdout == ""
     assert not (tmp_path / "run").exists()
 
