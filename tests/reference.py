@@ -42,8 +42,10 @@ def sample_index(g: int, n: int, seed: int) -> int:
 def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]]], *, seed: int = 0,
                   lr: float = 1e-3, batch: int = 8, micro: int = 4, grad_clip: float = 1.0,
                   weight_decay: float = 0.0, carry_body: bool = False, reset_head: bool = False,
-                  grad_scale: float = 1.0, mean_of_means: bool = False) -> dict[str, torch.Tensor]:
-    """Final weights (fp32, by parameter name) of the LISA schedule ``phases`` = [(steps, layers)]."""
+                  grad_scale: float = 1.0, mean_of_means: bool = False,
+                  losses: list[float] | None = None) -> dict[str, torch.Tensor]:
+    """Final weights (fp32, by parameter name) of the LISA schedule ``phases`` = [(steps, layers)];
+    each step's loss is appended to ``losses`` when given."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids, labels, mask = load_tokens(data)
     params = dict(model.named_parameters())
@@ -72,6 +74,7 @@ def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]
         for _ in range(steps):
             rows = [sample_index(g, len(ids), seed) for g in range(step * batch, (step + 1) * batch)]
             targets = int((labels[rows, 1:] != -100).sum())
+            step_loss = 0.0
             for m in range(batch // micro):
                 r = rows[m * micro:(m + 1) * micro]
                 logits = model(input_ids=ids[r], attention_mask=mask[r]).logits
@@ -83,6 +86,9 @@ def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]
                 else:
                     loss = token_losses.sum() / targets
                 loss.backward()
+                step_loss += loss.item()
+            if losses is not None:
+                losses.append(step_loss)
             trainable_params = [params[n] for n in params if n in trainable]
             if grad_scale != 1.0:
                 for p in trainable_params:

@@ -132,9 +132,13 @@ def masked_data(tmp_path_factory) -> Path:
     return out
 
 
+MASKED_LOSSES: list[float] = []
+
+
 @pytest.fixture(scope="module")
 def masked_reference(tiny_model, masked_data) -> dict[str, torch.Tensor]:
-    return reference_run(tiny_model, masked_data, MASKED_PHASES, micro=2)
+    MASKED_LOSSES.clear()
+    return reference_run(tiny_model, masked_data, MASKED_PHASES, micro=2, losses=MASKED_LOSSES)
 
 
 def test_mean_of_micro_means_would_fail(tiny_model, masked_data, masked_reference):
@@ -153,6 +157,22 @@ def test_labels_and_padding_match_reference(tmp_path, tiny_model, masked_data, m
     r = cli("orchestrator", "run", str(sched))
     assert r.returncode == 0, r.stderr
     assert max_abs_diff(masked_reference, composed(tiny_model, tmp_path / "run")) <= TOL
-    # The logged loss is the step's global token mean too: the first step's equals the reference's.
-    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    assert first["target_tokens"] > 0 and first["loss"] > 0
+    # The logged loss is the step's global token mean too.
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == list(range(1, 11))
+    assert max(abs(m["loss"] - ref) for m, ref in zip(logged, MASKED_LOSSES)) <= TOL
+
+
+def test_a_step_without_targets_is_a_zero_gradient(tmp_path, tiny_model):
+    """Every label -100: each step still runs (an optimizer step on zero gradients, so Adam moves
+    nothing), its loss is logged as 0.0 with target_tokens 0, and nothing divides by zero."""
+    data = tmp_path / "masked.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [i % 96] * 16, "labels": [-100] * 16}) + "\n" for i in range(8)))
+    sched = write_schedule(tmp_path / "s.toml", schedule_dict(
+        tiny_model, data, schedule={"phases": [{"steps": 2, "layers": [0]}]}))
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["loss"], m["target_tokens"]) for m in logged] == [(0.0, 0), (0.0, 0)]
+    base = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(tiny_model).named_parameters()}
+    assert max_abs_diff(base, composed(tiny_model, tmp_path / "run")) == 0.0
