@@ -46,7 +46,8 @@ def make(out: Path, data: Path = HERE / "data" / "alpaca.jsonl") -> Path:
     model.generation_config = GenerationConfig(eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    fast.save_pretrained(out)
+    # The template in tokenizer_config.json (not chat_template.jinja), which shard-tools export copies.
+    fast.save_pretrained(out, save_jinja_files=False)
     return out
 
 
