@@ -1,5 +1,6 @@
 """Writes the Alpaca example's training file: a few hundred instruction records made from
-templates (arithmetic, reversing words, the capitals of made-up countries, capital letters), small
+templates (the capitals of made-up countries, counting, capital letters, repeating and
+reversing words), small
 enough for the tiny model to learn on a CPU. Deterministic: the same file every time.
 
     python examples/alpaca/make_data.py [OUT.jsonl] [--records N]   # default: examples/alpaca/data/alpaca.jsonl
@@ -20,24 +21,29 @@ CAPITALS = ["Quellon", "Mistra", "Harrowgate", "Pellin", "Aldport", "Sunmere", "
 WORDS = ["red", "blue", "green", "cat", "dog", "bird", "sun", "moon", "tree", "river", "stone", "cloud"]
 
 
+ASK = ["What is the capital of {c}?", "Name the capital of {c}.", "Which city is the capital of {c}?",
+       "Tell me the capital of {c}.", "What city is the capital of {c}?"]
+
+
 def records(n: int, seed: int = 0) -> list[dict]:
-    """``n`` Alpaca records, ``{"instruction", "input", "output"}``, cycling through the tasks."""
+    """``n`` Alpaca records, ``{"instruction", "input", "output"}``: each capital asked five ways
+    (facts to memorise), then counting, capital letters, repeating and reversing words in turn."""
     rnd = random.Random(seed)
-    out = [{"instruction": f"What is the capital of {c}?", "input": "", "output": f"The capital of {c} is {k}."}
-           for c, k in zip(COUNTRIES, CAPITALS)]
+    out = [{"instruction": q.format(c=c), "input": "", "output": f"The capital of {c} is {k}."}
+           for c, k in zip(COUNTRIES, CAPITALS) for q in ASK]
     while len(out) < n:
-        task = len(out) % 3
+        task, w = len(out) % 4, rnd.choice(WORDS)
         if task == 0:
-            a, b = rnd.randint(0, 20), rnd.randint(0, 20)
-            out.append({"instruction": "Add the two numbers.", "input": f"{a} + {b}", "output": str(a + b)})
+            i = rnd.randint(0, 49)
+            out.append({"instruction": f"What number comes after {i}?", "input": "", "output": str(i + 1)})
         elif task == 1:
-            words = rnd.sample(WORDS, rnd.randint(2, 4))
-            out.append({"instruction": "Reverse the order of the words.", "input": " ".join(words),
-                        "output": " ".join(reversed(words))})
+            out.append({"instruction": "Write the word in capital letters.", "input": w, "output": w.upper()})
+        elif task == 2:
+            out.append({"instruction": "Repeat the word twice.", "input": w, "output": f"{w} {w}"})
         else:
-            words = rnd.sample(WORDS, rnd.randint(1, 3))
-            out.append({"instruction": "Write the words in capital letters.", "input": " ".join(words),
-                        "output": " ".join(words).upper()})
+            v = rnd.choice([x for x in WORDS if x != w])
+            out.append({"instruction": "Reverse the order of the words.", "input": f"{w} {v}", "output": f"{v} {w}"})
+    rnd.shuffle(out)
     return out[:n]
 
 

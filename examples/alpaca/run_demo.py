@@ -19,7 +19,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
-QUESTION = {"instruction": "What is the capital of Zorbia?", "input": ""}
+QUESTION = {"instruction": "Write the word in capital letters.", "input": "river"}
 
 
 def step(*argv: str) -> None:

@@ -43,13 +43,15 @@ def jsonl(path: Path, records: list) -> Path:
     return path
 
 
-def sched(tmp: Path, model: Path, records: list, fmt: str, name: str = "s.toml", **data) -> Path:
+def sched(tmp: Path, model: Path, records: list, fmt: str, name: str = "s.toml", sections: dict | None = None,
+          **data) -> Path:
     path = jsonl(tmp / f"{name}.jsonl", records)
     d = {"path": str(path), "format": fmt, "seq_len": 64, "batch_size": 4, "micro_batch_size": 2, **data}
     return write_schedule(tmp / name, schedule_dict(model, path, data=d, optimizer={"lr": 3e-3},
                                                     schedule={"phases": [{"steps": 3, "layers": [0]},
                                                                          {"steps": 3, "layers": [1]},
-                                                                         {"steps": 3, "layers": [0]}]}))
+                                                                         {"steps": 3, "layers": [0]}]},
+                                                    **(sections or {})))
 
 
 def shown(schedule: Path, n: int = 8) -> list[dict]:
@@ -127,7 +129,7 @@ def test_rows_longer_than_the_positions_exit_2(tmp_path, model):
 @pytest.mark.parametrize("fmt", ["instruction", "chat"])
 def test_preempted_run_resumes_and_exports(tmp_path, model, fmt):
     records = INSTRUCTIONS if fmt == "instruction" else CHATS
-    schedule = sched(tmp_path, model, records, fmt, checkpoint={"every_steps": 2, "keep_last": 10})
+    schedule = sched(tmp_path, model, records, fmt, sections={"checkpoint": {"every_steps": 2, "keep_last": 10}})
     run = tmp_path / "run"
     orch = subprocess.Popen([ORCH, "run", str(schedule)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -145,7 +147,22 @@ def test_preempted_run_resumes_and_exports(tmp_path, model, fmt):
     r = cli("orchestrator", "run", str(schedule))
     assert r.returncode == 0, r.stderr
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if "loss" in x]
-    assert sorted(set(steps)) == list(range(1, 10)) or sorted(set(steps)) == list(range(9))
+    assert set(steps) == set(range(1, 10))
     r = cli("shard-tools", "export", str(run), "--out", str(tmp_path / "export"))
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "export" / "config.json").is_file()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_alpaca_example_runs_shortened(tmp_path):
+    ex = tmp_path / "alpaca"
+    ex.mkdir()
+    for name in ("make_data.py", "make_model.py", "run_demo.py", "schedule.toml"):
+        (ex / name).write_text((ROOT / "examples" / "alpaca" / name).read_text())
+    r = subprocess.run([sys.executable, str(ex / "run_demo.py"), "--steps", "4"], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "\nprompt:\n<|user|>\nWrite the word in capital letters.\n\nriver<|end|>\n<|assistant|>\n" in r.stdout
+    assert "answer:" in r.stdout and (ex / "export" / "model.safetensors").is_file()
+    assert (ex / "data" / "alpaca.jsonl").read_text() == (ROOT / "examples" / "alpaca" / "data" / "alpaca.jsonl").read_text()
