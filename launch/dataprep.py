@@ -175,11 +175,7 @@ def _build(data: DataPart, tokenizer: str | None, out: Path) -> None:
 
 def _ragged(enc, column: str) -> tuple[np.ndarray, np.ndarray]:
     """A list column as (flat int32 values, lengths), without going through Python lists."""
-    import pyarrow as pa
-
     col = enc.data.column(column).combine_chunks()
-    if isinstance(col, pa.ChunkedArray):
-        col = pa.concat_arrays(col.chunks) if col.num_chunks else pa.array([], pa.list_(pa.int32()))
     offsets = col.offsets.to_numpy()
     flat = col.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]].astype(np.int32)
     return flat, np.diff(offsets).astype(np.int64)
@@ -353,7 +349,6 @@ class _Encoder:
     def __init__(self, data: DataPart, tok):
         self.data, self.tok, self.f = data, tok, data.field
         self.eos = [] if tok is None or tok.eos_token_id is None else [tok.eos_token_id]
-        self.bos = [] if tok is None or tok.bos_token_id is None else [tok.bos_token_id]
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "labels": [], "error": []}
@@ -439,7 +434,8 @@ class _Encoder:
                 return self.chat([{"role": "user", "content": user}, {"role": "assistant", "content": output}])
             prompt = ALPACA.format(context=", paired with an input that provides further context" if context else "",
                                    instruction=instruction, input=f"### Input:\n{context}\n\n" if context else "")
-            p = self.bos + tok(prompt, add_special_tokens=False)["input_ids"]
+            # The tokenizer's own special tokens (a BOS where it adds one), as a plain prompt gets them.
+            p = tok(prompt)["input_ids"]
             r = tok(output, add_special_tokens=False)["input_ids"] + self.eos
             return p + r, (p if self.data.train_on_prompt else [IGNORE] * len(p)) + r
         return self.chat(self.messages(rec))

@@ -465,7 +465,9 @@ class Phase:
             # The step's loss is its summed token loss over N_global, its target tokens on every
             # rank. DeepSpeed divides each micro-batch's loss by the accumulation steps and averages
             # gradients over ranks, so micro-batch m's mean is scaled by c_m * gas * world / N_global
-            # (exactly 1.0 with full rows: the results of unmasked data are as before).
+            # (exactly 1.0 with full rows: the results of unmasked data are as before). A step with
+            # no target tokens at all has zero gradients and is still an optimizer step (Adam's
+            # moments carry on, the step counts); its loss is logged as 0.0 with target_tokens 0.
             n_global = step_targets(examples, order, self.step, d.batch_size)
             for micro in range(self.gas):
                 batch = micro_batch(examples, order, self.step, d.batch_size, micro, self.rank, self.world,

@@ -287,11 +287,13 @@ def test_plan_of_a_strategy(tmp_path, tiny_model, tiny_data):
 
 
 def test_the_slurm_example_plans(tmp_path):
-    # The example names an 8B model that is not here; its config.json is all that plan reads.
+    # The example names an 8B model that is not here; its config.json is all that plan reads (and
+    # that a tokenizer is there: its text data needs one).
     shutil.copy(ROOT / "examples" / "slurm" / "schedule.toml", tmp_path)
     (tmp_path / "models" / "Meta-Llama-3.1-8B").mkdir(parents=True)
     (tmp_path / "models" / "Meta-Llama-3.1-8B" / "config.json").write_text(
         json.dumps({"model_type": "llama", "num_hidden_layers": 32}))
+    (tmp_path / "models" / "Meta-Llama-3.1-8B" / "tokenizer_config.json").write_text("{}")
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
     r = invoke("plan", str(tmp_path / "schedule.toml"))
