@@ -29,6 +29,8 @@ def inspect(req: dict[str, Any]) -> dict[str, Any]:
 
     data = DataPart.model_validate(req["data"])
     tokenizer, root = req.get("tokenizer"), Path(req["cache_root"])
+    if data.format != "tokens":
+        _check_tokenizer(data, tokenizer)
     cache = prepare(data, tokenizer, root)
     check(data, cache, req.get("vocab_size"), req.get("max_positions"))
     out: dict[str, Any] = {"stats": read_stats(cache), "validation": None, "rows": []}
@@ -73,6 +75,18 @@ def check(data: DataPart, cache: Path, vocab_size: int | None, max_positions: in
                             str(path))
         raise DataError(f"token id {top} is not below the model's vocab_size {vocab_size} (config.json)", str(path),
                         **where)
+
+
+def _check_tokenizer(data: DataPart, tokenizer: str | None) -> None:
+    """A tokenizer that does not load is bad input (exit 2), not a fault of the preparation."""
+    try:
+        load_tokenizer(data, tokenizer)
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds for broken files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise DataError(f"model.tokenizer: cannot load a tokenizer from {tokenizer}: {type(e).__name__}: {first}") \
+            from None
 
 
 def _decoder(data: DataPart, tokenizer: str | None):

@@ -286,6 +286,16 @@ def test_plan_of_a_strategy(tmp_path, tiny_model, tiny_data):
     ]
 
 
+def write_word_tokenizer(out: Path, words: list[str]) -> None:
+    """A real (word-level) fast tokenizer: plan tokenizes text data to check it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<eos>", *words])}, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(out)
+
+
 def test_the_slurm_example_plans(tmp_path):
     # The example names an 8B model that is not here; its config.json is all that plan reads (and
     # that a tokenizer is there: its text data needs one).
@@ -293,9 +303,9 @@ def test_the_slurm_example_plans(tmp_path):
     (tmp_path / "models" / "Meta-Llama-3.1-8B").mkdir(parents=True)
     (tmp_path / "models" / "Meta-Llama-3.1-8B" / "config.json").write_text(
         json.dumps({"model_type": "llama", "num_hidden_layers": 32}))
-    (tmp_path / "models" / "Meta-Llama-3.1-8B" / "tokenizer_config.json").write_text("{}")
+    write_word_tokenizer(tmp_path / "models" / "Meta-Llama-3.1-8B", ["hello"])
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "train.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    (tmp_path / "data" / "train.jsonl").write_text(json.dumps({"text": " ".join(["hello"] * 3000)}) + "\n")
     r = invoke("plan", str(tmp_path / "schedule.toml"))
     assert r.exit_code == 0, r.output
     assert "40 phases, 2000 steps" in r.stdout

@@ -166,3 +166,14 @@ def test_the_alpaca_example_runs_shortened(tmp_path):
     assert "\nprompt:\n<|user|>\nWrite the word in capital letters.\n\nriver<|end|>\n<|assistant|>\n" in r.stdout
     assert "answer:" in r.stdout and (ex / "export" / "model.safetensors").is_file()
     assert (ex / "data" / "alpaca.jsonl").read_text() == (ROOT / "examples" / "alpaca" / "data" / "alpaca.jsonl").read_text()
+
+
+def test_a_tokenizer_that_does_not_load_exits_2(tmp_path, model):
+    broken = tmp_path / "model"
+    broken.mkdir()
+    for f in model.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "tokenizer.json").write_text("{}")
+    r = CliRunner().invoke(main, ["plan", str(sched(tmp_path, broken, INSTRUCTIONS, "instruction"))])
+    assert r.exit_code == 2, r.output
+    assert f"model.tokenizer: cannot load a tokenizer from {broken}" in r.output
