@@ -22,4 +22,5 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -x -p no:cacheprovider $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) examples/tiny/runs examples/tiny/model examples/tiny/export
+	rm -rf $(VENV) examples/tiny/runs examples/tiny/model examples/tiny/export \
+		examples/alpaca/runs examples/alpaca/model examples/alpaca/export examples/alpaca/schedule.short.toml

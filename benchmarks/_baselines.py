@@ -88,7 +88,7 @@ class Trainer:
         import torch
         from deepspeed.accelerator import get_accelerator
 
-        from launch.data import SampleOrder, load_examples
+        from launch.data import SampleOrder, load_examples, prepare
         from launch.spec import DataPart
 
         self.setup, self.way_dir = setup, way_dir
@@ -101,7 +101,7 @@ class Trainer:
         data = DataPart(path=setup["data_path"], format="tokens", seq_len=setup["seq_len"],
                         batch_size=setup["batch_size"], micro_batch_size=setup["micro_batch_size"], shuffle=True)
         # relayer's own sample order, so every way sees the same rows at the same global step.
-        self.examples = load_examples(data, None, way_dir)
+        self.examples = load_examples(prepare(data, None, way_dir))
         self.order = SampleOrder(len(self.examples), setup["seed"], True)
 
     def build(self, model, layer: int):
@@ -134,8 +134,8 @@ class Trainer:
                 loss_sum = 0.0
                 for micro in range(gas):
                     batch = micro_batch(self.examples, self.order, step, s["batch_size"], micro, 0, 1,
-                                        s["micro_batch_size"]).to(self.device)
-                    loss = engine(input_ids=batch, labels=batch).loss
+                                        s["micro_batch_size"])
+                    loss = engine(**{k: v.to(self.device) for k, v in batch.items()}).loss
                     engine.backward(loss)
                     engine.step()
                     loss_sum += loss.item()

@@ -1,99 +1,82 @@
 """Training examples and their order: a pure function of (data, seed, global sample index).
 
 The position of a run in its data is a count of samples, so any process count, any restart and
-any phase boundary picks up exactly where the last optimizer step left off.
+any phase boundary picks up exactly where the last optimizer step left off. The examples are the
+rows ``launch.dataprep.prepare`` wrote once per run; every process maps them (no copy).
+
+    cache = prepare(spec.data, spec.model.tokenizer, run_dir / "data-cache")
+    examples = load_examples(cache)                        # memory-mapped rows
+    batch = micro_batch(examples, order, step, ...)        # {"input_ids", "labels", "attention_mask"}
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import random
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from launch.spec import DataPart
+from launch.dataprep import IGNORE, ROWS, DataError, prepare, read_stats
+
+__all__ = ["IGNORE", "DataError", "Examples", "SampleOrder", "load_examples", "micro_batch", "prepare", "read_stats",
+           "rows", "step_targets", "training_rows"]
 
 
-class DataError(ValueError):
-    """The data file does not fit the schedule; the message names the file and line."""
+@dataclass(frozen=True)
+class Examples:
+    """Rows of seq_len tokens (numpy arrays, memory-mapped when loaded from a cache)."""
+
+    input_ids: np.ndarray
+    """[rows, seq_len] token ids; 0 past ``lengths``."""
+    labels: np.ndarray
+    """[rows, seq_len], aligned with input_ids as in Hugging Face (the model shifts them); -100: no loss."""
+    lengths: np.ndarray
+    """[rows] tokens before the padding (seq_len when packed)."""
+    targets: np.ndarray
+    """[rows] tokens of the row that carry loss: ``(labels[:, 1:] != -100).sum(1)``."""
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @classmethod
+    def of(cls, input_ids: np.ndarray, labels: np.ndarray | None = None, lengths: np.ndarray | None = None) -> Examples:
+        """Rows held in memory (tests, tools); labels default to the inputs, lengths to full rows."""
+        input_ids = np.asarray(input_ids)
+        labels = np.array(input_ids) if labels is None else np.asarray(labels)
+        lengths = np.full(len(input_ids), input_ids.shape[1]) if lengths is None else np.asarray(lengths)
+        return cls(input_ids, labels, lengths, (labels[:, 1:] != IGNORE).sum(axis=1))
 
 
-def load_examples(data: DataPart, model_path: str | None, cache_dir: Path) -> torch.Tensor:
-    """All examples as one int64 tensor [n, seq_len]."""
-    path = Path(data.path)
-    if data.format == "tokens":
-        return _tokens(path, data.seq_len)
-    return _text(path, data.seq_len, model_path, cache_dir)
+def load_examples(cache_dir: Path) -> Examples:
+    """The rows of a cache entry (``prepare``'s result), memory-mapped read-only: the pages are
+    the page cache's, shared by every process that maps them."""
+    return Examples(**_map_safetensors(Path(cache_dir) / ROWS))
 
 
-def _tokens(path: Path, seq_len: int) -> torch.Tensor:
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ids = json.loads(line)["input_ids"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise DataError(f"{path}:{lineno}: expected a JSON object with input_ids") from None
-            if len(ids) != seq_len:
-                raise DataError(f"{path}:{lineno}: {len(ids)} tokens, data.seq_len is {seq_len}")
-            rows.append(ids)
-    if not rows:
-        raise DataError(f"{path}: no examples")
-    return torch.tensor(rows, dtype=torch.int64)
+_NP = {"I32": np.int32, "I64": np.int64}
 
 
-def _documents(path: Path) -> list[str]:
-    if path.suffix == ".jsonl":
-        docs = []
-        with open(path) as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        docs.append(json.loads(line)["text"])
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise DataError(f"{path}:{lineno}: expected a JSON object with text") from None
-        return docs
-    # A .txt file: documents are separated by blank lines.
-    return [d.strip() for d in path.read_text().split("\n\n") if d.strip()]
-
-
-def _text(path: Path, seq_len: int, model_path: str | None, cache_dir: Path) -> torch.Tensor:
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoTokenizer
-
-    if model_path is None or not (Path(model_path) / "tokenizer_config.json").exists() and not (Path(model_path) / "tokenizer.json").exists():
-        raise DataError(f"{path}: data.format = \"text\" needs a tokenizer in model.path")
-    h = hashlib.sha256(path.read_bytes())
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model"):
-        f = Path(model_path) / name
-        if f.exists():
-            h.update(f.read_bytes())
-    h.update(str(seq_len).encode())
-    cached = cache_dir / f"tokens-{h.hexdigest()[:16]}.safetensors"
-    if cached.exists():
-        return load_file(str(cached))["examples"].long()
-    tok = AutoTokenizer.from_pretrained(model_path)
-    docs = _documents(path)
-    eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
-    stream: list[int] = []
-    # A fast tokenizer encodes a list of documents in parallel; one document a call is several times slower.
-    for i in range(0, len(docs), 1024):
-        for ids in tok(docs[i:i + 1024], add_special_tokens=False)["input_ids"]:
-            stream.extend(ids + eos)
-    n = len(stream) // seq_len
-    if n == 0:
-        raise DataError(f"{path}: {len(stream)} tokens, fewer than one example of data.seq_len = {seq_len}")
-    examples = torch.tensor(stream[: n * seq_len], dtype=torch.int32).view(n, seq_len)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_name(f".tmp-{cached.name}.{os.getpid()}")
-    save_file({"examples": examples}, str(tmp))
-    os.replace(tmp, cached)
-    return examples.long()
+def _map_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as a read-only ``numpy.memmap`` (the format is an 8-byte
+    header length, a JSON header with each tensor's dtype, shape and byte range, then the data)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = t["data_offsets"]
+        if begin == end:
+            out[name] = np.zeros(t["shape"], dtype=_NP[t["dtype"]])
+        else:
+            out[name] = np.memmap(path, dtype=_NP[t["dtype"]], mode="r", offset=8 + n + begin, shape=tuple(t["shape"]))
+    return out
 
 
 class SampleOrder:
@@ -112,8 +95,39 @@ class SampleOrder:
         return self._perm[pos]
 
 
-def micro_batch(examples: torch.Tensor, order: SampleOrder, step: int, batch_size: int, micro: int,
-                rank: int, world: int, mb: int) -> torch.Tensor:
-    """The examples rank ``rank`` feeds in micro-step ``micro`` of optimizer step ``step``."""
+def _indices(order: SampleOrder, step: int, batch_size: int, micro: int, rank: int, world: int, mb: int) -> list[int]:
     first = step * batch_size + micro * mb * world + rank * mb
-    return examples[[order[g] for g in range(first, first + mb)]]
+    return [order[g] for g in range(first, first + mb)]
+
+
+def micro_batch(examples: Examples, order: SampleOrder, step: int, batch_size: int, micro: int,
+                rank: int, world: int, mb: int) -> dict[str, torch.Tensor]:
+    """What rank ``rank`` feeds in micro-step ``micro`` of optimizer step ``step``: int64
+    ``input_ids``, ``labels`` (-100 on padding and non-targets) and ``attention_mask`` [mb, seq_len]."""
+    idx = _indices(order, step, batch_size, micro, rank, world, mb)
+    return rows(examples, idx)
+
+
+def rows(examples: Examples, idx: list[int]) -> dict[str, torch.Tensor]:
+    """Rows ``idx`` as a model batch (copies only these rows out of the mapping)."""
+    ids = torch.from_numpy(np.asarray(examples.input_ids[idx], dtype=np.int64))
+    lengths = torch.from_numpy(np.asarray(examples.lengths[idx], dtype=np.int64))
+    mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+    return {"input_ids": ids, "labels": torch.from_numpy(np.asarray(examples.labels[idx], dtype=np.int64)),
+            "attention_mask": mask}
+
+
+def step_targets(examples: Examples, order: SampleOrder, step: int, batch_size: int) -> int:
+    """Target tokens of optimizer step ``step`` over every rank and micro-step: the loss's
+    denominator, which every rank counts alone (no collective)."""
+    return int(sum(int(examples.targets[order[g]]) for g in range(step * batch_size, (step + 1) * batch_size)))
+
+
+def training_rows(examples: Examples, order: SampleOrder, n: int) -> Iterator[tuple[list[int], list[int]]]:
+    """The first ``n`` rows training feeds (global samples 0..n-1, in the run's order) as (input
+    ids, labels), padding left out: for ``orchestrator data --show``. A target is
+    ``labels[t] != -100`` for t >= 1 (the model predicts token t from the tokens before it)."""
+    for g in range(min(n, len(examples))):
+        i = order[g]
+        k = int(examples.lengths[i])
+        yield examples.input_ids[i, :k].tolist(), examples.labels[i, :k].tolist()

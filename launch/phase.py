@@ -27,7 +27,7 @@ from torch import nn
 
 from launch import procs, zero_state
 from launch.ops import load_comm_ops, unlink_comm_buffers
-from launch.data import SampleOrder, load_examples, micro_batch
+from launch.data import SampleOrder, load_examples, micro_batch, prepare, rows, step_targets
 from launch.scaler import restore_scaler, scaler_tensors
 from launch.spec import PhaseSpec
 from launch.staging import Staging
@@ -200,9 +200,11 @@ class Phase:
         # fp32 weights of the trainable parameters, to set the fp32 masters exactly after the engine
         # is built (the module itself may hold them in bf16).
         self.trained: dict[str, torch.Tensor] = {}
-        self.examples = load_examples(spec.data, m.path, self.run_dir / "data-cache")
-        self.validation = (load_examples(spec.data.model_copy(update={"path": spec.data.validation_path}), m.path,
-                                         self.run_dir / "data-cache") if spec.data.validation_path else None)
+        # Prepared by the orchestrator before the first phase, or here by the first process (once).
+        cache = self.run_dir / "data-cache"
+        self.examples = load_examples(prepare(spec.data, m.tokenizer, cache))
+        self.validation = (load_examples(prepare(spec.data.model_copy(update={"path": spec.data.validation_path}),
+                                                 m.tokenizer, cache)) if spec.data.validation_path else None)
         if m.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.order = SampleOrder(len(self.examples), spec.seed, spec.data.shuffle)
@@ -312,8 +314,8 @@ class Phase:
                                           config=cfg)[0]
             for micro in range(cfg["gradient_accumulation_steps"]):
                 batch = micro_batch(self.examples, self.order, spec.start_step, d.batch_size, micro, self.rank,
-                                    self.world, d.micro_batch_size).to(self.device)
-                engine.backward(engine(input_ids=batch, labels=batch).loss)
+                                    self.world, d.micro_batch_size)
+                engine.backward(token_loss(engine, batch, self.device)[0])
                 engine.step()
             flags = torch.zeros(2, device=self.device)
             torch.distributed.all_reduce(flags)
@@ -472,10 +474,18 @@ class Phase:
             for g in base.param_groups:
                 g["lr"] = lr
             loss_sum = 0.0
+            # The step's loss is its summed token loss over N_global, its target tokens on every
+            # rank. DeepSpeed divides each micro-batch's loss by the accumulation steps and averages
+            # gradients over ranks, so micro-batch m's mean is scaled by c_m * gas * world / N_global
+            # (exactly 1.0 with full rows: the results of unmasked data are as before). A step with
+            # no target tokens at all has zero gradients and is still an optimizer step (Adam's
+            # moments carry on, the step counts); its loss is logged as 0.0 with target_tokens 0.
+            n_global = step_targets(examples, order, self.step, d.batch_size)
             for micro in range(self.gas):
                 batch = micro_batch(examples, order, self.step, d.batch_size, micro, self.rank, self.world,
-                                    d.micro_batch_size).to(self.device)
-                loss = self.engine(input_ids=batch, labels=batch).loss
+                                    d.micro_batch_size)
+                mean, count = token_loss(self.engine, batch, self.device)
+                loss = mean * (count * self.gas * self.world / n_global) if n_global else mean
                 self.engine.backward(loss)
                 self.engine.step()
                 loss_sum += loss.item()
@@ -501,7 +511,7 @@ class Phase:
                 self._log(metrics, {
                     "time": time.time(), "step": self.step, "phase": spec.phase, "layers": spec.layers,
                     "loss": flags[0].item() / self.world, "lr": lr, "step_seconds": dt,
-                    "tokens_per_s": d.batch_size * d.seq_len / dt,
+                    "tokens_per_s": d.batch_size * d.seq_len / dt, "target_tokens": n_global,
                 })
             if d.eval_every and self.step % d.eval_every == 0:
                 self.evaluate(metrics)
@@ -517,8 +527,9 @@ class Phase:
         return True
 
     def evaluate(self, metrics: Path) -> None:
-        """Mean loss over the validation examples, split over the ranks. Every rank runs the same
-        number of forward passes (ZeRO-3 gathers parameters collectively); padding ones weigh 0."""
+        """Mean token loss over every target token of the validation rows, split over the ranks.
+        Every rank runs the same number of forward passes (ZeRO-3 gathers parameters
+        collectively); padding ones weigh 0."""
         val, mb = self.validation, self.spec.data.micro_batch_size
         per_round = mb * self.world
         total = torch.zeros(2, device=self.device, dtype=torch.float64)
@@ -526,14 +537,13 @@ class Phase:
         with torch.no_grad():
             for first in range(0, len(val), per_round):
                 idx = list(range(first + self.rank * mb, min(first + (self.rank + 1) * mb, len(val))))
-                batch = val[idx or [0]].to(self.device)
-                loss = self.engine(input_ids=batch, labels=batch).loss.double()
+                mean, count = token_loss(self.engine, rows(val, idx or [0]), self.device)
                 if idx:
-                    total += torch.stack([loss * len(idx), torch.tensor(float(len(idx)), device=self.device,
-                                                                        dtype=torch.float64)])
+                    total += torch.stack([mean.double() * count, torch.tensor(float(count), device=self.device,
+                                                                              dtype=torch.float64)])
         self.engine.train()
         torch.distributed.all_reduce(total)
-        if self.rank == 0:
+        if self.rank == 0 and total[1] > 0:
             self._log(metrics, {"time": time.time(), "step": self.step, "phase": self.spec.phase,
                                 "eval_loss": (total[0] / total[1]).item()})
 
@@ -694,6 +704,18 @@ class _Background(threading.Thread):
         super().join(timeout)
         if self.error is not None:
             raise self.error
+
+
+def token_loss(engine, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
+    """(the mean token loss of a micro-batch, its target tokens), the model's own loss with the
+    batch's labels. Without targets the mean is 0 times the logits: a zero gradient, but every
+    parameter's backward hook still runs (ZeRO reduces gradients in them, collectively)."""
+    count = int((batch["labels"][:, 1:] != -100).sum())
+    batch = {k: v.to(device) for k, v in batch.items()}
+    if count:
+        return engine(**batch).loss, count
+    logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return logits.sum() * 0.0, 0
 
 
 def hash_seed(*parts: int) -> int:

@@ -1,4 +1,4 @@
-"""The ``orchestrator`` command: run, plan, status, report. Domain errors become exit codes only here."""
+"""The ``orchestrator`` command: run, plan, data, status, report. Domain errors become exit codes only here."""
 
 from __future__ import annotations
 
@@ -57,11 +57,15 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None) -> None:
     from orchestrator.estimate import EstimateError, estimate_plan, format_bytes, parse_size
     from orchestrator.schedule import load_schedule, plan_phases
 
+    from orchestrator.datastep import check_data
+
     device = parse_size(device_memory, "--device-memory") if device_memory is not None else None
     loaded = load_schedule(schedule, nproc=nproc)
     phases = plan_phases(loaded)
+    data = check_data(loaded)
     if device is None:
         print_plan(loaded, phases)
+        _echo_data_line(data)
         return
     try:
         estimate = estimate_plan(loaded, phases)
@@ -70,6 +74,7 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None) -> None:
         click.echo(f"orchestrator: warning: no memory estimate: {e}", err=True)
         return
     print_plan(loaded, phases, estimate, device)
+    _echo_data_line(data)
     if estimate.unsized:
         click.echo(f"orchestrator: warning: the estimate counts nothing for model.persistent "
                    f"{', '.join(estimate.unsized)}", err=True)
@@ -79,6 +84,48 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None) -> None:
         click.echo(f"orchestrator: warning: phase{'s' if len(over) > 1 else ''} {named} will not fit: "
                    f"estimated {format_bytes(max(t for _, t in over))} per process, more than --device-memory "
                    f"{format_bytes(device)}", err=True)
+
+
+def _echo_data_line(data: dict) -> None:
+    st = data["stats"]
+    click.echo(f"data: {st['examples']} examples, {st['rows']} rows of {st['seq_len']} tokens, "
+               f"{st['target_tokens']} target tokens, {st['truncated']} truncated (orchestrator data shows more)")
+
+
+@main.command()
+@schedule_arg
+@click.option("--show", type=click.IntRange(min=1), metavar="N", help="Also print the first N training rows, in the run's order.")
+@click.option("--json", "as_json", is_flag=True,
+              help="JSON: with --show, a list of the rows ({text, target, input_ids, target_ids}); else the statistics.")
+def data(schedule: Path, show: int | None, as_json: bool) -> None:
+    """The training data of SCHEDULE as the run will see it: statistics and, with --show N, rows
+    with their decoded input and the tokens that carry loss. Writes nothing."""
+    import json
+
+    from orchestrator.datastep import check_data
+    from orchestrator.schedule import load_schedule
+
+    out = check_data(load_schedule(schedule), show or 0)
+    if as_json:
+        if show:  # one row a line
+            click.echo("[\n" + ",\n".join(json.dumps(r) for r in out["rows"]) + "\n]")
+        else:
+            click.echo(json.dumps({"train": out["stats"], "validation": out["validation"]}, indent=1))
+        return
+    for name, st in (("train", out["stats"]), ("validation", out["validation"])):
+        if st is None:
+            continue
+        layout = "packed into" if st["pack"] else "one example a row, padded or cut to"
+        click.echo(f"{name}: {st['source']} ({st['format']}, {layout} {st['seq_len']} tokens)")
+        for label, key in (("examples", "examples"), ("tokens", "tokens"), ("target tokens", "target_tokens"),
+                           ("truncated examples", "truncated"), ("rows", "rows"), ("padding tokens", "padding_tokens"),
+                           ("dropped tokens", "dropped_tokens"), ("rows without targets", "rows_without_targets")):
+            click.echo(f"  {label:<21} {st[key]:>12,}")
+    for i, row in enumerate(out["rows"]):
+        text = row["text"] if row["text"] is not None else " ".join(map(str, row["input_ids"]))
+        target = row["target"] if row["target"] is not None else " ".join(map(str, row["target_ids"]))
+        click.echo(f"\n--- row {i} ({len(row['input_ids'])} tokens, {len(row['target_ids'])} targets)\n{text}"
+                   f"\n--- its targets\n{target}")
 
 
 @main.command()

@@ -18,11 +18,14 @@ from typing import Callable
 import psutil
 
 from orchestrator import devmem, procs
+from orchestrator.datastep import adopt_data, data_spec, stage_data
 from orchestrator.groups import GO_FIFO, Group, PhaseProcesses, Work, log_tail
 from orchestrator.errors import PhaseFailed, Preempted, RelayerError, RunLocked, ScheduleError
 from orchestrator.journal import Journal, JsonlTail
 from orchestrator.quiet import Pauser
-from orchestrator.schedule import LoadedSchedule, Phase, check_batch, plan_phases, validate_schedule
+from orchestrator.schedule import (
+    LoadedSchedule, Phase, check_batch, plan_phases, tokenizer_of, validate_schedule,
+)
 from shard_tools.manifest import (
     CheckpointError, Manifest, layer_sources, list_checkpoints, make_durable, needed_by, newest_valid, read_manifest,
     remove_stray_temporaries, verify_checkpoint,
@@ -120,9 +123,17 @@ class Runner:
 
     # -- entry ---------------------------------------------------------------------------------
     def run(self) -> None:
-        fresh = self._prepare_run_dir()
+        # Prepared once, here; the data of a new run before its directory exists (bad data: exit 2).
+        staged = None if (self.run_dir / SCHEDULE_COPY).exists() else stage_data(self.loaded)
+        try:
+            fresh = self._prepare_run_dir()
+        except BaseException:
+            if staged:
+                shutil.rmtree(staged, ignore_errors=True)
+            raise
         self.journal = Journal(self.run_dir)
         with RunLock(self.run_dir):
+            adopt_data(self.loaded, staged)
             old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
             for s in STOP_SIGNALS:
                 signal.signal(s, self._on_signal)
@@ -366,12 +377,9 @@ class Runner:
             "restore": str(work.restore) if work.restore else None,
             "model": {"path": str(self.loaded.model_path) if self.loaded.model_path else None,
                       "config": s.model.config, "dtype": s.model.dtype, "persistent": s.model.persistent,
-                      "layers": s.model.layers, "gradient_checkpointing": s.model.gradient_checkpointing},
-            "data": {"path": str(self.loaded.data_path), "format": s.data.format, "seq_len": s.data.seq_len,
-                     "batch_size": s.data.batch_size, "micro_batch_size": s.data.micro_batch_size,
-                     "shuffle": s.data.shuffle, "eval_every": s.data.eval_every,
-                     "validation_path": str(self.loaded.source.parent / s.data.validation_path)
-                     if s.data.validation_path else None},
+                      "layers": s.model.layers, "gradient_checkpointing": s.model.gradient_checkpointing,
+                      "tokenizer": str(t) if (t := tokenizer_of(s.model, self.loaded.source.parent)) else None},
+            "data": data_spec(self.loaded),
             "optimizer": {"lr": s.optimizer.lr, "weight_decay": s.optimizer.weight_decay,
                           "betas": list(s.optimizer.betas), "eps": s.optimizer.eps,
                           "grad_clip": s.optimizer.grad_clip, "lr_kind": s.lr_schedule.kind,

@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from launch.spec import FIELDS, is_template_path
 from orchestrator.errors import ScheduleError
 from shard_tools.inspect import tensor_headers
 from shard_tools.manifest import CheckpointError
@@ -71,6 +72,9 @@ class ModelSection(Section):
     """Attribute path of the transformer layer list; None: detected."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward: less memory for about a third more compute."""
+    tokenizer: str | None = None
+    """A Hugging Face tokenizer directory (tokenizer.json ...), relative to the schedule file;
+    None: model.path. Text, instruction and chat data need one."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
@@ -86,7 +90,28 @@ class ModelSection(Section):
 
 class DataSection(Section):
     path: str
-    format: Literal["tokens", "text"] = "tokens"
+    """A .jsonl, .json (an array or JSON lines), .parquet, .csv, .arrow or .txt file, or a folder
+    written by datasets.save_to_disk; relative to the schedule file."""
+    format: Literal["tokens", "text", "instruction", "chat"] = "tokens"
+    """tokens: {"input_ids": [...], "labels": [...] (optional, aligned as in Hugging Face; -100: no
+    loss)}; text: a .txt file (documents separated by blank lines) or {"text": "..."} records, loss
+    on every token; instruction: Alpaca {"instruction", "input", "output"}, loss on the output and
+    its EOS; chat: {"messages": [{"role", "content"}]} or ShareGPT {"conversations": [{"from",
+    "value"}]}, rendered with the chat template, loss on the assistant turns."""
+    pack: bool | None = None
+    """Concatenate examples into seq_len rows, each example's labels kept (an example's first
+    token is never a target of the one before). false: one example a row, padded or cut to
+    seq_len. Default: true for text (a stream of documents, as before), false for the others (an
+    example is never cut in two, nor attends to another)."""
+    train_on_prompt: bool = False
+    """instruction and chat: the prompt and the system/user turns carry loss too."""
+    chat_template: str | None = None
+    """A Jinja chat template, or a file holding one (relative to the schedule file), used instead
+    of the tokenizer's; a value without "{" is a file."""
+    fields: dict[str, str] | None = None
+    """Record field names where the data names them otherwise, by their default names: text;
+    instruction, input, output; messages, conversations; input_ids, labels. Example:
+    {instruction = "prompt", output = "answer"}."""
     seq_len: PositiveInt = 128
     batch_size: PositiveInt = 8
     """Examples per optimizer step over all processes; kept when the process count changes."""
@@ -97,6 +122,14 @@ class DataSection(Section):
     """Held-out data in the same format; its mean loss goes to metrics.jsonl as eval_loss."""
     eval_every: NonNegInt = 0
     """Evaluate every this many global steps (and so also across phases); 0: never."""
+
+    @model_validator(mode="after")
+    def _fields(self) -> DataSection:
+        for name in self.fields or {}:
+            if name not in FIELDS[self.format]:
+                raise KeyProblem(f"data.fields.{name}", f'not a field of data.format = "{self.format}"; expected one '
+                                 f"of {', '.join(FIELDS[self.format])}")
+        return self
 
 
 class OptimizerSection(Section):
@@ -574,6 +607,26 @@ def _non_finite(raw: dict[str, Any]) -> list[tuple[str, float]]:
     return sorted(found)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """A folder written by ``datasets``' save_to_disk (a Dataset or a DatasetDict)."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def tokenizer_of(model: ModelSection, base: Path) -> Path | None:
+    """The tokenizer directory: model.tokenizer, else model.path (None for an inline config)."""
+    path = model.tokenizer or model.path
+    return (base / path).resolve() if path else None
+
+
+def chat_template_of(data: DataSection, base: Path) -> str | None:
+    """data.chat_template for the phase spec: the template itself, or its file's absolute path."""
+    t = data.chat_template
+    return str((base / t).resolve()) if t is not None and is_template_path(t) else t
+
+
 def num_layers_of(config: dict[str, Any]) -> int | None:
     for key in ("num_hidden_layers", "n_layer", "num_layers"):
         n = config.get(key)
@@ -638,12 +691,27 @@ def validate_schedule(
         raise ScheduleError(f"{source}: data.seq_len: expected at most the model's {positions[0]} = {positions[1]}, "
                             f"got {sched.data.seq_len}")
     data_path = _resolve(base, sched.data.path)
-    _need_file(data_path, "data.path", "a data file", source)
+    if not is_saved_dataset(data_path):
+        _need_file(data_path, "data.path", "a data file or a datasets.save_to_disk folder", source)
+    tokenizer_path = tokenizer_of(sched.model, base)
+    if sched.data.format != "tokens":
+        key = "model.tokenizer" if sched.model.tokenizer else "model.tokenizer (default model.path)"
+        if tokenizer_path is None:
+            raise ScheduleError(f'{source}: {key}: data.format = "{sched.data.format}" needs a tokenizer, but '
+                                "there is none (model.config has no files)")
+        if not any((tokenizer_path / f).is_file() for f in TOKENIZER_FILES):
+            raise ScheduleError(f'{source}: {key}: data.format = "{sched.data.format}" needs a tokenizer: expected '
+                                f"tokenizer.json or tokenizer_config.json in {tokenizer_path}")
+    template = sched.data.chat_template
+    if template is not None and is_template_path(template):
+        _need_file(_resolve(base, template), "data.chat_template", "a Jinja template or a file holding one", source)
     if sched.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ScheduleError(f"{source}: run.tensorboard: needs the tensorboard package, which is not installed "
                             "(pip install 'relayer[tensorboard]')")
     if sched.data.validation_path is not None:
-        _need_file(_resolve(base, sched.data.validation_path), "data.validation_path", "a data file", source)
+        validation = _resolve(base, sched.data.validation_path)
+        if not is_saved_dataset(validation):
+            _need_file(validation, "data.validation_path", "a data file or a datasets.save_to_disk folder", source)
     if sched.data.eval_every and sched.data.validation_path is None:
         raise ScheduleError(f"{source}: data.eval_every: needs data.validation_path, which is missing")
     launch = sched.launch

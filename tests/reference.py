@@ -5,7 +5,10 @@ run, a new AdamW for the body in every phase, lr a function of the global step, 
 data order (epochs of ``random.Random(f"relayer-data-{seed}-{epoch}")`` permutations; optimizer
 step s takes samples [s*B, (s+1)*B), micro-step m of rank r the slice starting at (m*W + r)*mb).
 
-``carry_body`` and ``reset_head`` give the two wrong semantics, so tests can show they would fail.
+The loss of a step is the summed token loss of its whole batch over the batch's target tokens
+(labels aligned as in Hugging Face, -100: none; rows shorter than the longest are padded and
+masked). ``carry_body``, ``reset_head`` and ``mean_of_means`` (each micro-batch's mean, averaged)
+give wrong semantics, so tests can show they would fail.
 """
 
 from __future__ import annotations
@@ -18,8 +21,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 
-def load_tokens(path: Path) -> torch.Tensor:
-    return torch.tensor([json.loads(line)["input_ids"] for line in open(path) if line.strip()])
+def load_tokens(path: Path, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, labels, attention_mask) of a tokens file: rows cut to ``seq_len`` and padded
+    (input 0, label -100, mask 0) to the longest; labels default to the inputs."""
+    records = [json.loads(line) for line in open(path) if line.strip()]
+    ids = [r["input_ids"][:seq_len] for r in records]
+    labels = [r.get("labels", r["input_ids"])[:seq_len] for r in records]
+    width = max(map(len, ids))
+    pad = lambda rows, v: torch.tensor([r + [v] * (width - len(r)) for r in rows])  # noqa: E731
+    return pad(ids, 0), pad(labels, -100), pad([[1] * len(r) for r in ids], 0)
 
 
 def sample_index(g: int, n: int, seed: int) -> int:
@@ -32,10 +42,12 @@ def sample_index(g: int, n: int, seed: int) -> int:
 def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]]], *, seed: int = 0,
                   lr: float = 1e-3, batch: int = 8, micro: int = 4, grad_clip: float = 1.0,
                   weight_decay: float = 0.0, carry_body: bool = False, reset_head: bool = False,
-                  grad_scale: float = 1.0) -> dict[str, torch.Tensor]:
-    """Final weights (fp32, by parameter name) of the LISA schedule ``phases`` = [(steps, layers)]."""
+                  grad_scale: float = 1.0, mean_of_means: bool = False,
+                  losses: list[float] | None = None) -> dict[str, torch.Tensor]:
+    """Final weights (fp32, by parameter name) of the LISA schedule ``phases`` = [(steps, layers)];
+    each step's loss is appended to ``losses`` when given."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    examples = load_tokens(data)
+    ids, labels, mask = load_tokens(data)
     params = dict(model.named_parameters())
     head = [n for n in params if n.startswith(("model.embed_tokens", "lm_head", "model.norm"))]
 
@@ -60,10 +72,23 @@ def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]
         if body_opt is None:
             body_opt = body_opts[key] = adamw(body)
         for _ in range(steps):
+            rows = [sample_index(g, len(ids), seed) for g in range(step * batch, (step + 1) * batch)]
+            targets = int((labels[rows, 1:] != -100).sum())
+            step_loss = 0.0
             for m in range(batch // micro):
-                first = step * batch + m * micro
-                ids = examples[[sample_index(g, len(examples), seed) for g in range(first, first + micro)]]
-                (model(input_ids=ids, labels=ids).loss / (batch // micro)).backward()
+                r = rows[m * micro:(m + 1) * micro]
+                logits = model(input_ids=ids[r], attention_mask=mask[r]).logits
+                token_losses = torch.nn.functional.cross_entropy(
+                    logits[:, :-1].flatten(0, 1).float(), labels[r, 1:].flatten(), ignore_index=-100, reduction="none")
+                count = int((labels[r, 1:] != -100).sum())
+                if mean_of_means:
+                    loss = token_losses.sum() / count / (batch // micro)
+                else:
+                    loss = token_losses.sum() / targets
+                loss.backward()
+                step_loss += loss.item()
+            if losses is not None:
+                losses.append(step_loss)
             trainable_params = [params[n] for n in params if n in trainable]
             if grad_scale != 1.0:
                 for p in trainable_params:

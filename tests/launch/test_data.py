@@ -10,12 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
 from transformers import AutoTokenizer
 
-from launch.data import DataError, SampleOrder, load_examples, micro_batch
+from launch.data import DataError, Examples, SampleOrder, load_examples, micro_batch, prepare
 from launch.spec import DataPart
 from tests.conftest import ROOT
 
@@ -33,6 +34,11 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     subprocess.run([sys.executable, str(ROOT / "examples" / "tiny" / "make_model.py"), str(out)], check=True,
                    capture_output=True, timeout=300)
     return out
+
+
+def load(part: DataPart, tokenizer: Path | str | None, cache: Path) -> torch.Tensor:
+    """The prepared rows' input ids, as int64."""
+    return torch.from_numpy(np.array(load_examples(prepare(part, tokenizer and str(tokenizer), cache)).input_ids)).long()
 
 
 def text_part(path: Path, seq_len: int) -> DataPart:
@@ -60,7 +66,7 @@ def test_text_is_packed(tmp_path, tokenizer_dir, suffix):
         write_txt(path, DOCS)
     else:
         path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
-    examples = load_examples(text_part(path, seq_len), str(tokenizer_dir), tmp_path / "cache")
+    examples = load(text_part(path, seq_len), tokenizer_dir, tmp_path / "cache")
     expected, dropped = packed_by_hand(tokenizer_dir, DOCS, seq_len)
     assert dropped > 0, "the case should have a remainder to drop"
     assert examples.dtype == torch.int64
@@ -78,9 +84,9 @@ def test_text_is_packed(tmp_path, tokenizer_dir, suffix):
 def test_cache_is_reused_without_tokenizing(tmp_path, tokenizer_dir, monkeypatch):
     path = write_txt(tmp_path / "train.txt", DOCS)
     cache = tmp_path / "cache"
-    first = load_examples(text_part(path, 16), str(tokenizer_dir), cache)
-    (cached,) = cache.iterdir()
-    mtime = cached.stat().st_mtime_ns
+    first = load(text_part(path, 16), tokenizer_dir, cache)
+    (cached,) = [p for p in cache.iterdir() if p.is_dir()]
+    mtime = (cached / "rows.safetensors").stat().st_mtime_ns
 
     loads = []
     real = transformers.AutoTokenizer.from_pretrained
@@ -90,30 +96,31 @@ def test_cache_is_reused_without_tokenizing(tmp_path, tokenizer_dir, monkeypatch
         return real(*args, **kw)
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counting)
-    again = load_examples(text_part(path, 16), str(tokenizer_dir), cache)
-    assert torch.equal(again, first) and again.dtype == torch.int64
+    again = load(text_part(path, 16), tokenizer_dir, cache)
+    assert torch.equal(again, first)
     assert loads == []
-    assert list(cache.iterdir()) == [cached] and cached.stat().st_mtime_ns == mtime
+    entries = lambda: sorted(p for p in cache.iterdir() if p.is_dir())  # noqa: E731
+    assert entries() == [cached] and (cached / "rows.safetensors").stat().st_mtime_ns == mtime
 
     # Another seq_len, or other text, is other examples: a new cache entry, tokenized again.
-    load_examples(text_part(path, 8), str(tokenizer_dir), cache)
+    load(text_part(path, 8), tokenizer_dir, cache)
     write_txt(path, DOCS[:3])
-    load_examples(text_part(path, 16), str(tokenizer_dir), cache)
-    assert len(loads) == 2 and len(list(cache.iterdir())) == 3
-    assert cached.stat().st_mtime_ns == mtime
+    load(text_part(path, 16), tokenizer_dir, cache)
+    assert len(loads) == 2 and len(entries()) == 3
+    assert (cached / "rows.safetensors").stat().st_mtime_ns == mtime
 
 
 def test_too_little_text(tmp_path, tokenizer_dir):
     path = write_txt(tmp_path / "train.txt", ["Fog."])
     with pytest.raises(DataError, match=r"train\.txt: \d+ tokens, fewer than one example of data.seq_len = 512"):
-        load_examples(text_part(path, 512), str(tokenizer_dir), tmp_path / "cache")
-    assert not (tmp_path / "cache").exists()
+        load(text_part(path, 512), tokenizer_dir, tmp_path / "cache")
+    assert not [p for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".lock-")]
 
 
 def test_text_needs_a_tokenizer(tmp_path):
     path = write_txt(tmp_path / "train.txt", DOCS)
-    with pytest.raises(DataError, match='needs a tokenizer in model.path'):
-        load_examples(text_part(path, 16), str(tmp_path), tmp_path / "cache")
+    with pytest.raises(DataError, match=r'needs a tokenizer: model.tokenizer \(default model.path\)'):
+        load(text_part(path, 16), tmp_path, tmp_path / "cache")
 
 
 def test_sample_order_is_a_function_of_seed_and_index():
@@ -132,7 +139,7 @@ def test_sample_order_is_a_function_of_seed_and_index():
 
 def _step(examples, order, step, batch, world, mb) -> torch.Tensor:
     """Every rank's micro-batches of one optimizer step, in (micro-step, rank) order."""
-    return torch.cat([micro_batch(examples, order, step, batch, micro, rank, world, mb)
+    return torch.cat([micro_batch(examples, order, step, batch, micro, rank, world, mb)["input_ids"]
                       for micro in range(batch // (mb * world)) for rank in range(world)])
 
 
@@ -140,7 +147,7 @@ def _step(examples, order, step, batch, world, mb) -> torch.Tensor:
 def test_micro_batches_of_all_ranks_are_the_step_of_one_rank(world, mb):
     n, batch = 13, 8
     # Row i holds i, so a batch shows which examples it took.
-    examples = torch.arange(n).view(n, 1)
+    examples = Examples.of(torch.arange(n).view(n, 1).numpy())
     order = SampleOrder(n, seed=0, shuffle=True)
     for step in range(4):  # 32 samples over 13 examples: steps cross epoch boundaries
         one = _step(examples, order, step, batch, 1, 4)

@@ -108,3 +108,71 @@ def test_two_processes_match_reference(tmp_path, tiny_model, tiny_data, referenc
     ports = {json.loads(f.read_text())["master_port"] for f in run.glob("phases/*/spec.json")}
     left = [p for port in ports for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")]
     assert ports and not left
+
+
+MASKED_PHASES = [(5, [0]), (5, [1])]
+
+
+@pytest.fixture(scope="module")
+def masked_data(tmp_path_factory) -> Path:
+    """Rows of 6..16 tokens whose labels mask a prompt of 1..10 tokens and a few tokens more, so
+    micro-batches hold very different numbers of target tokens."""
+    import random
+
+    rng = random.Random(1)
+    out = tmp_path_factory.mktemp("masked") / "train.jsonl"
+    with open(out, "w") as f:
+        for _ in range(48):
+            n = rng.randrange(6, 17)
+            start = rng.randrange(96)
+            ids = [(start + 3 * i) % 96 for i in range(n)]
+            prompt = rng.randrange(1, n - 4)
+            labels = [-100 if i < prompt or rng.random() < 0.2 else t for i, t in enumerate(ids)]
+            f.write(json.dumps({"input_ids": ids, "labels": labels}) + "\n")
+    return out
+
+
+MASKED_LOSSES: list[float] = []
+
+
+@pytest.fixture(scope="module")
+def masked_reference(tiny_model, masked_data) -> dict[str, torch.Tensor]:
+    MASKED_LOSSES.clear()
+    return reference_run(tiny_model, masked_data, MASKED_PHASES, micro=2, losses=MASKED_LOSSES)
+
+
+def test_mean_of_micro_means_would_fail(tiny_model, masked_data, masked_reference):
+    wrong = reference_run(tiny_model, masked_data, MASKED_PHASES, micro=2, mean_of_means=True)
+    assert max_abs_diff(masked_reference, wrong) > 10 * TOL
+
+
+@pytest.mark.parametrize("nproc,micro", [(1, 4), (2, 2)])
+def test_labels_and_padding_match_reference(tmp_path, tiny_model, masked_data, masked_reference, nproc, micro):
+    """The loss of a step is the mean over the target tokens of the whole global batch, whatever
+    the micro-batch size and the process count."""
+    phases = [{"steps": s, "layers": layers} for s, layers in MASKED_PHASES]
+    sched = write_schedule(tmp_path / "s.toml", schedule_dict(
+        tiny_model, masked_data, data={"micro_batch_size": micro}, schedule={"phases": phases},
+        launch={"nproc": nproc}))
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    assert max_abs_diff(masked_reference, composed(tiny_model, tmp_path / "run")) <= TOL
+    # The logged loss is the step's global token mean too.
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == list(range(1, 11))
+    assert max(abs(m["loss"] - ref) for m, ref in zip(logged, MASKED_LOSSES)) <= TOL
+
+
+def test_a_step_without_targets_is_a_zero_gradient(tmp_path, tiny_model):
+    """Every label -100: each step still runs (an optimizer step on zero gradients, so Adam moves
+    nothing), its loss is logged as 0.0 with target_tokens 0, and nothing divides by zero."""
+    data = tmp_path / "masked.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [i % 96] * 16, "labels": [-100] * 16}) + "\n" for i in range(8)))
+    sched = write_schedule(tmp_path / "s.toml", schedule_dict(
+        tiny_model, data, schedule={"phases": [{"steps": 2, "layers": [0]}]}))
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["loss"], m["target_tokens"]) for m in logged] == [(0.0, 0), (0.0, 0)]
+    base = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(tiny_model).named_parameters()}
+    assert max_abs_diff(base, composed(tiny_model, tmp_path / "run")) == 0.0

@@ -123,8 +123,21 @@ BAD = [
      "schedule.layers_per_phase: expected at most the model's 4 layers, got 5"),
     ("data-section-missing", lambda s, _: s.pop("data"), "data: required, but missing"),
     ("data-file-missing", setting("data", path="nope.jsonl"),
-     "data.path: expected a data file, {tmp}/nope.jsonl does not exist"),
-    ("data-path-is-a-directory", setting("data", path="."), "data.path: expected a data file, {tmp} is a directory"),
+     "data.path: expected a data file or a datasets.save_to_disk folder, {tmp}/nope.jsonl does not exist"),
+    ("data-path-is-a-directory", setting("data", path="."),
+     "data.path: expected a data file or a datasets.save_to_disk folder, {tmp} is a directory"),
+    ("text-without-tokenizer", setting("data", format="text"),
+     'model.tokenizer (default model.path): data.format = "text" needs a tokenizer: expected tokenizer.json or '
+     "tokenizer_config.json in {model}"),
+    ("tokenizer-missing", lambda s, tmp: s["data"].update(format="chat") or s["model"].update(tokenizer=str(tmp)),
+     'model.tokenizer: data.format = "chat" needs a tokenizer: expected tokenizer.json or tokenizer_config.json '
+     "in {tmp}"),
+    ("data-field-of-another-format", setting("data", format="instruction", fields={"messages": "turns"}),
+     'data.fields.messages: not a field of data.format = "instruction"; expected one of instruction, input, output'),
+    ("data-format-unknown", setting("data", format="alpaca"),
+     "data.format: expected 'tokens', 'text', 'instruction' or 'chat', got 'alpaca'"),
+    ("chat-template-file-missing", setting("data", chat_template="nope.jinja"),
+     "data.chat_template: expected a Jinja template or a file holding one, {tmp}/nope.jinja does not exist"),
     ("model-dir-missing", setting("model", path="no-model"),
      "model.path: expected a Hugging Face model directory, {tmp}/no-model does not exist"),
     ("model-without-config-json", lambda s, tmp: (tmp / "empty-model").mkdir() or s["model"].update(path="empty-model"),
@@ -145,8 +158,8 @@ BAD = [
 ]
 
 
-def expand(message: str, tmp_path: Path) -> str:
-    return message.replace("{tmp}", str(tmp_path.resolve()))
+def expand(message: str, tmp_path: Path, model: Path | None = None) -> str:
+    return message.replace("{tmp}", str(tmp_path.resolve())).replace("{model}", str(model and model.resolve()))
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -156,7 +169,7 @@ def test_bad_schedule_exits_2_with_one_message_and_writes_nothing(command, edit,
     sched = build(tmp_path, tiny_model, tiny_data, edit)
     r = invoke(command, str(sched))
     assert r.exit_code == 2, r.output
-    assert r.stderr == f"orchestrator: {sched.resolve()}: {expand(message, tmp_path)}\n"
+    assert r.stderr == f"orchestrator: {sched.resolve()}: {expand(message, tmp_path, tiny_model)}\n"
     assert r.stdout == ""
     assert not (tmp_path / "run").exists()
 
@@ -297,6 +310,16 @@ def test_plan_of_a_strategy(tmp_path, tiny_model, tiny_data):
     ]
 
 
+def write_word_tokenizer(out: Path, words: list[str]) -> None:
+    """A real (word-level) fast tokenizer: plan tokenizes text data to check it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<eos>", *words])}, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(out)
+
+
 def test_the_slurm_example_plans(tmp_path, monkeypatch):
     # The example names an 8B model that is not here; plan reads only its config.json and the
     # safetensors headers, so tensors of one element with the 8B model's names stand in for it.
@@ -306,8 +329,9 @@ def test_the_slurm_example_plans(tmp_path, monkeypatch):
     (model / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 32}))
     write_header_only(model / "model.safetensors", llama_names(32))
     on_path(monkeypatch, tmp_path, "srun")
+    write_word_tokenizer(model, ["hello"])
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "train.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    (tmp_path / "data" / "train.jsonl").write_text(json.dumps({"text": " ".join(["hello"] * 3000)}) + "\n")
     r = invoke("plan", str(tmp_path / "schedule.toml"))
     assert r.exit_code == 0, r.output
     assert "40 phases, 2000 steps" in r.stdout

@@ -1,0 +1,468 @@
+"""Prepare once: read a data file with Hugging Face ``datasets``, render and tokenize it in
+parallel, pack or pad it into ``seq_len`` rows, and write the rows to a cache every process maps.
+
+    cache = prepare(data, tokenizer_dir, run_dir / "data-cache")   # idempotent, safe to race
+    read_stats(cache)                                              # {"examples": ..., "rows": ...}
+
+A cache entry ``<cache_root>/<key>/`` holds ``rows.safetensors`` (int32 ``input_ids`` and
+``labels`` [rows, seq_len], int32 ``lengths`` [rows] (tokens before the padding) and ``targets``
+[rows] (tokens that carry loss: ``labels[1:] != -100``)) and ``stats.json``. The key is the data
+file's identity (resolved path, size, mtime_ns: no full-file hash), the tokenizer files' digest and
+every format option, so an edited file or another option is another entry. Labels are aligned as
+in Hugging Face: the model shifts them, -100 carries no loss.
+
+Formats (``data.format``): ``tokens`` (``input_ids`` rows of any length, optional ``labels``),
+``text`` (a ``.txt`` file, documents separated by blank lines, or records with a text field; loss
+on every token; an EOS closes each document), ``instruction`` (Alpaca records; loss on the response
+and its EOS), ``chat`` (``messages`` [{role, content}] or ShareGPT ``conversations`` [{from,
+value}]; loss on each assistant turn and its end-of-turn tokens). A record that does not fit its
+format is a ``DataError`` naming the file and line (jsonl, json lines, csv) or record index.
+"""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from launch.spec import DataPart, is_template_path
+
+CACHE_VERSION = 1
+"""Part of every cache key: bump it when the rows prepared from the same input change."""
+ROWS, STATS = "rows.safetensors", "stats.json"
+IGNORE = -100
+SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow", ".txt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "chat_template.jinja", "chat_template.json")
+ALPACA = ("Below is an instruction that describes a task{context}. Write a response that appropriately completes "
+          "the request.\n\n### Instruction:\n{instruction}\n\n{input}### Response:\n")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+PARALLEL_FROM = 20_000
+"""Records from which tokenizing runs in several processes (below it, starting them costs more)."""
+
+
+class DataError(ValueError):
+    """The data does not fit the schedule. ``file`` and ``line`` (1-based, for jsonl, json lines
+    and csv) or ``record`` (0-based index, other file types) say where, when one record is to blame;
+    the message names them too."""
+
+    def __init__(self, message: str, file: str | None = None, line: int | None = None, record: int | None = None):
+        where = f"{file}:{line}: " if file and line else f"{file}: record {record}: " if file and record is not None \
+            else f"{file}: " if file else ""
+        super().__init__(where + message)
+        self.file, self.line, self.record = file, line, record
+
+
+# -- the cache ---------------------------------------------------------------------------------
+def prepare(data: DataPart, tokenizer: str | None, cache_root: Path) -> Path:
+    """The cache directory of ``data`` as ``tokenizer`` renders it, made if missing: idempotent.
+
+    Concurrent callers (the ranks of a phase, pre-warmed phases) serialise on a lock file, so the
+    data is prepared once; the entry is written to a temporary directory and renamed into place.
+    ``tokenizer`` (a Hugging Face tokenizer directory) is needed by every format but ``tokens``.
+    Raises ``DataError`` (nothing is left in the cache then)."""
+    key = cache_key(data, tokenizer)
+    out = Path(cache_root) / key
+    if (out / STATS).exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".lock-{key}", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / STATS).exists():
+            return out
+        tmp = out.parent / f".tmp-{key}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            _build(data, tokenizer, tmp)
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def read_stats(cache_dir: Path) -> dict[str, Any]:
+    """``stats.json`` of a cache entry: examples (records read), tokens (of the examples, before
+    packing or truncation), target_tokens (tokens that carry loss, in the rows), truncated
+    (examples cut to seq_len, pad mode), dropped_tokens (pack mode: the last partial row),
+    rows, seq_len, padding_tokens, rows_without_targets, format, pack, source."""
+    return json.loads((Path(cache_dir) / STATS).read_text())
+
+
+def cache_key(data: DataPart, tokenizer: str | None) -> str:
+    path = Path(data.path).resolve()
+    h = hashlib.sha256(json.dumps({"v": CACHE_VERSION, "path": str(path), "file": _identity(path),
+                                   "format": data.format, "seq_len": data.seq_len, "pack": data.packs,
+                                   "train_on_prompt": data.train_on_prompt, "fields": data.fields,
+                                   "template": _template_text(data) if data.format != "tokens" else None},
+                                  sort_keys=True).encode())
+    if data.format != "tokens" and tokenizer:
+        for name in TOKENIZER_FILES:
+            f = Path(tokenizer) / name
+            if f.is_file():
+                h.update(name.encode() + f.read_bytes())
+    return h.hexdigest()[:20]
+
+
+def _identity(path: Path) -> list:
+    if path.is_dir():
+        return sorted([str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns]
+                      for f in path.rglob("*") if f.is_file())
+    try:
+        st = path.stat()
+    except OSError:
+        raise DataError("no such data file", str(path)) from None
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _template_text(data: DataPart) -> str | None:
+    t = data.chat_template
+    if t is None or not is_template_path(t):
+        return t
+    try:
+        return Path(t).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"data.chat_template: cannot read it: {e}", t) from None
+
+
+# -- building an entry -------------------------------------------------------------------------
+def _build(data: DataPart, tokenizer: str | None, out: Path) -> None:
+    from safetensors.numpy import save_file
+
+    path = Path(data.path).resolve()
+    tok = load_tokenizer(data, tokenizer) if data.format != "tokens" else None
+    ds = read_records(data, path, out / "hf-cache")
+    if len(ds) == 0:
+        raise DataError("no examples", str(path))
+    encode = _Encoder(data, tok)
+    num_proc = min(8, os.cpu_count() or 1) if len(ds) >= PARALLEL_FROM else None
+    try:
+        enc = ds.map(encode, batched=True, batch_size=256, with_indices=True, num_proc=num_proc,
+                     remove_columns=ds.column_names, desc=None)
+    except UnicodeDecodeError:
+        # pyarrow's JSON reader keeps invalid bytes; they fail when the strings are read here.
+        _find_bad_record(data, path)
+        raise DataError("not UTF-8", str(path)) from None
+    bad = [i for i, e in enumerate(enc["error"]) if e]
+    if bad:
+        i = bad[0]
+        raise DataError(enc[i]["error"], str(path), **_where(path, i))
+    ids, lengths = _ragged(enc, "input_ids")
+    labels, _ = _ragged(enc, "labels")
+    stats: dict[str, Any] = {"format": data.format, "pack": data.packs, "seq_len": data.seq_len,
+                             "source": str(path), "examples": len(ds), "tokens": int(lengths.sum())}
+    rows = _pack(ids, labels, lengths, data.seq_len, stats) if data.packs else _pad(ids, labels, lengths, data.seq_len, stats)
+    input_ids, row_labels, row_lengths = rows
+    if len(input_ids) == 0:
+        raise DataError(f"{stats['tokens']} tokens, fewer than one example of data.seq_len = {data.seq_len}",
+                        str(path))
+    targets = (row_labels[:, 1:] != IGNORE).sum(axis=1).astype(np.int32)
+    stats.update(rows=len(input_ids), target_tokens=int(targets.sum()),
+                 padding_tokens=int(data.seq_len * len(input_ids) - row_lengths.sum()),
+                 rows_without_targets=int((targets == 0).sum()))
+    shutil.rmtree(out / "hf-cache", ignore_errors=True)
+    save_file({"input_ids": input_ids, "labels": row_labels, "lengths": row_lengths, "targets": targets},
+              str(out / ROWS))
+    (out / STATS).write_text(json.dumps(stats, indent=1) + "\n")
+
+
+def _ragged(enc, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """A list column as (flat int32 values, lengths), without going through Python lists."""
+    col = enc.data.column(column).combine_chunks()
+    offsets = col.offsets.to_numpy()
+    flat = col.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]].astype(np.int32)
+    return flat, np.diff(offsets).astype(np.int64)
+
+
+def _pack(ids, labels, lengths, seq_len, stats) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One stream cut into rows (the last partial row dropped); the first token of every example
+    is no target, so no example learns to predict the next one from its end."""
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    labels = labels.copy()
+    labels[starts[lengths > 0]] = IGNORE
+    n = len(ids) // seq_len
+    stats.update(dropped_tokens=int(len(ids) - n * seq_len), truncated=0)
+    return (ids[: n * seq_len].reshape(n, seq_len), labels[: n * seq_len].reshape(n, seq_len),
+            np.full(n, seq_len, dtype=np.int32))
+
+
+def _pad(ids, labels, lengths, seq_len, stats) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One example a row: cut to seq_len or padded (input 0, labels -100, beyond ``lengths``)."""
+    n = len(lengths)
+    out_ids = np.zeros((n, seq_len), dtype=np.int32)
+    out_labels = np.full((n, seq_len), IGNORE, dtype=np.int32)
+    kept = np.minimum(lengths, seq_len)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    # Row r takes flat[starts[r] : starts[r] + kept[r]]: one gather over every row at once.
+    cols = np.arange(seq_len)
+    inside = cols[None, :] < kept[:, None]
+    src = (starts[:, None] + cols[None, :])[inside]
+    out_ids[inside] = ids[src]
+    out_labels[inside] = labels[src]
+    stats.update(truncated=int((lengths > seq_len).sum()), dropped_tokens=int((lengths - kept).sum()))
+    return out_ids, out_labels, kept.astype(np.int32)
+
+
+# -- reading records ---------------------------------------------------------------------------
+def read_records(data: DataPart, path: Path, hf_cache: Path):
+    """The file as a ``datasets.Dataset`` of records (a ``.txt`` file: one record a document)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    if path.is_dir():
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as e:
+            raise DataError(f"expected a folder written by datasets.save_to_disk: {e}", str(path)) from None
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise DataError(f"a DatasetDict without a train split (splits: {', '.join(ds)})", str(path))
+            ds = ds["train"]
+        return ds
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise DataError(f"expected a {', '.join(SUFFIXES)} file or a datasets.save_to_disk folder", str(path))
+    if suffix == ".txt":
+        if data.format != "text":
+            raise DataError(f'a .txt file is text; data.format = "{data.format}" needs records', str(path))
+        return datasets.Dataset.from_dict({"text": _documents(path)})
+    if suffix == ".arrow":
+        try:
+            return datasets.Dataset.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - pyarrow raises many kinds; the file is to blame
+            raise DataError(f"not an Arrow stream file: {e}", str(path)) from None
+    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}[suffix]
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=str(hf_cache))
+    except Exception as e:  # noqa: BLE001 - datasets wraps parse errors in several types
+        _find_bad_record(data, path)
+        raise DataError(f"cannot read it as {suffix[1:]}: {_cause(e)}", str(path)) from None
+
+
+def _cause(e: BaseException) -> str:
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
+    return f"{type(e).__name__}: {e}"[:300]
+
+
+def _documents(path: Path) -> list[str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"not UTF-8 text (byte {e.start})", str(path)) from None
+    return [d.strip() for d in text.split("\n\n") if d.strip()]
+
+
+def _json_lines(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    return not head.startswith(b"[")
+
+
+def _find_bad_record(data: DataPart, path: Path) -> None:
+    """After ``datasets`` failed on a file: the first record to blame, as a ``DataError``."""
+    try:
+        raw = path.read_bytes().decode("utf-8") if path.suffix.lower() in (".jsonl", ".json", ".csv") else None
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise DataError(f"not UTF-8 (byte {e.start})", str(path), line=line) from None
+    if raw is None:
+        return
+    if path.suffix.lower() == ".csv":
+        return
+    encode = _Encoder(data, None)
+    if not _json_lines(path):
+        try:
+            records = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise DataError(f"not valid JSON: {e.msg}", str(path), line=e.lineno) from None
+        for i, rec in enumerate(records if isinstance(records, list) else []):
+            if (err := encode.check(rec)):
+                raise DataError(err, str(path), record=i)
+        return
+    for lineno, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"not valid JSON: {e.msg}", str(path), line=lineno) from None
+        if (err := encode.check(rec)):
+            raise DataError(err, str(path), line=lineno)
+
+
+def _where(path: Path, index: int) -> dict[str, int]:
+    """Record ``index`` of a file: its 1-based line in json lines and csv, else the index itself."""
+    suffix = path.suffix.lower() if path.is_file() else ""
+    if suffix in (".jsonl", ".json") and _json_lines(path):
+        with open(path, "rb") as f:
+            seen = -1
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    seen += 1
+                    if seen == index:
+                        return {"line": lineno}
+    if suffix == ".csv":
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            next(reader, None)
+            start = reader.line_num + 1
+            for i, _ in enumerate(reader):
+                if i == index:
+                    return {"line": start}
+                start = reader.line_num + 1
+    return {"record": index}
+
+
+# -- rendering and tokenizing ------------------------------------------------------------------
+def load_tokenizer(data: DataPart, tokenizer: str | None):
+    """The fast tokenizer of ``tokenizer`` (with ``data.chat_template`` set over its own)."""
+    import transformers
+
+    if not tokenizer or not any((Path(tokenizer) / f).is_file() for f in TOKENIZER_FILES):
+        raise DataError(f'data.format = "{data.format}" needs a tokenizer: model.tokenizer (default model.path) '
+                        f"{tokenizer or '(none)'} has no tokenizer files")
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=False)
+    if not tok.is_fast:
+        raise DataError("expected a fast tokenizer (tokenizer.json); this one is slow", tokenizer)
+    template = _template_text(data)
+    if template is not None:
+        tok.chat_template = template
+    if data.format == "chat" and not tok.chat_template:
+        raise DataError("data.format = \"chat\" needs a chat template: the tokenizer has none; set data.chat_template",
+                        tokenizer)
+    return tok
+
+
+class _Encoder:
+    """``datasets.map`` function: a batch of records -> input_ids, labels and an error per record
+    (a string, empty when the record is fine: an exception inside a worker would lose its index)."""
+
+    def __init__(self, data: DataPart, tok):
+        self.data, self.tok, self.f = data, tok, data.field
+        self.eos = [] if tok is None or tok.eos_token_id is None else [tok.eos_token_id]
+
+    def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        out: dict[str, list] = {"input_ids": [], "labels": [], "error": []}
+        for i in range(len(indices)):
+            rec = {k: v[i] for k, v in batch.items()}
+            err, ids, labels = self.check(rec), [], []
+            if not err:
+                try:
+                    ids, labels = self.encode(rec)
+                except DataError as e:
+                    err = str(e)
+            if not err and not ids:
+                err = "no tokens"
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+            out["error"].append(err)
+        return out
+
+    def check(self, rec: Any) -> str:
+        """What is wrong with one record for the format, or ""."""
+        if not isinstance(rec, dict):
+            return f"expected a record (an object), got {type(rec).__name__}"
+        fmt, f = self.data.format, self.f
+        if fmt == "tokens":
+            ids, labels = rec.get(f("input_ids")), rec.get(f("labels"))
+            if not _ints(ids) or not ids:
+                return f"expected {f('input_ids')}, a non-empty list of token ids"
+            if any(t < 0 for t in ids):
+                return f"{f('input_ids')}: expected token ids >= 0"
+            if labels is not None and (not _ints(labels) or len(labels) != len(ids)
+                                       or any(t < 0 and t != IGNORE for t in labels)):
+                return (f"{f('labels')}: expected a list of {len(ids)} token ids or -100, aligned with "
+                        f"{f('input_ids')}")
+            return ""
+        if fmt == "text":
+            return "" if isinstance(rec.get(f("text")), str) else f'expected a "{f("text")}" field holding a string'
+        if fmt == "instruction":
+            for name, required in (("instruction", True), ("input", False), ("output", True)):
+                v = rec.get(f(name))
+                if not isinstance(v, str) and (required or v is not None):
+                    return f'expected a "{f(name)}" field holding a string' + ("" if required else " (or none)")
+            return ""
+        turns = self.messages(rec)
+        return turns if isinstance(turns, str) else ""
+
+    def messages(self, rec: dict) -> list[dict] | str:
+        """A chat record as [{"role", "content"}], or what is wrong with it."""
+        f = self.f
+        if rec.get(f("messages")) is not None:
+            turns, role, content, roles = rec[f("messages")], "role", "content", None
+        elif rec.get(f("conversations")) is not None:
+            turns, role, content, roles = rec[f("conversations")], "from", "value", SHAREGPT_ROLES
+        else:
+            return f'expected "{f("messages")}" [{{"role", "content"}}] or "{f("conversations")}" [{{"from", "value"}}]'
+        if not isinstance(turns, list) or not turns:
+            return "expected a non-empty list of turns"
+        out = []
+        for j, t in enumerate(turns):
+            if not isinstance(t, dict) or not isinstance(t.get(role), str) or not isinstance(t.get(content), str):
+                return f'turn {j}: expected {{"{role}": string, "{content}": string}}'
+            r = t[role] if roles is None else roles.get(t[role])
+            if r not in ("system", "user", "assistant"):
+                known = "system, user, assistant" if roles is None else ", ".join(SHAREGPT_ROLES)
+                return f'turn {j}: {role} "{t[role]}" is not one of {known}'
+            out.append({"role": r, "content": t[content]})
+        if not any(t["role"] == "assistant" for t in out):
+            return "no assistant turn: nothing to learn"
+        return out
+
+    def encode(self, rec: dict) -> tuple[list[int], list[int]]:
+        fmt, f, tok = self.data.format, self.f, self.tok
+        if fmt == "tokens":
+            ids = list(rec[f("input_ids")])
+            labels = rec.get(f("labels"))
+            return ids, list(ids if labels is None else labels)
+        if fmt == "text":
+            ids = tok(rec[f("text")], add_special_tokens=False)["input_ids"] + self.eos
+            return ids, list(ids)
+        if fmt == "instruction":
+            instruction, context, output = rec[f("instruction")], rec.get(f("input")) or "", rec[f("output")]
+            if tok.chat_template:
+                user = instruction + ("\n\n" + context if context else "")
+                return self.chat([{"role": "user", "content": user}, {"role": "assistant", "content": output}])
+            prompt = ALPACA.format(context=", paired with an input that provides further context" if context else "",
+                                   instruction=instruction, input=f"### Input:\n{context}\n\n" if context else "")
+            # The tokenizer's own special tokens (a BOS where it adds one), as a plain prompt gets them.
+            p = tok(prompt)["input_ids"]
+            r = tok(output, add_special_tokens=False)["input_ids"] + self.eos
+            return p + r, (p if self.data.train_on_prompt else [IGNORE] * len(p)) + r
+        return self.chat(self.messages(rec))
+
+    def chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """Rendered with the chat template; the targets are the characters each assistant turn adds
+        to the rendering (its content and end-of-turn tokens), found by rendering prefixes."""
+        tok = self.tok
+        text = tok.apply_chat_template(messages, tokenize=False)
+        spans = []
+        for j, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = tok.apply_chat_template(messages[:j], tokenize=False, add_generation_prompt=True) if j else ""
+            through = tok.apply_chat_template(messages[: j + 1], tokenize=False)
+            if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
+                raise DataError("the chat template does not render a conversation's prefixes as prefixes of the "
+                                "whole; it cannot mark assistant turns")
+            spans.append((len(before), len(through)))
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        if self.data.train_on_prompt:
+            return ids, list(ids)
+        labels = [t if any(a <= s < b for a, b in spans) else IGNORE for t, (s, _) in zip(ids, enc["offset_mapping"])]
+        return ids, labels
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
