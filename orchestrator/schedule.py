@@ -34,7 +34,8 @@ class KeyProblem(ValueError):
 class Section(BaseModel):
     """Base of every section: unknown keys are errors, values are not coerced across types."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # Attribute docstrings become field descriptions: docs/schedule.md is generated from them.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
 
 
 class RunSection(Section):
@@ -52,6 +53,7 @@ class ModelSection(Section):
     config: dict[str, Any] | None = None
     """Or an inline config: a random init from it, seeded by run.seed."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Precision of the weights and the training step; the optimizer keeps fp32 masters."""
     persistent: list[str] | None = None
     """Module prefixes of the always-trained head; None: detected from the model family."""
     layers: str | None = None
@@ -70,13 +72,17 @@ class ModelSection(Section):
 
 class DataSection(Section):
     path: str
+    """The training data file; relative to the schedule file."""
     format: Literal["tokens", "text"] = "tokens"
+    """tokens: JSON lines of {"input_ids": [...]}; text: a text file, tokenized with the model's tokenizer."""
     seq_len: PositiveInt = 128
+    """Tokens per example."""
     batch_size: PositiveInt = 8
     """Examples per optimizer step over all processes; kept when the process count changes."""
     micro_batch_size: PositiveInt = 1
     """Examples per process per forward pass."""
     shuffle: bool = True
+    """Shuffle the examples, seeded by run.seed."""
     validation_path: str | None = None
     """Held-out data in the same format; its mean loss goes to metrics.jsonl as eval_loss."""
     eval_every: NonNegInt = 0
@@ -85,9 +91,13 @@ class DataSection(Section):
 
 class OptimizerSection(Section):
     lr: Annotated[float, Field(gt=0)] = 1e-3
+    """Peak learning rate (AdamW)."""
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    """AdamW weight decay; 1-D parameters (norms, biases) never decay."""
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
+    """AdamW [beta1, beta2]."""
     eps: Annotated[float, Field(gt=0)] = 1e-8
+    """AdamW epsilon."""
     grad_clip: Annotated[float, Field(ge=0)] = 1.0
     """Max global gradient norm; 0 turns clipping off."""
 
@@ -107,12 +117,16 @@ class OptimizerSection(Section):
 
 class LrScheduleSection(Section):
     kind: Literal["constant", "linear", "cosine"] = "constant"
+    """How the lr moves over the run's global steps after the warm-up: constant, linear or cosine decay to 0."""
     warmup_steps: NonNegInt = 0
+    """Steps of linear warm-up from lr / warmup_steps to lr."""
 
 
 class PhaseEntry(Section):
     steps: PositiveInt
+    """Optimizer steps of this phase."""
     layers: Annotated[list[NonNegInt], Field(min_length=1)]
+    """Body layers this phase trains (0-based), besides the head."""
     nproc: PositiveInt | None = None
     """Processes per node for this phase; None: launch.nproc. --nproc overrides both."""
 
@@ -127,10 +141,15 @@ class PhaseEntry(Section):
 
 class ScheduleSection(Section):
     phases: list[PhaseEntry] | None = None
+    """Explicit phases, in order: [{ steps = 10, layers = [0] }, ...]; or use strategy."""
     strategy: Literal["lisa", "ascending", "descending"] | None = None
+    """lisa: layers sampled at random each phase (seeded by run.seed); ascending / descending: in turn."""
     total_steps: PositiveInt | None = None
+    """With strategy: optimizer steps of the whole run."""
     interval: PositiveInt | None = None
+    """With strategy: steps per phase (the last phase may be shorter)."""
     layers_per_phase: PositiveInt | None = None
+    """With strategy: body layers trained per phase."""
 
     @model_validator(mode="after")
     def _one_form(self) -> ScheduleSection:
@@ -168,6 +187,7 @@ DERIVED_DEEPSPEED_KEYS = {
 
 class DeepSpeedSection(Section):
     zero_stage: Literal[1, 2, 3] = 2
+    """DeepSpeed ZeRO stage; checkpoints are the same for every stage."""
     config: dict[str, Any] = Field(default_factory=dict)
     """Merged into the generated DeepSpeed config."""
 
@@ -185,9 +205,11 @@ class DeepSpeedSection(Section):
 
 class LaunchSection(Section):
     launcher: Literal["local", "deepspeed", "torchrun", "slurm"] = "local"
+    """How a phase's processes start: local (the fork server), deepspeed, torchrun or slurm (srun)."""
     nproc: PositiveInt = 1
     """Processes per node."""
     nnodes: PositiveInt = 1
+    """Nodes; more than one needs launcher deepspeed (with hostfile), torchrun or slurm."""
     hostfile: str | None = None
     """DeepSpeed hostfile for several nodes; relative to the schedule file."""
     grace_seconds: Annotated[float, Field(gt=0)] = 30.0
@@ -220,6 +242,7 @@ class CheckpointSection(Section):
     every_steps: NonNegInt = 0
     """Mid-phase checkpoints for preemption; 0: only at phase ends."""
     keep_last: PositiveInt = 2
+    """Checkpoints kept; older ones go, except what a kept one still needs."""
 
 
 class Schedule(Section):
