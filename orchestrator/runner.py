@@ -141,6 +141,10 @@ class Runner:
         rd = self.run_dir
         copy = rd / SCHEDULE_COPY
         text = self.loaded.source.read_text()
+        if tomllib.loads(text) != self.loaded.raw:  # --set overrides: the copy records what runs
+            import tomli_w
+
+            text = f"# {self.loaded.source} with --set overrides\n" + tomli_w.dumps(self.loaded.raw)
         if copy.exists():
             self._check_same_schedule(tomllib.loads(copy.read_text()))
             return False

@@ -408,9 +408,11 @@ def num_layers_of(config: dict[str, Any]) -> int | None:
 
 
 def load_schedule(
-    path: str | Path, *, output_dir: str | Path | None = None, nproc: int | None = None
+    path: str | Path, *, output_dir: str | Path | None = None, nproc: int | None = None,
+    overrides: tuple[str, ...] | list[str] = (),
 ) -> LoadedSchedule:
-    """Reads and validates a schedule file; raises ScheduleError naming the file and key."""
+    """Reads and validates a schedule file, with ``--set KEY=VALUE`` overrides applied; raises
+    ScheduleError naming the file and key."""
     source = Path(path).resolve()
     try:
         text = source.read_text(encoding="utf-8")
@@ -424,6 +426,10 @@ def load_schedule(
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ScheduleError(f"{path}: TOML syntax error: {e}") from None
+    if overrides:
+        from orchestrator.overrides import apply_overrides
+
+        raw = apply_overrides(raw, overrides)
     return validate_schedule(raw, source, output_dir=output_dir, nproc=nproc)
 
 
