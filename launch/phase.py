@@ -8,7 +8,6 @@ import dataclasses
 import gc
 import hashlib
 import json
-import math
 import os
 import platform
 import statistics
@@ -28,6 +27,7 @@ from torch import nn
 from launch import procs, zero_state
 from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.data import SampleOrder, load_examples, micro_batch
+from launch.lr import lr_at
 from launch.scaler import restore_scaler, scaler_tensors
 from launch.spec import PhaseSpec
 from launch.staging import Staging
@@ -60,19 +60,6 @@ def _dirty_page_cache() -> dict[str, int]:
         return {}
     kb = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in lines) if k in ("Dirty", "Writeback")}
     return {f"{k.lower()}_mb": v // 1024 for k, v in kb.items()}
-
-
-def lr_at(step: int, opt) -> float:
-    """The learning rate of a global step: a pure function of it, so resumes and phases agree."""
-    if opt.warmup_steps and step < opt.warmup_steps:
-        return opt.lr * (step + 1) / opt.warmup_steps
-    if opt.lr_kind == "constant":
-        return opt.lr
-    span = max(1, opt.total_steps - opt.warmup_steps)
-    frac = min(1.0, (step - opt.warmup_steps) / span)
-    if opt.lr_kind == "linear":
-        return opt.lr * (1.0 - frac)
-    return opt.lr * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
 def versions() -> dict[str, str]:

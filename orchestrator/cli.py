@@ -36,7 +36,11 @@ set_option = click.option("--set", "overrides", multiple=True, metavar="KEY=VALU
 @click.option("--nproc", type=int, help="Processes for every phase (overrides launch.nproc and per-phase nproc).")
 @click.option("--force", is_flag=True, help="Resume even though the schedule changed completed work.")
 @set_option
-def run(schedule: Path, output_dir: Path | None, nproc: int | None, force: bool, overrides: tuple[str, ...]) -> None:
+@click.option("--resume-from", type=click.Path(file_okay=False, path_type=Path), metavar="CHECKPOINT",
+              help="Continue from this checkpoint of the run (RUN_DIR/checkpoints/step-N); the later ones are "
+                   "moved to checkpoints/.set-aside-<time>/, not deleted.")
+def run(schedule: Path, output_dir: Path | None, nproc: int | None, force: bool, overrides: tuple[str, ...],
+        resume_from: Path | None) -> None:
     """Run every phase of SCHEDULE; resume from the newest valid checkpoint if the run has progress."""
     from orchestrator.display import Display
     from orchestrator.runner import run_schedule
@@ -45,7 +49,7 @@ def run(schedule: Path, output_dir: Path | None, nproc: int | None, force: bool,
     loaded = load_schedule(schedule, output_dir=output_dir, nproc=nproc, overrides=overrides)
     display = Display(loaded)
     with display:
-        run_schedule(loaded, force=force, on_event=display.event, progress=display.progress)
+        run_schedule(loaded, force=force, on_event=display.event, progress=display.progress, resume_from=resume_from)
     click.echo(f"run complete: {loaded.output_dir}")
 
 

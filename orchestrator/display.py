@@ -83,6 +83,10 @@ class Display:
             "killed": lambda: f"stopped leftover processes {e['pids']}",
             "preempted": lambda: f"preempted at step {e['step']}",
             "run_done": lambda: f"all {e['step']} steps done",
+            "checkpoints_set_aside": lambda: f"resuming from {e['resume_from']}: moved {', '.join(e['checkpoints'])} "
+                                             f"aside to {e['to']}",
+            "final_model_started": lambda: f"writing the final model to {e['path']}",
+            "final_model_written": lambda: f"final model written: {e['path']}",
         }.get(kind)
         if text:
             self._progress.console.print(text()) if self.live else console.print(text(), highlight=False)

@@ -14,19 +14,22 @@ import time
 import tomllib
 from collections import deque
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import psutil
 
-from orchestrator import devmem, procs
+from launch.lr import lr_at
+
+from orchestrator import devmem, final, procs
 from orchestrator.groups import GO_FIFO, Group, PhaseProcesses, Work
 from orchestrator.errors import PhaseFailed, Preempted, RelayerError, RunLocked, ScheduleError
 from orchestrator.journal import Journal, JsonlTail
 from orchestrator.quiet import Pauser
 from orchestrator.schedule import LoadedSchedule, Phase, check_batch, plan_phases, validate_schedule
 from shard_tools.manifest import (
-    CheckpointError, Manifest, layer_sources, list_checkpoints, make_durable, needed_by, newest_valid, read_manifest,
-    remove_stray_temporaries, verify_checkpoint,
+    CheckpointError, Manifest, checkpoints_dir, fsync_path, is_checkpoint_dir, layer_sources, list_checkpoints,
+    make_durable, needed_by, newest_valid, read_manifest, remove_stray_temporaries, step_of, verify_checkpoint,
 )
 
 SCHEDULE_COPY = "schedule.toml"
@@ -97,12 +100,31 @@ def schedule_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     return diffs
 
 
+def changed_lr(old: LoadedSchedule, old_phases: list[Phase], new: LoadedSchedule, new_phases: list[Phase],
+               done_step: int) -> str | None:
+    """How the lr of a step already taken would change (a new total_steps moves a decaying lr), or None."""
+    def opt(loaded: LoadedSchedule, phases: list[Phase]) -> SimpleNamespace:
+        s = loaded.schedule
+        return SimpleNamespace(lr=s.optimizer.lr, lr_kind=s.lr_schedule.kind, warmup_steps=s.lr_schedule.warmup_steps,
+                               total_steps=phases[-1].end_step)
+
+    a, b = opt(old, old_phases), opt(new, new_phases)
+    for step in range(done_step):
+        if lr_at(step, a) != lr_at(step, b):
+            return (f"lr of step {step}, already taken, would change: {lr_at(step, a):.6g} -> {lr_at(step, b):.6g} "
+                    f"(lr {a.lr:g}, {a.lr_kind}, warmup_steps {a.warmup_steps}, total_steps {a.total_steps} -> "
+                    f"lr {b.lr:g}, {b.lr_kind}, warmup_steps {b.warmup_steps}, total_steps {b.total_steps})")
+    return None
+
+
 class Runner:
     """Runs a schedule to completion in its run directory. ``run()`` is the whole public API."""
 
     def __init__(self, loaded: LoadedSchedule, *, force: bool = False, on_event: Callable[[dict], None] | None = None,
-                 progress: Callable[[Path, Phase, int], Callable[[], None]] | None = None):
+                 progress: Callable[[Path, Phase, int], Callable[[], None]] | None = None,
+                 resume_from: Path | None = None):
         self.loaded = loaded
+        self.resume_from = resume_from
         self.run_dir = loaded.output_dir
         self.phases = plan_phases(loaded)
         self.force = force
@@ -116,9 +138,12 @@ class Runner:
 
     # -- entry ---------------------------------------------------------------------------------
     def run(self) -> None:
+        chosen = resume_point(self.run_dir, self.resume_from) if self.resume_from is not None else None
         fresh = self._prepare_run_dir()
         self.journal = Journal(self.run_dir)
         with RunLock(self.run_dir):
+            if chosen is not None:
+                self._set_aside_after(chosen)
             old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
             for s in STOP_SIGNALS:
                 signal.signal(s, self._on_signal)
@@ -128,6 +153,22 @@ class Runner:
                 self.groups.stop_fork_server()
                 for s, h in old.items():
                     signal.signal(s, h)
+
+    def _set_aside_after(self, chosen: Path) -> None:
+        """--resume-from: the checkpoints after ``chosen`` move to checkpoints/.set-aside-<time>/, where
+        readers and retention do not look and nothing deletes them."""
+        later = [c for c in list_checkpoints(self.run_dir) if step_of(c) > step_of(chosen)]
+        if not later and not (self.run_dir / final.FINAL).exists():
+            return
+        aside = checkpoints_dir(self.run_dir) / f".set-aside-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        aside.mkdir(mode=0o700)
+        for ckpt in later:
+            os.replace(ckpt, aside / ckpt.name)
+        if (self.run_dir / final.FINAL).exists():  # made from the later checkpoints; the run writes it anew
+            os.replace(self.run_dir / final.FINAL, aside / final.FINAL)
+        fsync_path(checkpoints_dir(self.run_dir))
+        self.verified.add(chosen)
+        self._event("checkpoints_set_aside", resume_from=str(chosen), to=str(aside), checkpoints=[c.name for c in later])
 
     def _event(self, event: str, **fields) -> None:
         self.on_event(self.journal.write(event, **fields))
@@ -173,8 +214,12 @@ class Runner:
         old_loaded = validate_schedule(old_raw, self.loaded.source)
         old_phases = [p for p in plan_phases(old_loaded) if p.start_step < done_step]
         new_phases = [p for p in self.phases if p.start_step < done_step]
-        # Where and how the work runs does not change what it computes; phases are compared below.
-        changes_done = [d for d in diffs if not d.startswith(("schedule.", "launch.", "checkpoint.", "deepspeed.zero_stage"))]
+        # Where and how the work runs does not change what it computes; phases and the lr are compared below.
+        changes_done = [d for d in diffs if not d.startswith(("schedule.", "launch.", "checkpoint.", "deepspeed.zero_stage",
+                                                              "lr_schedule.", "optimizer.lr:"))]
+        lr_change = changed_lr(old_loaded, plan_phases(old_loaded), self.loaded, self.phases, done_step)
+        if lr_change:
+            changes_done.append(lr_change)
         same_done = [(p.start_step, p.end_step, p.layers) for p in old_phases] == [
             (p.start_step, p.end_step, p.layers) for p in new_phases]
         if not same_done:
@@ -183,7 +228,7 @@ class Runner:
             raise ScheduleError(
                 f"{self.loaded.source}: differs from the schedule this run was started with "
                 f"({self.run_dir / SCHEDULE_COPY}) in ways that alter completed work:\n  "
-                + "\n  ".join(diffs) + "\nuse --force to go on anyway"
+                + "\n  ".join(diffs + [lr_change] * bool(lr_change)) + "\nuse --force to go on anyway"
             )
 
     # -- the loop ------------------------------------------------------------------------------
@@ -212,6 +257,7 @@ class Runner:
             if work is None:
                 self._abort(pending)
                 self._after_switch(finished, None)
+                self._final_model()
                 self._event("run_done", step=self.phases[-1].end_step)
                 return
             if self.stop_signal is not None:
@@ -232,6 +278,20 @@ class Runner:
                 self._abort(pending)  # already done, unless this process itself failed
                 raise
             finished = current
+
+    def _final_model(self) -> None:
+        step = self.phases[-1].end_step
+        if not self.loaded.schedule.run.final_model or final.is_current(self.run_dir, step):
+            return
+        self._event("final_model_started", path=str(self.run_dir / final.FINAL), step=step)
+        out, rc, output = final.write_final(self.run_dir)
+        if rc != 0 and self.stop_signal is not None:
+            self._event("preempted", step=step, signal=self.stop_signal)
+            raise Preempted(f"stopped by signal {self.stop_signal} while writing {out}; run again to write it")
+        if rc != 0:
+            raise RelayerError(f"the run is complete, but writing the final model to {out} failed "
+                               f"(exit code {rc}):\n{output}\nthe checkpoints are intact; run again to retry")
+        self._event("final_model_written", path=str(out), step=step)
 
     def _abort(self, pending: list[Group]) -> None:
         self.pauser.resume("aborted", pending)
@@ -460,6 +520,24 @@ class Runner:
                 os.replace(ckpt, trash)
                 shutil.rmtree(trash)
                 self._event("checkpoint_removed", path=str(ckpt))
+
+
+def resume_point(run_dir: Path, given: Path) -> Path:
+    """The checkpoint --resume-from names, checked before anything is written: one of this run's,
+    whole (checksums), and so are the layer files it builds on."""
+    ckpt = Path(given).resolve()
+    if not (run_dir / SCHEDULE_COPY).is_file():
+        raise ScheduleError(f"--resume-from: {run_dir} holds no run to resume")
+    if ckpt.parent != checkpoints_dir(run_dir).resolve() or not is_checkpoint_dir(ckpt):
+        raise ScheduleError(f"--resume-from: expected a checkpoint of this run "
+                            f"({checkpoints_dir(run_dir)}/step-NNNNNNNN), got {given}")
+    try:
+        faults = [f for src in sorted({ckpt, *layer_sources(run_dir, ckpt).values()}) for f in verify_checkpoint(src)]
+    except CheckpointError as e:
+        faults = [str(e)]
+    if faults:
+        raise ScheduleError(f"--resume-from: {given} is not whole:\n  " + "\n  ".join(faults))
+    return checkpoints_dir(run_dir) / ckpt.name
 
 
 def run_schedule(loaded: LoadedSchedule, **kw) -> None:

@@ -45,6 +45,9 @@ class RunSection(Section):
     """Seeds data order, random init and the lisa layer sampling: one seed, one run."""
     tensorboard: bool = False
     """Also write loss, lr, throughput and eval loss as TensorBoard events to RUN_DIR/tensorboard."""
+    final_model: bool = True
+    """When the run completes, write the trained model as a Hugging Face folder (tokenizer files
+    included, no reference to model.path) to RUN_DIR/final."""
 
 
 class ModelSection(Section):
