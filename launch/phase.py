@@ -464,6 +464,7 @@ class Phase:
             step_times.append(dt)
             if self.step == spec.start_step + 1:
                 self.records["t_first_step_end"] = time.time()  # before the orchestrator can see the step
+                self.records["nice"] = os.getpriority(os.PRIO_PROCESS, 0)  # the priority it trains at
                 if self.staging is not None:
                     self.staging.unregister_later()  # the host weights are on the device: unpinned off the switch
             if self.rank == 0:

@@ -113,7 +113,7 @@ class PhaseProcesses:
     def phase_dir(self, phase: Phase) -> Path:
         """The phase's directory, emptied of what an earlier attempt at it left."""
         phase_dir = self.run_dir / "phases" / f"phase-{phase.index:04d}"
-        phase_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        phase_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
         for stale in ("pids", "errors", "exit"):
             shutil.rmtree(phase_dir / stale, ignore_errors=True)
         (phase_dir / "records.json").unlink(missing_ok=True)
@@ -143,7 +143,6 @@ class PhaseProcesses:
             proc: subprocess.Popen | ForkedProc = ForkedProc(phase_dir, ph.nproc, zygote)
         else:
             with open(log_path, "ab") as log:
-                os.chmod(log_path, 0o600)
                 proc = subprocess.Popen([sys.executable, "-m", "launch", str(spec_path)], stdout=log,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
@@ -163,7 +162,6 @@ class PhaseProcesses:
             os.mkfifo(fifo, 0o600)
             self.zygote_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
             log = open(self.run_dir / "zygote.log", "ab")
-            os.chmod(log.name, 0o600)
             self.zygote = subprocess.Popen([sys.executable, "-m", "launch.zygote", str(spec_path), str(fifo)],
                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)

@@ -139,6 +139,15 @@ class Runner:
     # -- entry ---------------------------------------------------------------------------------
     def run(self) -> None:
         chosen = resume_point(self.run_dir, self.resume_from) if self.resume_from is not None else None
+        # Files are created 0640 and directories 0750; the umask, inherited by every phase process,
+        # keeps them to the owner unless the group may read.
+        umask = os.umask(0o027 if self.loaded.schedule.run.group_readable else 0o077)
+        try:
+            self._run(chosen)
+        finally:
+            os.umask(umask)
+
+    def _run(self, chosen: Path | None) -> None:
         fresh = self._prepare_run_dir()
         self.journal = Journal(self.run_dir)
         with RunLock(self.run_dir):
@@ -161,7 +170,7 @@ class Runner:
         if not later and not (self.run_dir / final.FINAL).exists():
             return
         aside = checkpoints_dir(self.run_dir) / f".set-aside-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-        aside.mkdir(mode=0o700)
+        aside.mkdir(mode=0o750)
         for ckpt in later:
             os.replace(ckpt, aside / ckpt.name)
         if (self.run_dir / final.FINAL).exists():  # made from the later checkpoints; the run writes it anew
@@ -193,7 +202,7 @@ class Runner:
             raise ScheduleError(f"{rd}: the output directory exists, is not empty and holds no relayer run")
         rd.parent.mkdir(parents=True, exist_ok=True)
         tmp = rd.parent / f".tmp-{rd.name}.{os.getpid()}"
-        tmp.mkdir(mode=0o700)
+        tmp.mkdir(mode=0o750)
         (tmp / SCHEDULE_COPY).write_text(text)
         (tmp / "checkpoints").mkdir()
         (tmp / "phases").mkdir()
@@ -216,7 +225,8 @@ class Runner:
         new_phases = [p for p in self.phases if p.start_step < done_step]
         # Where and how the work runs does not change what it computes; phases and the lr are compared below.
         changes_done = [d for d in diffs if not d.startswith(("schedule.", "launch.", "checkpoint.", "deepspeed.zero_stage",
-                                                              "lr_schedule.", "optimizer.lr:"))]
+                                                              "lr_schedule.", "optimizer.lr:", "run.final_model",
+                                                              "run.group_readable"))]
         lr_change = changed_lr(old_loaded, plan_phases(old_loaded), self.loaded, self.phases, done_step)
         if lr_change:
             changes_done.append(lr_change)

@@ -48,6 +48,9 @@ class RunSection(Section):
     final_model: bool = True
     """When the run completes, write the trained model as a Hugging Face folder (tokenizer files
     included, no reference to model.path) to RUN_DIR/final."""
+    group_readable: bool = False
+    """Make the run directory 0750 and its files 0640 (the group may read them) instead of 0700 / 0600;
+    applies to what is written from then on."""
 
 
 class ModelSection(Section):
