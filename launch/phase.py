@@ -138,6 +138,7 @@ class Phase:
         self.run_dir = Path(spec.run_dir)
         self.restore_path = spec.restore
         self.tb = None
+        self.wandb = None
         self.records: dict = {"rank": rank, "world_size": world, "t_process_start": psutil.Process().create_time()}
 
     # -- build ---------------------------------------------------------------------------------
@@ -157,10 +158,12 @@ class Phase:
         else:
             self.device = torch.device("cpu")
             self.staging = None
+        self._stage("starting the process group")
         load_comm_ops()
         deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
         unlink_comm_buffers(self.rank)
         self.records["t_group_ready"] = time.time()
+        self._stage("loading the model")
         m = spec.model
         # Nothing in training draws random numbers today, but a phase's stream must not depend on
         # how its process was started (seeded again after the warm-up, which draws its own);
@@ -175,6 +178,7 @@ class Phase:
         # fp32 weights of the trainable parameters, to set the fp32 masters exactly after the engine
         # is built (the module itself may hold them in bf16).
         self.trained: dict[str, torch.Tensor] = {}
+        self._stage("preparing data")
         self.examples = load_examples(spec.data, m.path, self.run_dir / "data-cache")
         self.validation = (load_examples(spec.data.model_copy(update={"path": spec.data.validation_path}), m.path,
                                          self.run_dir / "data-cache") if spec.data.validation_path else None)
@@ -199,6 +203,7 @@ class Phase:
             # save's gather from 0.07 to 0.4-0.5 s on the H200. The warm-up does not touch this model.
             host_side = _Background(self._prepare_host_side)
             modules = set(sys.modules)
+            self._stage("warming up")
             try:
                 self._warm_up()
             finally:
@@ -357,6 +362,7 @@ class Phase:
         """Reads what the predecessor changed (its layers and the head), unless read already, and
         builds the engine."""
         spec = self.spec
+        self._stage("building the engine")
         self.records["memory_start"] = memory_now()
         restore = Path(self.restore_path) if self.restore_path else None
         if restore is not None:
@@ -441,6 +447,7 @@ class Phase:
         # For the tests: a pre-warmed phase's switch made this much longer (its first step starts late).
         if spec.prewarm and (hold := float(os.environ.get("RELAYER_TEST_HOLD_FIRST_STEP", 0))):
             time.sleep(hold)
+        self._stage("first step")
         while self.step < spec.end_step:
             t0 = time.perf_counter()
             lr = lr_at(self.step, spec.optimizer)
@@ -507,6 +514,12 @@ class Phase:
             self._log(metrics, {"time": time.time(), "step": self.step, "phase": self.spec.phase,
                                 "eval_loss": (total[0] / total[1]).item()})
 
+    def _stage(self, name: str) -> None:
+        """What this phase is doing before its first step, for the progress display (rank 0)."""
+        if self.rank == 0:
+            with open(Path(self.spec.phase_dir) / "stages.jsonl", "a") as f:
+                f.write(json.dumps({"time": time.time(), "stage": name}) + "\n")
+
     def _log(self, metrics: Path, record: dict) -> None:
         """One line of metrics.jsonl (rank 0), and the same scalars to TensorBoard when asked for."""
         with open(metrics, "a") as f:
@@ -520,6 +533,13 @@ class Phase:
                 if key in record:
                     self.tb.add_scalar(key, record[key], record["step"], walltime=record["time"])
             self.tb.flush()
+        if self.spec.wandb:
+            if self.wandb is None:
+                from launch.report_wandb import WandbReport
+
+                self.wandb = WandbReport(self.run_dir, self.spec.phase, {"layers": self.spec.layers,
+                                                                         "seed": self.spec.seed})
+            self.wandb.log(record)
 
     # -- save ----------------------------------------------------------------------------------
     def save(self, phase_complete: bool) -> Path | None:
@@ -617,6 +637,8 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict) -> int:
             phase.restore()
         done = phase.train(stop)
         phase.save(phase_complete=done)
+        if phase.wandb is not None:
+            phase.wandb.finish()
     except BaseException:
         phase.discard()
         raise

@@ -117,6 +117,7 @@ class PhaseProcesses:
         for stale in ("pids", "errors", "exit"):
             shutil.rmtree(phase_dir / stale, ignore_errors=True)
         (phase_dir / "records.json").unlink(missing_ok=True)
+        (phase_dir / "stages.jsonl").unlink(missing_ok=True)
         return phase_dir
 
     def spawn(self, work: Work, phase_dir: Path, spec: dict, prewarm: bool) -> Group:

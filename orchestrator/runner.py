@@ -226,7 +226,7 @@ class Runner:
         # Where and how the work runs does not change what it computes; phases and the lr are compared below.
         changes_done = [d for d in diffs if not d.startswith(("schedule.", "launch.", "checkpoint.", "deepspeed.zero_stage",
                                                               "lr_schedule.", "optimizer.lr:", "run.final_model",
-                                                              "run.group_readable"))]
+                                                              "run.group_readable", "run.report_to", "run.tensorboard"))]
         lr_change = changed_lr(old_loaded, plan_phases(old_loaded), self.loaded, self.phases, done_step)
         if lr_change:
             changes_done.append(lr_change)
@@ -392,7 +392,7 @@ class Runner:
         check_batch(s.data, ph.nproc, self.loaded.source, ph.index, nnodes=s.launch.nnodes)
         return {
             "run_dir": str(self.run_dir), "phase_dir": str(phase_dir), "seed": s.run.seed,
-            "tensorboard": s.run.tensorboard,
+            "tensorboard": s.run.tensorboard or "tensorboard" in s.run.report_to, "wandb": "wandb" in s.run.report_to,
             "phase": ph.index, "start_step": work.start_step, "phase_start_step": ph.start_step,
             "end_step": ph.end_step, "layers": list(ph.layers),
             "restore": str(work.restore) if work.restore else None,
@@ -492,11 +492,13 @@ class Runner:
             return
         self._abort(pending)
         if self.stop_signal is not None:
-            _, manifest, _ = newest_valid(self.run_dir, checksums=False)
+            kept, manifest, _ = newest_valid(self.run_dir, checksums=False)
             step = manifest.global_step if manifest else 0
             self._event("preempted", phase=ph.index, step=step, signal=self.stop_signal, rc=rc)
-            raise Preempted(f"preempted by signal {self.stop_signal} in phase {ph.index}; "
-                            f"checkpoint at step {step}; run again to resume")
+            raise Preempted(f"preempted by signal {self.stop_signal} in phase {ph.index}; kept: the checkpoint at "
+                            f"step {step} ({kept}); run the same command again to resume" if kept else
+                            f"preempted by signal {self.stop_signal} in phase {ph.index} before any checkpoint; "
+                            "run the same command again to start over")
         tail = "".join(deque(open(group.log_path, errors="replace"), maxlen=20))
         reasons = sorted({f.read_text().strip() for f in (phase_dir / "errors").glob("rank-*.txt")})
         self._event("phase_failed", phase=ph.index, rc=rc, log=str(group.log_path), reasons=reasons)

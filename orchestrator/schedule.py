@@ -45,6 +45,10 @@ class RunSection(Section):
     """Seeds data order, random init and the lisa layer sampling: one seed, one run."""
     tensorboard: bool = False
     """Also write loss, lr, throughput and eval loss as TensorBoard events to RUN_DIR/tensorboard."""
+    report_to: list[Literal["tensorboard", "wandb"]] = []
+    """Where the metrics also go: "tensorboard" (as run.tensorboard; extra relayer[tensorboard]) and
+    "wandb" (Weights & Biases, one W&B run per run directory, project $WANDB_PROJECT or relayer;
+    extra relayer[wandb]). RUN_DIR/metrics.jsonl always has them."""
     final_model: bool = True
     """When the run completes, write the trained model as a Hugging Face folder (tokenizer files
     included, no reference to model.path) to RUN_DIR/final."""
@@ -461,6 +465,10 @@ def validate_schedule(
     if not data_path.is_file():
         raise ScheduleError(f"{source}: data.path: expected a data file, {data_path} "
                             f"{'is not a file' if data_path.exists() else 'does not exist'}")
+    for extra in {"tensorboard", "wandb"} & set(sched.run.report_to):
+        if importlib.util.find_spec(extra) is None:
+            raise ScheduleError(f"{source}: run.report_to: {extra} needs the {extra} package, which is not installed "
+                                f"(pip install 'relayer[{extra}]')")
     if sched.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ScheduleError(f"{source}: run.tensorboard: needs the tensorboard package, which is not installed "
                             "(pip install 'relayer[tensorboard]')")
