@@ -8,7 +8,6 @@ import dataclasses
 import gc
 import hashlib
 import json
-import math
 import os
 import platform
 import statistics
@@ -28,6 +27,7 @@ from torch import nn
 from launch import procs, zero_state
 from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.data import SampleOrder, load_examples, micro_batch, prepare, rows, step_targets
+from launch.lr import lr_at
 from launch.scaler import restore_scaler, scaler_tensors
 from launch.spec import PhaseSpec
 from launch.staging import Staging
@@ -60,19 +60,6 @@ def _dirty_page_cache() -> dict[str, int]:
         return {}
     kb = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in lines) if k in ("Dirty", "Writeback")}
     return {f"{k.lower()}_mb": v // 1024 for k, v in kb.items()}
-
-
-def lr_at(step: int, opt) -> float:
-    """The learning rate of a global step: a pure function of it, so resumes and phases agree."""
-    if opt.warmup_steps and step < opt.warmup_steps:
-        return opt.lr * (step + 1) / opt.warmup_steps
-    if opt.lr_kind == "constant":
-        return opt.lr
-    span = max(1, opt.total_steps - opt.warmup_steps)
-    frac = min(1.0, (step - opt.warmup_steps) / span)
-    if opt.lr_kind == "linear":
-        return opt.lr * (1.0 - frac)
-    return opt.lr * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
 class NonFinite(procs.PhaseError):
@@ -163,6 +150,7 @@ class Phase:
         self.run_dir = Path(spec.run_dir)
         self.restore_path = spec.restore
         self.tb = None
+        self.wandb = None
         self.records: dict = {"rank": rank, "world_size": world, "t_process_start": psutil.Process().create_time()}
 
     # -- build ---------------------------------------------------------------------------------
@@ -182,10 +170,12 @@ class Phase:
         else:
             self.device = torch.device("cpu")
             self.staging = None
+        self._stage("starting the process group")
         load_comm_ops()
         deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
         unlink_comm_buffers(self.rank)
         self.records["t_group_ready"] = time.time()
+        self._stage("loading the model")
         m = spec.model
         # Nothing in training draws random numbers today, but a phase's stream must not depend on
         # how its process was started (seeded again after the warm-up, which draws its own);
@@ -200,6 +190,7 @@ class Phase:
         # fp32 weights of the trainable parameters, to set the fp32 masters exactly after the engine
         # is built (the module itself may hold them in bf16).
         self.trained: dict[str, torch.Tensor] = {}
+        self._stage("preparing data")
         # Prepared by the orchestrator before the first phase, or here by the first process (once).
         cache = self.run_dir / "data-cache"
         self.examples = load_examples(prepare(spec.data, m.tokenizer, cache))
@@ -226,6 +217,7 @@ class Phase:
             # save's gather from 0.07 to 0.4-0.5 s on the H200. The warm-up does not touch this model.
             host_side = _Background(self._prepare_host_side)
             modules = set(sys.modules)
+            self._stage("warming up")
             try:
                 self._warm_up()
             finally:
@@ -384,6 +376,7 @@ class Phase:
         """Reads what the predecessor changed (its layers and the head), unless read already, and
         builds the engine."""
         spec = self.spec
+        self._stage("building the engine")
         self.records["memory_start"] = memory_now()
         restore = Path(self.restore_path) if self.restore_path else None
         if restore is not None:
@@ -468,6 +461,7 @@ class Phase:
         # For the tests: a pre-warmed phase's switch made this much longer (its first step starts late).
         if spec.prewarm and (hold := float(os.environ.get("RELAYER_TEST_HOLD_FIRST_STEP", 0))):
             time.sleep(hold)
+        self._stage("first step")
         while self.step < spec.end_step:
             t0 = time.perf_counter()
             lr = lr_at(self.step, spec.optimizer)
@@ -505,6 +499,7 @@ class Phase:
             step_times.append(dt)
             if self.step == spec.start_step + 1:
                 self.records["t_first_step_end"] = time.time()  # before the orchestrator can see the step
+                self.records["nice"] = os.getpriority(os.PRIO_PROCESS, 0)  # the priority it trains at
                 if self.staging is not None:
                     self.staging.unregister_later()  # the host weights are on the device: unpinned off the switch
             if self.rank == 0:
@@ -547,6 +542,12 @@ class Phase:
             self._log(metrics, {"time": time.time(), "step": self.step, "phase": self.spec.phase,
                                 "eval_loss": (total[0] / total[1]).item()})
 
+    def _stage(self, name: str) -> None:
+        """What this phase is doing before its first step, for the progress display (rank 0)."""
+        if self.rank == 0:
+            with open(Path(self.spec.phase_dir) / "stages.jsonl", "a") as f:
+                f.write(json.dumps({"time": time.time(), "stage": name}) + "\n")
+
     def _log(self, metrics: Path, record: dict) -> None:
         """One line of metrics.jsonl (rank 0), and the same scalars to TensorBoard when asked for."""
         with open(metrics, "a") as f:
@@ -560,6 +561,13 @@ class Phase:
                 if key in record:
                     self.tb.add_scalar(key, record[key], record["step"], walltime=record["time"])
             self.tb.flush()
+        if self.spec.wandb:
+            if self.wandb is None:
+                from launch.report_wandb import WandbReport
+
+                self.wandb = WandbReport(self.run_dir, self.spec.phase, {"layers": self.spec.layers,
+                                                                         "seed": self.spec.seed})
+            self.wandb.log(record)
 
     # -- save ----------------------------------------------------------------------------------
     def save(self, phase_complete: bool) -> Path | None:
@@ -657,6 +665,8 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict) -> int:
             phase.restore()
         done = phase.train(stop)
         phase.save(phase_complete=done)
+        if phase.wandb is not None:
+            phase.wandb.finish()
     except BaseException:
         phase.discard()
         raise

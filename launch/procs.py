@@ -91,21 +91,32 @@ def wait_for_go(fifo: Path, idle: Callable[[], None] = lambda: None, interval: f
 
 
 BACKGROUND_NICE = 10
+"""How much lower than the priority it inherited a pre-warmed phase prepares at."""
+_inherited: int | None = None
 
 
 def background(on: bool) -> bool:
-    """Lowers (``on``) or restores the CPU priority of every thread of this process; False where
-    it cannot be restored and so is not lowered (no CAP_SYS_NICE and RLIMIT_NICE below 20).
+    """Lowers (``on``) the CPU priority of every thread of this process by BACKGROUND_NICE below the
+    one it inherited, or restores exactly that one; False where it could not be restored and so is
+    not lowered (no CAP_SYS_NICE and RLIMIT_NICE does not reach back to it).
 
-    A pre-warmed phase prepares at nice 10, so that its CPU work yields to the processes on the
-    switch's critical path (the finished phase's write, the starting phase's load); at its go it
-    is back at the priority it had.
+    A pre-warmed phase prepares in the background, so that its CPU work yields to the processes on
+    the switch's critical path (the finished phase's write, the starting phase's load); at its go
+    it is back at the priority the run was started with (``nice -n 19 orchestrator run`` trains at 19).
     """
     import resource
 
-    if not (os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20):
+    global _inherited
+    if on:
+        inherited = os.getpriority(os.PRIO_PROCESS, 0)
+        # RLIMIT_NICE r lets an unprivileged process lower its nice value down to 20 - r.
+        if not (os.geteuid() == 0 or 20 - resource.getrlimit(resource.RLIMIT_NICE)[0] <= inherited):
+            return False
+        _inherited, value = inherited, min(19, inherited + BACKGROUND_NICE)
+    elif _inherited is None:
         return False
-    value = BACKGROUND_NICE if on else 0
+    else:
+        value = _inherited
     for tid in os.listdir("/proc/self/task"):  # Linux: niceness is per thread
         try:
             os.setpriority(os.PRIO_PROCESS, int(tid), value)

@@ -85,6 +85,7 @@ class OptimizerPart(_Spec):
 class PhaseSpec(_Spec):
     run_dir: str
     tensorboard: bool = False
+    wandb: bool = False
     phase_dir: str
     """Where this phase's processes record their pids and the launcher its log."""
     seed: int

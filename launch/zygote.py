@@ -107,7 +107,7 @@ class Zygote:
         rc = 1
         try:
             os.close(requests_fd)
-            log = os.open(Path(spec.phase_dir) / "worker.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            log = os.open(Path(spec.phase_dir) / "worker.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
             os.dup2(log, 1)
             os.dup2(log, 2)
             os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),

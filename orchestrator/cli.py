@@ -25,6 +25,9 @@ def main() -> None:
 
 
 schedule_arg = click.argument("schedule", type=click.Path(dir_okay=False, path_type=Path))
+set_option = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                          help="Override a schedule key (TOML value): --set optimizer.lr=3e-4 "
+                               "--set schedule.phases[0].steps=5. Repeatable.")
 
 
 @main.command()
@@ -32,16 +35,21 @@ schedule_arg = click.argument("schedule", type=click.Path(dir_okay=False, path_t
 @click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path), help="Run directory (overrides run.output_dir).")
 @click.option("--nproc", type=int, help="Processes for every phase (overrides launch.nproc and per-phase nproc).")
 @click.option("--force", is_flag=True, help="Resume even though the schedule changed completed work.")
-def run(schedule: Path, output_dir: Path | None, nproc: int | None, force: bool) -> None:
+@set_option
+@click.option("--resume-from", type=click.Path(file_okay=False, path_type=Path), metavar="CHECKPOINT",
+              help="Continue from this checkpoint of the run (RUN_DIR/checkpoints/step-N); the later ones are "
+                   "moved to checkpoints/.set-aside-<time>/, not deleted.")
+def run(schedule: Path, output_dir: Path | None, nproc: int | None, force: bool, overrides: tuple[str, ...],
+        resume_from: Path | None) -> None:
     """Run every phase of SCHEDULE; resume from the newest valid checkpoint if the run has progress."""
     from orchestrator.display import Display
     from orchestrator.runner import run_schedule
     from orchestrator.schedule import load_schedule
 
-    loaded = load_schedule(schedule, output_dir=output_dir, nproc=nproc)
+    loaded = load_schedule(schedule, output_dir=output_dir, nproc=nproc, overrides=overrides)
     display = Display(loaded)
     with display:
-        run_schedule(loaded, force=force, on_event=display.event, progress=display.progress)
+        run_schedule(loaded, force=force, on_event=display.event, progress=display.progress, resume_from=resume_from)
     click.echo(f"run complete: {loaded.output_dir}")
 
 
@@ -51,7 +59,8 @@ def run(schedule: Path, output_dir: Path | None, nproc: int | None, force: bool)
 @click.option("--device-memory", metavar="SIZE",
               help="Memory of one device (80GiB, 80GB, 141e9): adds each phase's estimated memory per process "
                    "and warns where a phase will not fit.")
-def plan(schedule: Path, nproc: int | None, device_memory: str | None) -> None:
+@set_option
+def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides: tuple[str, ...]) -> None:
     """Print the phase table of SCHEDULE and check the file, without starting anything."""
     from orchestrator.display import print_plan
     from orchestrator.estimate import EstimateError, estimate_plan, format_bytes, parse_size
@@ -60,7 +69,7 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None) -> None:
     from orchestrator.datastep import check_data
 
     device = parse_size(device_memory, "--device-memory") if device_memory is not None else None
-    loaded = load_schedule(schedule, nproc=nproc)
+    loaded = load_schedule(schedule, nproc=nproc, overrides=overrides)
     phases = plan_phases(loaded)
     data = check_data(loaded)
     if device is None:

@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
 from orchestrator.errors import ScheduleError
 from orchestrator.estimate import PlanEstimate, format_bytes
 from orchestrator.journal import JsonlTail, read_journal
+from orchestrator.pace import Pace, clock
 from orchestrator.schedule import LoadedSchedule, Phase, plan_phases
 
 # Off a terminal, lines are logs: never wrap them (rich would at 80 columns).
@@ -55,14 +56,28 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], estimate: PlanEstima
 class Display:
     """Journal events as lines, and one progress bar over the run's global steps."""
 
+    # Preparing: what a pre-warmed phase did before its turn, not worth a line when it starts.
+    PREPARATION = ("starting the process group", "loading the model", "preparing data", "warming up")
+
     def __init__(self, loaded: LoadedSchedule):
-        self.total = plan_phases(loaded)[-1].end_step
+        phases = plan_phases(loaded)
+        self.total = phases[-1].end_step
+        self.pace = Pace(phases)
         self.live = console.is_terminal
+        # The ETA is the pace's (it counts the switches ahead); rich's own swings with every switch.
         self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                                   console=console, disable=not self.live)
         self._task = self._progress.add_task("steps", total=self.total, info="")
         self._last_plain = 0.0
+        self._started: dict = {}
+
+    def say(self, text: str) -> None:
+        """A line above the bar; off a terminal, a log line with the time."""
+        if self.live:
+            self._progress.console.print(text, highlight=False)
+        else:
+            console.print(f"{time.strftime('%H:%M:%S')} {text}", highlight=False)
 
     def __enter__(self) -> Display:
         self._progress.start()
@@ -80,28 +95,50 @@ class Display:
                                      f"layers {e['layers']}, {e['nproc']} process(es)",
             "phase_done": lambda: f"phase {e['phase']} done at step {e['step']} in {e['seconds']:.1f} s",
             "checkpoint_skipped": lambda: f"skipping damaged checkpoint: {e['fault']}",
-            "stray_removed": lambda: f"removed a temporary left by a killed writer: {e['path']}",
+            # A phase's prepared files (.tmp-prepared.*) go whenever its phase does not run: no news.
+            "stray_removed": lambda: None if ".tmp-prepared." in e["path"] else
+                                     f"removed an unfinished file of a writer that was stopped: {e['path']}",
             "killed": lambda: f"stopped leftover processes {e['pids']}",
-            "preempted": lambda: f"preempted at step {e['step']}",
+            "stop_requested": lambda: f"stopping (signal {e['signal']}): phase {e['phase']} finishes its step and "
+                                      "writes a checkpoint",
             "run_done": lambda: f"all {e['step']} steps done",
+            "checkpoints_set_aside": lambda: f"resuming from {e['resume_from']}: moved {', '.join(e['checkpoints'])} "
+                                             f"aside to {e['to']}",
+            "final_model_started": lambda: f"writing the final model to {e['path']}",
+            "final_model_written": lambda: f"final model written: {e['path']}",
         }.get(kind)
-        if text:
-            self._progress.console.print(text()) if self.live else console.print(text(), highlight=False)
+        if kind == "phase_started":
+            self._started = e
+        line = text() if text else None
+        if line:
+            self.say(line)
 
     def progress(self, run_dir: Path, phase: Phase, start_step: int) -> Callable[[], None]:
         metrics = JsonlTail(run_dir / "metrics.jsonl")
+        stages = JsonlTail(run_dir / "phases" / f"phase-{phase.index:04d}" / "stages.jsonl")
+        stages.offset = 0  # removed at the phase's spawn: all of it is this attempt's
+        prewarmed = self._started.get("prewarmed", False)
+        if not prewarmed:
+            self.say(f"phase {phase.index}: starting its processes (importing torch and DeepSpeed)")
         self._progress.update(self._task, completed=start_step,
                               description=f"phase {phase.index} layers {list(phase.layers)}")
 
         def tick() -> None:
+            for s in stages.new():
+                if not (prewarmed and s["stage"] in self.PREPARATION):
+                    self.say(f"phase {phase.index}: {s['stage']}")
             for m in metrics.new():
                 if "eval_loss" in m:
-                    self._progress.console.print(f"step {m['step']}: eval loss {m['eval_loss']:.4f}", highlight=False)
+                    self.say(f"step {m['step']}: eval loss {m['eval_loss']:.4f}")
                     continue
-                info = f"loss {m['loss']:.4f}  {m['tokens_per_s']:.0f} tok/s"
+                self.pace.add(m)
+                tps = self.pace.tokens_per_s
+                info = (f"loss {m['loss']:.4f}  lr {m['lr']:.2e}  "
+                        f"{f'{tps:.0f} tok/s' if tps else 'tok/s after a steady step'}  "
+                        f"ETA {clock(self.pace.eta(m['step']))}")
                 self._progress.update(self._task, completed=m["step"], info=info)
-                if not self.live and (time.time() - self._last_plain > 5 or m["step"] == phase.end_step):
-                    console.print(f"step {m['step']}/{self.total}  phase {m['phase']}  {info}", highlight=False)
+                if not self.live and (time.time() - self._last_plain > 5 or m["step"] in (phase.end_step, start_step + 1)):
+                    self.say(f"step {m['step']}/{self.total}  phase {m['phase']}  layers {m['layers']}  {info}")
                     self._last_plain = time.time()
 
         return tick

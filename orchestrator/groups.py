@@ -123,10 +123,11 @@ class PhaseProcesses:
     def phase_dir(self, phase: Phase) -> Path:
         """The phase's directory, emptied of what an earlier attempt at it left."""
         phase_dir = self.run_dir / "phases" / f"phase-{phase.index:04d}"
-        phase_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        phase_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
         for stale in ("pids", "errors", "exit"):
             shutil.rmtree(phase_dir / stale, ignore_errors=True)
         (phase_dir / "records.json").unlink(missing_ok=True)
+        (phase_dir / "stages.jsonl").unlink(missing_ok=True)
         return phase_dir
 
     def spawn(self, work: Work, phase_dir: Path, spec: dict, prewarm: bool) -> Group:
@@ -153,7 +154,6 @@ class PhaseProcesses:
             proc: subprocess.Popen | ForkedProc = ForkedProc(phase_dir, ph.nproc, zygote)
         else:
             with open(log_path, "ab") as log:
-                os.chmod(log_path, 0o600)
                 proc = subprocess.Popen([sys.executable, "-m", "launch", str(spec_path)], stdout=log,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
@@ -174,7 +174,6 @@ class PhaseProcesses:
             self.zygote_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
             (self.run_dir / ZYGOTE_ERROR).unlink(missing_ok=True)  # an earlier orchestrator's
             log = open(self.run_dir / ZYGOTE_LOG, "ab")
-            os.chmod(log.name, 0o600)
             self.zygote = subprocess.Popen([sys.executable, "-m", "launch.zygote", str(spec_path), str(fifo)],
                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)

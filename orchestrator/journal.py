@@ -17,7 +17,7 @@ class Journal:
 
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"time": time.time(), "event": event, **fields}
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
         try:
             os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
             os.fsync(fd)

@@ -13,11 +13,14 @@ import socket
 import time
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import psutil
 
-from orchestrator import devmem, procs
+from launch.lr import lr_at
+
+from orchestrator import devmem, final, procs
 from orchestrator.datastep import adopt_data, data_spec, stage_data
 from orchestrator.groups import GO_FIFO, Group, PhaseProcesses, Work, log_tail
 from orchestrator.errors import PhaseFailed, Preempted, RelayerError, RunLocked, ScheduleError
@@ -27,8 +30,8 @@ from orchestrator.schedule import (
     LoadedSchedule, Phase, check_batch, plan_phases, tokenizer_of, validate_schedule,
 )
 from shard_tools.manifest import (
-    CheckpointError, Manifest, layer_sources, list_checkpoints, make_durable, needed_by, newest_valid, read_manifest,
-    remove_stray_temporaries, verify_checkpoint,
+    CheckpointError, Manifest, checkpoints_dir, fsync_path, is_checkpoint_dir, layer_sources, list_checkpoints,
+    make_durable, needed_by, newest_valid, read_manifest, remove_stray_temporaries, step_of, verify_checkpoint,
 )
 
 SCHEDULE_COPY = "schedule.toml"
@@ -104,12 +107,31 @@ def _without_output_dir(raw: dict) -> dict:
     return {**raw, "run": {k: v for k, v in run.items() if k != "output_dir"}} if isinstance(run, dict) else raw
 
 
+def changed_lr(old: LoadedSchedule, old_phases: list[Phase], new: LoadedSchedule, new_phases: list[Phase],
+               done_step: int) -> str | None:
+    """How the lr of a step already taken would change (a new total_steps moves a decaying lr), or None."""
+    def opt(loaded: LoadedSchedule, phases: list[Phase]) -> SimpleNamespace:
+        s = loaded.schedule
+        return SimpleNamespace(lr=s.optimizer.lr, lr_kind=s.lr_schedule.kind, warmup_steps=s.lr_schedule.warmup_steps,
+                               total_steps=phases[-1].end_step)
+
+    a, b = opt(old, old_phases), opt(new, new_phases)
+    for step in range(done_step):
+        if lr_at(step, a) != lr_at(step, b):
+            return (f"lr of step {step}, already taken, would change: {lr_at(step, a):.6g} -> {lr_at(step, b):.6g} "
+                    f"(lr {a.lr:g}, {a.lr_kind}, warmup_steps {a.warmup_steps}, total_steps {a.total_steps} -> "
+                    f"lr {b.lr:g}, {b.lr_kind}, warmup_steps {b.warmup_steps}, total_steps {b.total_steps})")
+    return None
+
+
 class Runner:
     """Runs a schedule to completion in its run directory. ``run()`` is the whole public API."""
 
     def __init__(self, loaded: LoadedSchedule, *, force: bool = False, on_event: Callable[[dict], None] | None = None,
-                 progress: Callable[[Path, Phase, int], Callable[[], None]] | None = None):
+                 progress: Callable[[Path, Phase, int], Callable[[], None]] | None = None,
+                 resume_from: Path | None = None):
         self.loaded = loaded
+        self.resume_from = resume_from
         self.run_dir = loaded.output_dir
         self.phases = plan_phases(loaded)
         self.force = force
@@ -123,6 +145,16 @@ class Runner:
 
     # -- entry ---------------------------------------------------------------------------------
     def run(self) -> None:
+        chosen = resume_point(self.run_dir, self.resume_from) if self.resume_from is not None else None
+        # Files are created 0640 and directories 0750; the umask, inherited by every phase process,
+        # keeps them to the owner unless the group may read.
+        umask = os.umask(0o027 if self.loaded.schedule.run.group_readable else 0o077)
+        try:
+            self._run(chosen)
+        finally:
+            os.umask(umask)
+
+    def _run(self, chosen: Path | None) -> None:
         # Prepared once, here; the data of a new run before its directory exists (bad data: exit 2).
         staged = None if (self.run_dir / SCHEDULE_COPY).exists() else stage_data(self.loaded)
         try:
@@ -134,6 +166,8 @@ class Runner:
         self.journal = Journal(self.run_dir)
         with RunLock(self.run_dir):
             adopt_data(self.loaded, staged)
+            if chosen is not None:
+                self._set_aside_after(chosen)
             old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
             for s in STOP_SIGNALS:
                 signal.signal(s, self._on_signal)
@@ -148,6 +182,22 @@ class Runner:
                 self.groups.stop_fork_server()
                 for s, h in old.items():
                     signal.signal(s, h)
+
+    def _set_aside_after(self, chosen: Path) -> None:
+        """--resume-from: the checkpoints after ``chosen`` move to checkpoints/.set-aside-<time>/, where
+        readers and retention do not look and nothing deletes them."""
+        later = [c for c in list_checkpoints(self.run_dir) if step_of(c) > step_of(chosen)]
+        if not later and not (self.run_dir / final.FINAL).exists():
+            return
+        aside = checkpoints_dir(self.run_dir) / f".set-aside-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        aside.mkdir(mode=0o750)
+        for ckpt in later:
+            os.replace(ckpt, aside / ckpt.name)
+        if (self.run_dir / final.FINAL).exists():  # made from the later checkpoints; the run writes it anew
+            os.replace(self.run_dir / final.FINAL, aside / final.FINAL)
+        fsync_path(checkpoints_dir(self.run_dir))
+        self.verified.add(chosen)
+        self._event("checkpoints_set_aside", resume_from=str(chosen), to=str(aside), checkpoints=[c.name for c in later])
 
     def _event(self, event: str, **fields) -> None:
         self.on_event(self.journal.write(event, **fields))
@@ -168,6 +218,10 @@ class Runner:
         rd = self.run_dir
         copy = rd / SCHEDULE_COPY
         text = self.loaded.source.read_text()
+        if tomllib.loads(text) != self.loaded.raw:  # --set overrides: the copy records what runs
+            import tomli_w
+
+            text = f"# {self.loaded.source} with --set overrides\n" + tomli_w.dumps(self.loaded.raw)
         if copy.exists():
             self._check_same_schedule(self._read_copy(copy))
             return False
@@ -176,7 +230,7 @@ class Runner:
         tmp = rd.parent / f".tmp-{rd.name}.{os.getpid()}"
         try:
             rd.parent.mkdir(parents=True, exist_ok=True)
-            tmp.mkdir(mode=0o700)
+            tmp.mkdir(mode=0o750)
         except OSError as e:
             raise ScheduleError(f"{rd}: cannot create the run directory: {e.strerror or e}") from None
         try:
@@ -215,15 +269,21 @@ class Runner:
         _, manifest, _ = newest_valid(self.run_dir, checksums=False)
         done_step = manifest.global_step if manifest else 0
         try:
-            old_planned = plan_phases(validate_schedule(old_raw, self.loaded.source))
+            old_loaded = validate_schedule(old_raw, self.loaded.source)
+            old_planned = plan_phases(old_loaded)
         except ScheduleError as e:
             # Messages name the user's file: the copy's relative paths are resolved from there.
             raise ScheduleError(f"{self.run_dir / SCHEDULE_COPY}: the schedule this run was started with is no "
                                 f"longer valid (edited?): {e}") from None
         old_phases = [p for p in old_planned if p.start_step < done_step]
         new_phases = [p for p in self.phases if p.start_step < done_step]
-        # Where and how the work runs does not change what it computes; phases are compared below.
-        changes_done = [d for d in diffs if not d.startswith(("schedule.", "launch.", "checkpoint.", "deepspeed.zero_stage"))]
+        # Where and how the work runs does not change what it computes; phases and the lr are compared below.
+        changes_done = [d for d in diffs if not d.startswith(("schedule.", "launch.", "checkpoint.", "deepspeed.zero_stage",
+                                                              "lr_schedule.", "optimizer.lr:", "run.final_model",
+                                                              "run.group_readable", "run.report_to", "run.tensorboard"))]
+        lr_change = changed_lr(old_loaded, old_planned, self.loaded, self.phases, done_step)
+        if lr_change:
+            changes_done.append(lr_change)
         same_done = [(p.start_step, p.end_step, p.layers) for p in old_phases] == [
             (p.start_step, p.end_step, p.layers) for p in new_phases]
         if not same_done:
@@ -232,7 +292,7 @@ class Runner:
             raise ScheduleError(
                 f"{self.loaded.source}: differs from the schedule this run was started with "
                 f"({self.run_dir / SCHEDULE_COPY}) in ways that alter completed work:\n  "
-                + "\n  ".join(diffs) + "\nuse --force to go on anyway"
+                + "\n  ".join(diffs + [lr_change] * bool(lr_change)) + "\nuse --force to go on anyway"
             )
 
     # -- the loop ------------------------------------------------------------------------------
@@ -261,6 +321,7 @@ class Runner:
             if work is None:
                 self._abort(pending)
                 self._after_switch(finished, None)
+                self._final_model()
                 self._event("run_done", step=self.phases[-1].end_step)
                 return
             if self.stop_signal is not None:
@@ -281,6 +342,20 @@ class Runner:
                 self._abort(pending)  # already done, unless this process itself failed
                 raise
             finished = current
+
+    def _final_model(self) -> None:
+        step = self.phases[-1].end_step
+        if not self.loaded.schedule.run.final_model or final.is_current(self.run_dir, step):
+            return
+        self._event("final_model_started", path=str(self.run_dir / final.FINAL), step=step)
+        out, rc, output = final.write_final(self.run_dir)
+        if rc != 0 and self.stop_signal is not None:
+            self._event("preempted", step=step, signal=self.stop_signal)
+            raise Preempted(f"stopped by signal {self.stop_signal} while writing {out}; run again to write it")
+        if rc != 0:
+            raise RelayerError(f"the run is complete, but writing the final model to {out} failed "
+                               f"(exit code {rc}):\n{output}\nthe checkpoints are intact; run again to retry")
+        self._event("final_model_written", path=str(out), step=step)
 
     def _abort(self, pending: list[Group]) -> None:
         self.pauser.resume("aborted", pending)
@@ -371,7 +446,7 @@ class Runner:
         check_batch(s.data, ph.nproc, self.loaded.source, ph.index, nnodes=s.launch.nnodes)
         return {
             "run_dir": str(self.run_dir), "phase_dir": str(phase_dir), "seed": s.run.seed,
-            "tensorboard": s.run.tensorboard,
+            "tensorboard": s.run.tensorboard or "tensorboard" in s.run.report_to, "wandb": "wandb" in s.run.report_to,
             "phase": ph.index, "start_step": work.start_step, "phase_start_step": ph.start_step,
             "end_step": ph.end_step, "layers": list(ph.layers),
             "restore": str(work.restore) if work.restore else None,
@@ -468,11 +543,13 @@ class Runner:
             return
         self._abort(pending)
         if self.stop_signal is not None:
-            _, manifest, _ = newest_valid(self.run_dir, checksums=False)
+            kept, manifest, _ = newest_valid(self.run_dir, checksums=False)
             step = manifest.global_step if manifest else 0
             self._event("preempted", phase=ph.index, step=step, signal=self.stop_signal, rc=rc)
-            raise Preempted(f"preempted by signal {self.stop_signal} in phase {ph.index}; "
-                            f"checkpoint at step {step}; run again to resume")
+            raise Preempted(f"preempted by signal {self.stop_signal} in phase {ph.index}; kept: the checkpoint at "
+                            f"step {step} ({kept}); run the same command again to resume" if kept else
+                            f"preempted by signal {self.stop_signal} in phase {ph.index} before any checkpoint; "
+                            "run the same command again to start over")
         who, log, reasons = self.groups.failure(group, rc)
         if rc == 0:
             who += f", but its checkpoint {end} is missing or incomplete"
@@ -508,6 +585,24 @@ class Runner:
                 os.replace(ckpt, trash)
                 shutil.rmtree(trash)
                 self._event("checkpoint_removed", path=str(ckpt))
+
+
+def resume_point(run_dir: Path, given: Path) -> Path:
+    """The checkpoint --resume-from names, checked before anything is written: one of this run's,
+    whole (checksums), and so are the layer files it builds on."""
+    ckpt = Path(given).resolve()
+    if not (run_dir / SCHEDULE_COPY).is_file():
+        raise ScheduleError(f"--resume-from: {run_dir} holds no run to resume")
+    if ckpt.parent != checkpoints_dir(run_dir).resolve() or not is_checkpoint_dir(ckpt):
+        raise ScheduleError(f"--resume-from: expected a checkpoint of this run "
+                            f"({checkpoints_dir(run_dir)}/step-NNNNNNNN), got {given}")
+    try:
+        faults = [f for src in sorted({ckpt, *layer_sources(run_dir, ckpt).values()}) for f in verify_checkpoint(src)]
+    except CheckpointError as e:
+        faults = [str(e)]
+    if faults:
+        raise ScheduleError(f"--resume-from: {given} is not whole:\n  " + "\n  ".join(faults))
+    return checkpoints_dir(run_dir) / ckpt.name
 
 
 def run_schedule(loaded: LoadedSchedule, **kw) -> None:

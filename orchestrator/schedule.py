@@ -48,7 +48,8 @@ class KeyProblem(ValueError):
 class Section(BaseModel):
     """Base of every section: unknown keys are errors, values are not coerced across types."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # Attribute docstrings become field descriptions: docs/schedule.md is generated from them.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
 
 
 class RunSection(Section):
@@ -58,6 +59,16 @@ class RunSection(Section):
     """Seeds data order, random init and the lisa layer sampling: one seed, one run."""
     tensorboard: bool = False
     """Also write loss, lr, throughput and eval loss as TensorBoard events to RUN_DIR/tensorboard."""
+    report_to: list[Literal["tensorboard", "wandb"]] = []
+    """Where the metrics also go: "tensorboard" (as run.tensorboard; extra relayer[tensorboard]) and
+    "wandb" (Weights & Biases, one W&B run per run directory, project $WANDB_PROJECT or relayer;
+    extra relayer[wandb]). RUN_DIR/metrics.jsonl always has them."""
+    final_model: bool = True
+    """When the run completes, write the trained model as a Hugging Face folder (tokenizer files
+    included, no reference to model.path) to RUN_DIR/final."""
+    group_readable: bool = False
+    """Make the run directory 0750 and its files 0640 (the group may read them) instead of 0700 / 0600;
+    applies to what is written from then on."""
 
 
 class ModelSection(Section):
@@ -66,6 +77,7 @@ class ModelSection(Section):
     config: dict[str, Any] | None = None
     """Or an inline config: a random init from it, seeded by run.seed."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Precision of the weights and the training step; the optimizer keeps fp32 masters."""
     persistent: list[str] | None = None
     """Module prefixes of the always-trained head; None: detected from the model family."""
     layers: str | None = None
@@ -113,11 +125,13 @@ class DataSection(Section):
     instruction, input, output; messages, conversations; input_ids, labels. Example:
     {instruction = "prompt", output = "answer"}."""
     seq_len: PositiveInt = 128
+    """Tokens per example."""
     batch_size: PositiveInt = 8
     """Examples per optimizer step over all processes; kept when the process count changes."""
     micro_batch_size: PositiveInt = 1
     """Examples per process per forward pass."""
     shuffle: bool = True
+    """Shuffle the examples, seeded by run.seed."""
     validation_path: str | None = None
     """Held-out data in the same format; its mean loss goes to metrics.jsonl as eval_loss."""
     eval_every: NonNegInt = 0
@@ -134,9 +148,13 @@ class DataSection(Section):
 
 class OptimizerSection(Section):
     lr: Annotated[float, Field(gt=0)] = 1e-3
+    """Peak learning rate (AdamW)."""
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    """AdamW weight decay; 1-D parameters (norms, biases) never decay."""
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
+    """AdamW [beta1, beta2]."""
     eps: Annotated[float, Field(gt=0)] = 1e-8
+    """AdamW epsilon."""
     grad_clip: Annotated[float, Field(ge=0)] = 1.0
     """Max global gradient norm; 0 turns clipping off."""
 
@@ -156,12 +174,16 @@ class OptimizerSection(Section):
 
 class LrScheduleSection(Section):
     kind: Literal["constant", "linear", "cosine"] = "constant"
+    """How the lr moves over the run's global steps after the warm-up: constant, linear or cosine decay to 0."""
     warmup_steps: NonNegInt = 0
+    """Steps of linear warm-up from lr / warmup_steps to lr."""
 
 
 class PhaseEntry(Section):
     steps: PositiveInt
+    """Optimizer steps of this phase."""
     layers: Annotated[list[NonNegInt], Field(min_length=1)]
+    """Body layers this phase trains (0-based), besides the head."""
     nproc: PositiveInt | None = None
     """Processes per node for this phase; None: launch.nproc. --nproc overrides both."""
 
@@ -176,10 +198,15 @@ class PhaseEntry(Section):
 
 class ScheduleSection(Section):
     phases: list[PhaseEntry] | None = None
+    """Explicit phases, in order: [{ steps = 10, layers = [0] }, ...]; or use strategy."""
     strategy: Literal["lisa", "ascending", "descending"] | None = None
+    """lisa: layers sampled at random each phase (seeded by run.seed); ascending / descending: in turn."""
     total_steps: PositiveInt | None = None
+    """With strategy: optimizer steps of the whole run."""
     interval: PositiveInt | None = None
+    """With strategy: steps per phase (the last phase may be shorter)."""
     layers_per_phase: PositiveInt | None = None
+    """With strategy: body layers trained per phase."""
 
     @model_validator(mode="after")
     def _one_form(self) -> ScheduleSection:
@@ -221,6 +248,7 @@ MERGED_DEEPSPEED_TABLES = ("zero_optimization", "bf16", "fp16")
 
 class DeepSpeedSection(Section):
     zero_stage: Literal[1, 2, 3] = 2
+    """DeepSpeed ZeRO stage; checkpoints are the same for every stage."""
     config: dict[str, Any] = Field(default_factory=dict)
     """Merged into the generated DeepSpeed config."""
 
@@ -242,9 +270,11 @@ class DeepSpeedSection(Section):
 
 class LaunchSection(Section):
     launcher: Literal["local", "deepspeed", "torchrun", "slurm"] = "local"
+    """How a phase's processes start: local (the fork server), deepspeed, torchrun or slurm (srun)."""
     nproc: PositiveInt = 1
     """Processes per node."""
     nnodes: PositiveInt = 1
+    """Nodes; more than one needs launcher deepspeed (with hostfile), torchrun or slurm."""
     hostfile: str | None = None
     """DeepSpeed hostfile for several nodes; relative to the schedule file."""
     grace_seconds: Annotated[float, Field(gt=0)] = 30.0
@@ -277,6 +307,7 @@ class CheckpointSection(Section):
     every_steps: NonNegInt = 0
     """Mid-phase checkpoints for preemption; 0: only at phase ends."""
     keep_last: PositiveInt = 2
+    """Checkpoints kept; older ones go, except what a kept one still needs."""
 
 
 class Schedule(Section):
@@ -637,9 +668,11 @@ def num_layers_of(config: dict[str, Any]) -> int | None:
 
 
 def load_schedule(
-    path: str | Path, *, output_dir: str | Path | None = None, nproc: int | None = None
+    path: str | Path, *, output_dir: str | Path | None = None, nproc: int | None = None,
+    overrides: tuple[str, ...] | list[str] = (),
 ) -> LoadedSchedule:
-    """Reads and validates a schedule file; raises ScheduleError naming the file and key."""
+    """Reads and validates a schedule file, with ``--set KEY=VALUE`` overrides applied; raises
+    ScheduleError naming the file and key."""
     source = _resolve(Path.cwd(), str(path))
     if _kind(source) not in ("a file", "missing"):
         raise ScheduleError(f"{path}: expected a schedule file, it {_is(source)}")
@@ -657,6 +690,10 @@ def load_schedule(
         raise ScheduleError(f"{path}: TOML syntax error: {e}") from None
     except RecursionError:
         raise ScheduleError(f"{path}: TOML nested too deeply") from None
+    if overrides:
+        from orchestrator.overrides import apply_overrides
+
+        raw = apply_overrides(raw, overrides)
     return validate_schedule(raw, source, output_dir=output_dir, nproc=nproc)
 
 
@@ -705,6 +742,10 @@ def validate_schedule(
     template = sched.data.chat_template
     if template is not None and is_template_path(template):
         _need_file(_resolve(base, template), "data.chat_template", "a Jinja template or a file holding one", source)
+    for extra in {"tensorboard", "wandb"} & set(sched.run.report_to):
+        if importlib.util.find_spec(extra) is None:
+            raise ScheduleError(f"{source}: run.report_to: {extra} needs the {extra} package, which is not installed "
+                                f"(pip install 'relayer[{extra}]')")
     if sched.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ScheduleError(f"{source}: run.tensorboard: needs the tensorboard package, which is not installed "
                             "(pip install 'relayer[tensorboard]')")

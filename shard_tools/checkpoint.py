@@ -74,7 +74,7 @@ def write_checkpoint(
             prepared.discard()
             prepared = None
         tmp = root / f"{TMP_PREFIX}{final.name}.{os.getpid()}"
-        tmp.mkdir(mode=0o700)
+        tmp.mkdir(mode=0o750)
     try:
         timing = _write_files(tmp, manifest, files, metadata, durable, prepared, fitting)
     except (OSError, SafetensorError) as e:
@@ -157,14 +157,14 @@ class PreparedFiles:
         root.mkdir(parents=True, exist_ok=True)
         PreparedFiles._made += 1
         self.dir = root / f"{TMP_PREFIX}prepared.{os.getpid()}.{PreparedFiles._made}"
-        self.dir.mkdir(mode=0o700)
+        self.dir.mkdir(mode=0o750)
         self.layouts = {file: (dict(specs), metadata.get(file)) for file, specs in layouts.items()}
         self.maps: dict[str, mmap.mmap] = {}
         self.views: dict[str, dict[str, torch.Tensor]] = {}
         try:
             for file, specs in layouts.items():
                 lead, spans, size = _layout(specs, metadata.get(file))
-                fd = os.open(self.dir / file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                fd = os.open(self.dir / file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o640)
                 try:
                     os.ftruncate(fd, size)
                     mm = mmap.mmap(fd, size)
@@ -260,7 +260,7 @@ def _write_files(tmp: Path, manifest: Manifest, files: dict[str, dict[str, torch
                 if durable:
                     fsync_path(path)
             else:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
                 try:
                     checksum = digest.write_and_digest(fd, _safetensors_stream(tensors, metadata.get(name)), pool)
                     t1 = time.perf_counter()

@@ -310,7 +310,7 @@ def make_durable(ckpt: Path) -> None:
     fsync_path(ckpt.parent)
 
 
-def write_text_atomic(path: Path, text: str, mode: int = 0o600) -> None:
+def write_text_atomic(path: Path, text: str, mode: int = 0o640) -> None:
     """Writes to a sibling temporary, fsyncs and renames: readers see the old file or the new one."""
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)

@@ -58,7 +58,8 @@ def tiny_data(tmp_path_factory) -> Path:
 def schedule_dict(model_dir: Path, data_path: Path, **sections) -> dict:
     """The tiny 3-phase schedule ([0], [1], [0] x 10 steps); ``sections`` override per section."""
     base = {
-        "run": {"output_dir": "run", "seed": 0},
+        # No RUN_DIR/final: exporting costs every run a torch start; the tests of it turn it on.
+        "run": {"output_dir": "run", "seed": 0, "final_model": False},
         "model": {"path": str(model_dir), "dtype": "float32"},
         "data": {"path": str(data_path), "format": "tokens", "seq_len": SEQ, "batch_size": 8, "micro_batch_size": 4},
         "optimizer": {"lr": 1e-3, "weight_decay": 0.0, "grad_clip": 1.0},

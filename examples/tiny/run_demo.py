@@ -3,7 +3,8 @@
     .venv/bin/python examples/tiny/run_demo.py
 
 Makes the tiny Llama and its tokenizer (once), runs the 3-phase schedule with the real CLI
-(a fresh run each time), verifies the checkpoints and exports the result as a Hugging Face model.
+(a fresh run each time), which ends with the trained model as a Hugging Face folder in RUN_DIR/final,
+and verifies the checkpoints.
 """
 
 import os
@@ -25,14 +26,13 @@ def main() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if not (HERE / "model" / "config.json").exists():
         subprocess.run([sys.executable, str(HERE / "make_model.py")], check=True)
-    run, export = HERE / "runs" / "tiny", HERE / "export"
+    run = HERE / "runs" / "tiny"
     shutil.rmtree(run, ignore_errors=True)  # the demo's own output: start it afresh each time
     step("orchestrator", "plan", "schedule.toml")
     step("orchestrator", "run", "schedule.toml")
     step("shard-tools", "verify", str(run))
     step("shard-tools", "inspect", str(run))
-    step("shard-tools", "export", str(run), "--out", str(export), "--force")
-    print(f"\nrun directory: {run}\nHugging Face export: {export}\n"
+    print(f"\nrun directory: {run}\nthe trained model (Hugging Face): {run / 'final'}\n"
           f"look around: orchestrator status {run} | orchestrator report {run}")
 
 

@@ -1,0 +1,30 @@
+"""Weights & Biases reporting from a phase's rank 0 (``run.report_to = ["wandb"]``, the extra
+``relayer[wandb]``). Every phase is a process of its own, so each one resumes the same W&B run,
+named by the run directory; ``WANDB_MODE=offline`` writes it under RUN_DIR/wandb for ``wandb sync``."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+KEYS = ("loss", "eval_loss", "lr", "tokens_per_s", "step_seconds")
+
+
+def run_id(run_dir: Path) -> str:
+    """One W&B run per run directory, the same in every phase process."""
+    return "relayer-" + hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+
+
+class WandbReport:
+    def __init__(self, run_dir: Path, phase: int, config: dict):
+        import wandb
+
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "relayer"), id=run_id(run_dir), resume="allow",
+                              name=Path(run_dir).name, dir=str(run_dir), config=config, job_type=f"phase-{phase}")
+
+    def log(self, record: dict) -> None:
+        self.run.log({k: record[k] for k in KEYS if k in record}, step=record["step"])
+
+    def finish(self) -> None:
+        self.run.finish()

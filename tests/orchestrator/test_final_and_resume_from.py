@@ -1,0 +1,105 @@
+"""A finished run's RUN_DIR/final, ``--resume-from``, the schedule copy of ``--set`` and the lr-history
+refusal, on one real two-phase run (cosine lr, the tiny example's model with its tokenizer)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from shard_tools.manifest import read_manifest
+from tests.conftest import ROOT, cli, make_tokens, schedule_dict, write_schedule
+
+pytestmark = pytest.mark.multiprocess
+SET = ("--set", "optimizer.lr=2e-3")
+
+
+def make_example_model(out: Path) -> Path:
+    spec = importlib.util.spec_from_file_location("make_model", ROOT / "examples" / "tiny" / "make_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make(out)
+
+
+def cosine(tmp: Path, model: Path, data: Path, name: str, phases: list[dict]) -> Path:
+    return write_schedule(tmp / name, schedule_dict(model, data, run={"final_model": True},
+                                                    lr_schedule={"kind": "cosine", "warmup_steps": 1},
+                                                    schedule={"phases": phases}))
+
+
+TWO = [{"steps": 2, "layers": [0]}, {"steps": 2, "layers": [1]}]
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("final")
+    model = make_example_model(tmp / "base")
+    data = make_tokens(tmp / "train.jsonl")
+    sched = cosine(tmp, model, data, "s.toml", TWO)
+    r = cli("orchestrator", "run", str(sched), *SET)
+    assert r.returncode == 0, r.stderr
+    return tmp, model, data, sched, tmp / "run"
+
+
+def events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "journal.jsonl").read_text().splitlines()]
+
+
+def test_final_model_loads_and_generates_without_the_base_model(done):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp, model_dir, _, _, run = done
+    final = run / "final"
+    base_head = AutoModelForCausalLM.from_pretrained(model_dir).lm_head.weight.detach().clone()
+    assert (final / "tokenizer.json").is_file() and (final / "config.json").is_file()
+    assert "final_model_written" in [e["event"] for e in events(run)]
+    for f in final.iterdir():
+        assert str(model_dir) not in f.read_text(errors="replace"), f"{f} names the base model"
+    moved = tmp / "base-moved"
+    model_dir.rename(moved)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(final)
+        tok = AutoTokenizer.from_pretrained(final)
+        ids = tok("The ", return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
+    finally:
+        moved.rename(model_dir)
+    assert out.shape[1] == ids.shape[1] + 5
+    assert not torch.equal(model.lm_head.weight, base_head), "the final model is the base model, untrained"
+
+
+def test_set_is_recorded_in_the_run_copy(done):
+    *_, run = done
+    assert tomllib.loads((run / "schedule.toml").read_text())["optimizer"]["lr"] == 2e-3
+
+
+def test_lr_change_of_steps_taken_is_refused(done):
+    tmp, model, data, _, run = done
+    longer = cosine(tmp, model, data, "longer.toml", TWO + [{"steps": 2, "layers": [0]}])
+    r = cli("orchestrator", "run", str(longer), "--output-dir", str(run), *SET)
+    assert r.returncode == 2, r.stderr
+    assert "lr of step 2, already taken, would change" in r.stderr and "total_steps 4 -> " in r.stderr
+    assert "--force" in r.stderr
+
+
+def test_resume_from_sets_later_checkpoints_aside(done):
+    tmp, model, data, sched, run = done
+    ckpts = run / "checkpoints"
+    before = read_manifest(ckpts / "step-00000004")
+    r = cli("orchestrator", "run", str(sched), *SET, "--resume-from", str(tmp / "elsewhere"))
+    assert r.returncode == 2 and "--resume-from: expected a checkpoint of this run" in r.stderr
+    r = cli("orchestrator", "run", str(sched), *SET, "--resume-from", str(ckpts / "step-00000002"))
+    assert r.returncode == 0, r.stderr
+    aside, = ckpts.glob(".set-aside-*")
+    assert (aside / "step-00000004" / "manifest.json").is_file() and (aside / "final" / "config.json").is_file()
+    e, = [e for e in events(run) if e["event"] == "checkpoints_set_aside"]
+    assert e["checkpoints"] == ["step-00000004"] and e["to"] == str(aside)
+    resumed = [e for e in events(run) if e["event"] == "resumed"][-1]
+    assert resumed["step"] == 2
+    again = read_manifest(ckpts / "step-00000004")
+    assert {n: f.sha256_chunked for n, f in again.files.items()} == {n: f.sha256_chunked for n, f in before.files.items()}
+    assert (run / "final" / "config.json").is_file()
