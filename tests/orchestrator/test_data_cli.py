@@ -122,7 +122,7 @@ def test_token_ids_beyond_the_vocabulary_exit_2(tmp_path, model):
 def test_rows_longer_than_the_positions_exit_2(tmp_path, model):
     r = CliRunner().invoke(main, ["plan", str(sched(tmp_path, model, INSTRUCTIONS, "instruction", seq_len=512))])
     assert r.exit_code == 2, r.output
-    assert "data.seq_len = 512" in r.output and "max_position_embeddings (256" in r.output
+    assert "data.seq_len: expected at most the model's max_position_embeddings = 256, got 512" in r.output
 
 
 @pytest.mark.multiprocess
