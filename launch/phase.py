@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics

@@ -5,7 +5,6 @@ rate makes the second step's loss NaN (the first step's update puts the weights 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
