@@ -44,7 +44,7 @@ def test_manifest_field_of_the_wrong_type(field, command, run_copy, tmp_path):
     assert found == ckpt(run_copy, 20) and field in skipped[0]
 
 
-def test_manifest_step_is_its_directory_s(run_copy):
+def test_manifest_step_matches_its_directory(run_copy):
     _edit(ckpt(run_copy, 30) / MANIFEST, lambda m: m.update(global_step=10 ** 9))
     assert_fails(invoke("verify", run_copy), 1, "global_step 1000000000, but the checkpoint is step-00000030")
 
