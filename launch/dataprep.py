@@ -158,8 +158,7 @@ def _build(data: DataPart, tokenizer: str | None, out: Path) -> None:
     labels, _ = _ragged(enc, "labels")
     stats: dict[str, Any] = {"format": data.format, "pack": data.packs, "seq_len": data.seq_len,
                              "source": str(path), "examples": len(ds), "tokens": int(lengths.sum())}
-    rows = _pack(ids, labels, lengths, data.seq_len, stats) if data.packs else _pad(ids, labels, lengths, data.seq_len, stats)
-    input_ids, row_labels, row_lengths = rows
+    input_ids, row_labels, row_lengths = (_pack if data.packs else _pad)(ids, labels, lengths, data.seq_len, stats)
     if len(input_ids) == 0:
         raise DataError(f"{stats['tokens']} tokens, fewer than one example of data.seq_len = {data.seq_len}",
                         str(path))

@@ -38,7 +38,8 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 
 def load(part: DataPart, tokenizer: Path | str | None, cache: Path) -> torch.Tensor:
     """The prepared rows' input ids, as int64."""
-    return torch.from_numpy(np.array(load_examples(prepare(part, tokenizer and str(tokenizer), cache)).input_ids)).long()
+    examples = load_examples(prepare(part, tokenizer and str(tokenizer), cache))
+    return torch.from_numpy(np.array(examples.input_ids)).long()
 
 
 def text_part(path: Path, seq_len: int) -> DataPart:
