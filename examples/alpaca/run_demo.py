@@ -1,4 +1,4 @@
-"""The Alpaca example end to end on CPU (a few minutes):
+"""The Alpaca example end to end on CPU (12 minutes on 2 cores busy with other jobs; less idle):
 
     .venv/bin/python examples/alpaca/run_demo.py [--steps N]
 
