@@ -610,7 +610,8 @@ class Phase:
             extra={"data_position": self.step * spec.data.batch_size, "persistent": self.persistent,
                    "base_model": {"path": spec.model.path, "config": spec.model.config, "seed": spec.seed,
                                   "dtype": spec.model.dtype},
-                   "layers_attr": self.layers_attr, "lr": lr_at(max(self.step - 1, 0), spec.optimizer)},
+                   "tokenizer": spec.model.tokenizer, "layers_attr": self.layers_attr,
+                   "lr": lr_at(max(self.step - 1, 0), spec.optimizer)},
         )
         prepared, self.prepared = self.prepared, None
         # A phase end is made durable by the orchestrator, after the next phase has its go.

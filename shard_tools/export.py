@@ -31,7 +31,8 @@ from shard_tools.model import DTYPES, ModelSpec, build_base_model
 from shard_tools.verify import trusted_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "generation_config.json")
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
 EXPORT_MARKER = "relayer.json"
 """Written into every export: what it was exported from. ``--force`` replaces only a folder that has one."""
 # Shards of a few GB download and load piece by piece; one file per model would be up to 50 GB.
@@ -106,9 +107,12 @@ def export(source: Path, out: Path, dtype: str | None = None, force: bool = Fals
     tmp = dest.parent / f"{TMP_PREFIX}{dest.name}.{os.getpid()}"
     try:
         model.save_pretrained(tmp, max_shard_size=shard_bytes)
-        for name in TOKENIZER_FILES if base_path else ():
-            if (Path(base_path) / name).is_file():
-                shutil.copy2(Path(base_path) / name, tmp / name)
+        # The run's tokenizer (model.tokenizer, recorded since it may live apart from the base model).
+        tokenizer = manifest.extra.get("tokenizer")
+        tokenizer = tokenizer if isinstance(tokenizer, str) and tokenizer else base_path
+        for name in TOKENIZER_FILES if tokenizer else ():
+            if (Path(tokenizer) / name).is_file():
+                shutil.copy2(Path(tokenizer) / name, tmp / name)
         (tmp / EXPORT_MARKER).write_text(json.dumps({
             "export": "relayer", "run": str(run_dir.resolve()), "checkpoint": str(ckpt.resolve()),
             "global_step": manifest.global_step, "phase": manifest.phase, "dtype": dtype,

@@ -225,3 +225,20 @@ def test_tokenizer_files_are_copied(tied_run, tmp_path):
     for name in copied:
         assert (out / name).read_bytes() == (base / name).read_bytes(), name
     assert AutoTokenizer.from_pretrained(out)("t1 t2")["input_ids"] == [1, 2]
+
+
+def test_the_runs_own_tokenizer_and_chat_template_are_copied(tied_run, tmp_path):
+    run, base = tied_run
+    manifest = json.loads(next((run / "checkpoints").glob("step-*/manifest.json")).read_text())
+    assert manifest["extra"]["tokenizer"] == str(base)  # model.tokenizer, by default model.path
+    # A run whose model.tokenizer is a folder of its own, with a chat template beside it.
+    copy, tok = tmp_path / "run", tmp_path / "tokenizer"
+    shutil.copytree(run, copy)
+    _save_tokenizer(tok)
+    (tok / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    rewrite_manifests(copy, lambda m: m["extra"].update(tokenizer=str(tok)))
+    out = tmp_path / "export"
+    export(copy, out)
+    assert (out / "chat_template.jinja").read_bytes() == (tok / "chat_template.jinja").read_bytes()
+    assert (out / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+    assert AutoTokenizer.from_pretrained(out).chat_template.startswith("{% for m in messages %}")
