@@ -12,6 +12,7 @@ rows ``launch.dataprep.prepare`` wrote once per run; every process maps them (no
 from __future__ import annotations
 
 import json
+import os
 import random
 import struct
 from collections.abc import Iterator
@@ -109,12 +110,27 @@ def micro_batch(examples: Examples, order: SampleOrder, step: int, batch_size: i
 
 
 def rows(examples: Examples, idx: list[int]) -> dict[str, torch.Tensor]:
-    """Rows ``idx`` as a model batch (copies only these rows out of the mapping)."""
-    ids = torch.from_numpy(np.asarray(examples.input_ids[idx], dtype=np.int64))
+    """Rows ``idx`` as a model batch (copies only these rows out of the cache)."""
+    ids = torch.from_numpy(_take(examples.input_ids, idx).astype(np.int64))
     lengths = torch.from_numpy(np.asarray(examples.lengths[idx], dtype=np.int64))
     mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
-    return {"input_ids": ids, "labels": torch.from_numpy(np.asarray(examples.labels[idx], dtype=np.int64)),
+    return {"input_ids": ids, "labels": torch.from_numpy(_take(examples.labels, idx).astype(np.int64)),
             "attention_mask": mask}
+
+
+def _take(a: np.ndarray, idx: list[int]) -> np.ndarray:
+    """Rows ``idx`` of ``a``. Rows of a mapped cache are read with pread, not through the mapping:
+    where the kernel caches files in large folios (ext4 on Linux 6.x), one row read through a
+    mapping maps up to 2 MB of page cache into the process, and the ranks of a run came to hold
+    half of a 213 MB cache each (benchmarks/results/2026-12-01-data-prep-cpu/)."""
+    if not isinstance(a, np.memmap):
+        return np.asarray(a[idx])
+    out = np.empty((len(idx), *a.shape[1:]), dtype=a.dtype)
+    row = out[0].nbytes if len(idx) else 0
+    with open(a.filename, "rb", buffering=0) as f:
+        for k, i in enumerate(idx):
+            out[k] = np.frombuffer(os.pread(f.fileno(), row, a.offset + int(i) * row), dtype=a.dtype).reshape(a.shape[1:])
+    return out
 
 
 def step_targets(examples: Examples, order: SampleOrder, step: int, batch_size: int) -> int:
@@ -130,4 +146,4 @@ def training_rows(examples: Examples, order: SampleOrder, n: int) -> Iterator[tu
     for g in range(min(n, len(examples))):
         i = order[g]
         k = int(examples.lengths[i])
-        yield examples.input_ids[i, :k].tolist(), examples.labels[i, :k].tolist()
+        yield _take(examples.input_ids, [i])[0, :k].tolist(), _take(examples.labels, [i])[0, :k].tolist()
