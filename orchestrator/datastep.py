@@ -63,7 +63,11 @@ def stage_data(loaded: LoadedSchedule) -> Path:
     """Prepares the data of a run not started yet into a temporary cache (removed on failure);
     ``adopt_data`` moves it into the run directory once that exists."""
     parent = next(p for p in loaded.output_dir.parents if p.exists())
-    tmp = Path(tempfile.mkdtemp(prefix=".relayer-data-", dir=parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".relayer-data-", dir=parent))
+    except OSError as e:
+        # The run directory would be made beside it: where this fails, so would the run.
+        raise ScheduleError(f"{loaded.output_dir}: cannot create the run directory: {e.strerror or e}") from None
     try:
         inspect_data(loaded, tmp)
     except BaseException:

@@ -117,9 +117,9 @@ BAD = [
                                                   (t / "m" / "model.safetensors").mkdir()) and t / "m"),
      "model.path: expected the weights in model.safetensors, {m}/model.safetensors is a directory"),
     ("weights-not-safetensors", with_model(corrupt(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")),
-     "model.path: {m}/model.safetensors: not a safetensors file (its header is not JSON)"),
+     "model.path: {m}/model.safetensors: not a readable safetensors file (its header is not JSON)"),
     ("weights-too-short", with_model(corrupt(b"abc")),
-     "model.path: {m}/model.safetensors: not a safetensors file (3 bytes, less than its header length)"),
+     "model.path: {m}/model.safetensors: not a readable safetensors file (3 bytes, less than its header length)"),
     ("weights-truncated", with_model(truncated),
      "model.path: {m}/model.safetensors: truncated: tensor "),
     ("sharded-file-missing", with_model(sharded(SHARD_MAP, {"a.safetensors": SHARDS["a.safetensors"]})),
@@ -187,15 +187,15 @@ BAD = [
      "deepspeed.config.bf16: expected a table (merged into relayer's), got true"),
     # Paths that are loops, folders, FIFOs.
     ("data-path-a-symlink-loop", lambda s, t: s["data"].update(path=loop(t, "d")),
-     "data.path: expected a data file, {tmp}/d is a symlink loop"),
+     "data.path: expected a data file or a datasets.save_to_disk folder, {tmp}/d is a symlink loop"),
     ("data-path-a-fifo", lambda s, t: s["data"].update(path=fifo(t, "d")),
-     "data.path: expected a data file, {tmp}/d is a FIFO"),
+     "data.path: expected a data file or a datasets.save_to_disk folder, {tmp}/d is a FIFO"),
     ("data-path-a-broken-symlink", lambda s, t: (t / "d").symlink_to(t / "nowhere") or s["data"].update(path="d"),
-     "data.path: expected a data file, {tmp}/nowhere does not exist"),
+     "data.path: expected a data file or a datasets.save_to_disk folder, {tmp}/nowhere does not exist"),
     ("validation-path-a-directory", lambda s, t: s["data"].update(validation_path="."),
-     "data.validation_path: expected a data file, {tmp} is a directory"),
+     "data.validation_path: expected a data file or a datasets.save_to_disk folder, {tmp} is a directory"),
     ("validation-path-a-symlink-loop", lambda s, t: s["data"].update(validation_path=loop(t, "v")),
-     "data.validation_path: expected a data file, {tmp}/v is a symlink loop"),
+     "data.validation_path: expected a data file or a datasets.save_to_disk folder, {tmp}/v is a symlink loop"),
     ("hostfile-a-directory", setting("launch", launcher="deepspeed", nnodes=2, hostfile="."),
      "launch.hostfile: expected a hostfile, {tmp} is a directory"),
     ("hostfile-a-symlink-loop", lambda s, t: s["launch"].update(launcher="deepspeed", nnodes=2, hostfile=loop(t, "h")),
@@ -210,7 +210,7 @@ def test_bad_input_exits_2_naming_the_key_and_writes_nothing(command, edit, mess
     before = sorted(tmp_path.rglob("*"))
     r = invoke(command, str(sched))
     assert r.exit_code == 2, (r.output, r.exception)
-    expected = expand(message, tmp_path).replace("{m}", str(tmp_path.resolve() / "m")).replace("{model}",
+    expected = expand(message, tmp_path, tiny_model).replace("{m}", str(tmp_path.resolve() / "m")).replace("{model}",
                                                                                                str(tiny_model))
     assert r.stderr.startswith(f"orchestrator: {sched.resolve()}: {expected}"), r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.output
