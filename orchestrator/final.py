@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-FINAL = "final"
+from shard_tools.manifest import FINAL
+
 EXPORTER = "from shard_tools.cli import main; main(prog_name='shard-tools')"
 
 

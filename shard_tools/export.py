@@ -24,7 +24,7 @@ from torch import nn
 from shard_tools.checkpoint import run_weights
 from shard_tools.files import read_regular, regular_fault
 from shard_tools.manifest import (
-    CHECKPOINTS, JOURNAL, MANIFEST, TMP_PREFIX, CheckpointError, InputError, Manifest, list_checkpoints, path_kind,
+    CHECKPOINTS, FINAL, JOURNAL, MANIFEST, TMP_PREFIX, CheckpointError, InputError, Manifest, list_checkpoints, path_kind,
     step_of,
 )
 from shard_tools.model import DTYPES, ModelSpec, build_base_model
@@ -93,14 +93,18 @@ def export(source: Path, out: Path, dtype: str | None = None, force: bool = Fals
         raise InputError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     shard_bytes = parse_size(MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
     dest = check_out(out, force)
-    guard(out, dest, _source_paths(Path(source)))
+    # A run's own final/ is the one place inside a run an export may go (what a completed run writes).
+    own_final = path_kind(Path(source)) == "run" and dest == real_path(Path(source)) / FINAL
+    if not own_final:
+        guard(out, dest, _source_paths(Path(source)))
     run_dir, ckpt, manifest = trusted_checkpoint(source)
     dtype = dtype or manifest.dtype
     if dtype not in DTYPES:
         raise CheckpointError(f"{ckpt / MANIFEST}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     base_path = base_spec(ckpt, manifest).path
     if base_path is not None:
-        guard(out, dest, {real_path(Path(base_path)): f"the base model folder that {ckpt.name} names"})
+        guard(out, dest, {real_path(Path(base_path)): f"the base model folder that {ckpt.name} names"},
+              inside_runs=not own_final)
     model = compose(run_dir, ckpt, manifest).to(DTYPES[dtype])
     _check_tied(model)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -206,9 +210,9 @@ def _source_paths(source: Path) -> dict[Path, str]:
     return paths
 
 
-def guard(out: Path, dest: Path, keep: dict[Path, str]) -> None:
-    """InputError when ``dest`` (the real ``--out``) is, holds or lies inside a path of ``keep``, or lies
-    inside any run directory or checkpoint."""
+def guard(out: Path, dest: Path, keep: dict[Path, str], *, inside_runs: bool = True) -> None:
+    """InputError when ``dest`` (the real ``--out``) is, holds or lies inside a path of ``keep``, or (with
+    ``inside_runs``) lies inside any run directory or checkpoint."""
     for path, what in keep.items():
         if dest == path:
             raise InputError(f"--out {out}: is {what} ({path}); an export replaces its --out")
@@ -216,7 +220,7 @@ def guard(out: Path, dest: Path, keep: dict[Path, str]) -> None:
             raise InputError(f"--out {out}: holds {what} ({path}); an export replaces its --out")
         if path in dest.parents:
             raise InputError(f"--out {out}: lies inside {what} ({path}); exports go outside it")
-    for folder in (dest, *dest.parents):
+    for folder in (dest, *dest.parents) if inside_runs else ():
         if what := _run_or_checkpoint(folder):
             raise InputError(f"--out {out}: {'is' if folder == dest else 'lies inside'} {what} ({folder}); "
                              f"exports go outside runs and checkpoints")

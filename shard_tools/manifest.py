@@ -23,6 +23,8 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
 JOURNAL = "journal.jsonl"
+FINAL = "final"
+"""RUN_DIR/final: the finished run's model, the one export that lives inside its run."""
 TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _MAX_MANIFEST = 16 << 20  # a manifest lists a few files; anything near this is not one

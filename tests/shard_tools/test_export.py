@@ -242,3 +242,15 @@ def test_the_runs_own_tokenizer_and_chat_template_are_copied(tied_run, tmp_path)
     assert (out / "chat_template.jinja").read_bytes() == (tok / "chat_template.jinja").read_bytes()
     assert (out / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
     assert AutoTokenizer.from_pretrained(out).chat_template.startswith("{% for m in messages %}")
+
+
+def test_a_runs_own_final_folder_is_the_one_export_inside_it(tied_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(tied_run[0], run)
+    assert invoke("export", run, "--out", run / "final").exit_code == 0
+    assert invoke("export", run, "--out", run / "final", "--force").exit_code == 0  # what a resumed run does
+    assert json.loads((run / "final" / "relayer.json").read_text())["global_step"] == 6
+    ckpt = sorted((run / "checkpoints").glob("step-*"))[0]
+    for source, out in ((run, run / "finals"), (ckpt, run / "final"), (run, run / "final" / "x")):
+        r = invoke("export", source, "--out", out, "--force")
+        assert r.exit_code == 2 and "exports go outside" in r.output, (source, out, r.output)
