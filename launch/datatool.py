@@ -3,7 +3,7 @@ datasets or transformers): prepares the training (and validation) data into a ca
 against the model and prints what the run will see as one JSON object on stdout.
 
     echo '{"data": {...DataPart...}, "tokenizer": "model", "cache_root": "RUN/data-cache",
-           "seed": 0, "vocab_size": 384, "max_positions": 256, "show": 2}' | python -m launch.datatool
+           "seed": 0, "vocab_size": 384, "show": 2}' | python -m launch.datatool
 
 Output: ``{"stats": read_stats(...), "validation": stats or null, "rows": [{"text", "target",
 "input_ids", "target_ids"}, ...]}`` (``rows``: the first ``show`` training rows in the run's order;
@@ -32,12 +32,12 @@ def inspect(req: dict[str, Any]) -> dict[str, Any]:
     if data.format != "tokens":
         _check_tokenizer(data, tokenizer)
     cache = prepare(data, tokenizer, root)
-    check(data, cache, req.get("vocab_size"), req.get("max_positions"))
+    check(data, cache, req.get("vocab_size"))
     out: dict[str, Any] = {"stats": read_stats(cache), "validation": None, "rows": []}
     if data.validation_path:
         val = data.model_copy(update={"path": data.validation_path})
         val_cache = prepare(val, tokenizer, root)
-        check(val, val_cache, req.get("vocab_size"), req.get("max_positions"))
+        check(val, val_cache, req.get("vocab_size"))
         out["validation"] = read_stats(val_cache)
     if req.get("show"):
         examples = load_examples(cache)
@@ -51,16 +51,14 @@ def inspect(req: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def check(data: DataPart, cache: Path, vocab_size: int | None, max_positions: int | None) -> None:
-    """Rows that the model can take: ``seq_len`` within its positions, every token id and target
-    below its vocabulary size (the first offending record named where rows are records)."""
+def check(data: DataPart, cache: Path, vocab_size: int | None) -> None:
+    """Rows that the model can take: every token id and target below its vocabulary size (the first
+    offending record named where rows are records). ``seq_len`` against the model's positions is
+    the schedule's check (``orchestrator.schedule``), made before this runs."""
     import numpy as np
 
     from launch.data import load_examples
 
-    if max_positions and data.seq_len > max_positions:
-        raise DataError(f"data.seq_len = {data.seq_len}: rows longer than the model's max_position_embeddings "
-                        f"({max_positions}, config.json)")
     if not vocab_size:
         return
     ex = load_examples(cache)

@@ -41,8 +41,7 @@ def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0) -> dic
     config = _read_model_config(s.model, loaded.model_path, loaded.source)
     tok = tokenizer_of(s.model, loaded.source.parent)
     req = {"data": data_spec(loaded), "tokenizer": str(tok) if tok else None, "cache_root": str(cache_root),
-           "seed": s.run.seed, "show": show, "vocab_size": config.get("vocab_size"),
-           "max_positions": config.get("max_position_embeddings") or config.get("n_positions")}
+           "seed": s.run.seed, "show": show, "vocab_size": config.get("vocab_size")}
     proc = subprocess.run([sys.executable, "-m", "launch.datatool"], input=json.dumps(req), capture_output=True,
                           text=True)
     if proc.returncode == 2:
