@@ -30,7 +30,7 @@ from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.data import SampleOrder, load_examples, micro_batch, prepare, rows, step_targets
 from launch.lr import lr_at
 from launch.scaler import restore_scaler, scaler_tensors
-from launch.spec import PhaseSpec
+from launch.spec import DATA_CACHE, PhaseSpec
 from launch.staging import Staging
 from shard_tools.checkpoint import (
     BODY_OPTIM, HEAD, LAYERS, OPTIM_KEYS, STATE, PreparedFiles, flatten_optim_state, last_write_timing, layer_weights,
@@ -193,7 +193,7 @@ class Phase:
         self.trained: dict[str, torch.Tensor] = {}
         self._stage("preparing data")
         # Prepared by the orchestrator before the first phase, or here by the first process (once).
-        cache = self.run_dir / "data-cache"
+        cache = self.run_dir / DATA_CACHE
         self.examples = load_examples(prepare(spec.data, m.tokenizer, cache))
         self.validation = (load_examples(prepare(spec.data.model_copy(update={"path": spec.data.validation_path}),
                                                  m.tokenizer, cache)) if spec.data.validation_path else None)

@@ -14,6 +14,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 
+DATA_CACHE = "data-cache"
+"""RUN_DIR/data-cache: the prepared data, made by the orchestrator's data step (or the first phase
+process that finds it missing) and read by every phase process."""
+
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -17,12 +17,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from launch.spec import DATA_CACHE
 from orchestrator.errors import RelayerError, ScheduleError
 from orchestrator.schedule import LoadedSchedule, _read_model_config, chat_template_of, tokenizer_of
-
-DATA_CACHE = "data-cache"
-"""Under the run directory; launch/phase.py prepares (finds) the data there too."""
-
 
 def data_spec(loaded: LoadedSchedule) -> dict[str, Any]:
     """The phase spec's data part (launch/spec.py DataPart): what keys the cache."""
