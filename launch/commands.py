@@ -12,7 +12,7 @@ import re
 import sys
 from collections.abc import Mapping
 
-from launch.spec import PhaseSpec
+from launch.contract import PhaseSpec
 
 WORKER = ["-m", "launch.worker"]
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from launch.spec import DataPart, is_template_path
+from launch.contract import DataPart, is_template_path
 
 CACHE_VERSION = 1
 """Part of every cache key: bump it when the rows prepared from the same input change."""

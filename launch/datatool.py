@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.dataprep import IGNORE, TOKENIZER_FILES, DataError, _where, load_tokenizer, prepare, read_stats
-from launch.spec import DataPart
+from launch.contract import DataPart
 
 
 def inspect(req: dict[str, Any]) -> dict[str, Any]:

@@ -28,9 +28,8 @@ from torch import nn
 from launch import procs, zero_state
 from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.data import SampleOrder, load_examples, micro_batch, prepare, rows, step_targets
-from launch.lr import lr_at
 from launch.scaler import restore_scaler, scaler_tensors
-from launch.spec import DATA_CACHE, PhaseSpec
+from launch.contract import DATA_CACHE, PhaseSpec, lr_at
 from launch.staging import Staging
 from shard_tools.checkpoint import (
     BODY_OPTIM, HEAD, LAYERS, OPTIM_KEYS, STATE, PreparedFiles, flatten_optim_state, last_write_timing, layer_weights,

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 
 from launch import procs
-from launch.spec import PhaseSpec
+from launch.contract import PhaseSpec
 
 REQUEST = 4096  # one request; PIPE_BUF, so a write arrives whole
 ERROR_FILE = "zygote.error"  # RUN_DIR/zygote.error: why this process failed

@@ -17,12 +17,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from launch.spec import DATA_CACHE
+from launch.contract import DATA_CACHE
 from orchestrator.errors import RelayerError, ScheduleError
 from orchestrator.schedule import LoadedSchedule, _read_model_config, chat_template_of, tokenizer_of
 
 def data_spec(loaded: LoadedSchedule) -> dict[str, Any]:
-    """The phase spec's data part (launch/spec.py DataPart): what keys the cache."""
+    """The phase spec's data part (launch/contract.py DataPart): what keys the cache."""
     d, base = loaded.schedule.data, loaded.source.parent
     return {"path": str(loaded.data_path), "format": d.format, "seq_len": d.seq_len, "pack": d.pack,
             "train_on_prompt": d.train_on_prompt, "fields": d.fields, "chat_template": chat_template_of(d, base),

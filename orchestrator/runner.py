@@ -18,7 +18,7 @@ from typing import Callable
 
 import psutil
 
-from launch.lr import lr_at
+from launch.contract import lr_at
 
 from orchestrator import devmem, final, procs
 from orchestrator.datastep import adopt_data, data_spec, stage_data

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from launch.spec import FIELDS, is_template_path
+from launch.contract import FIELDS, is_template_path
 from orchestrator.errors import ScheduleError
 from shard_tools.inspect import tensor_headers
 from shard_tools.manifest import CheckpointError

@@ -1,13 +1,16 @@
-"""The phase spec: the one JSON file through which the orchestrator tells a phase what to do.
+"""The contract between the control plane (``orchestrator/``) and the worker (``launch/``).
 
-It is the whole contract between the control plane and the data plane (neither imports the other):
-the orchestrator writes it, every process of the phase reads it. Unknown keys are errors so that
-drift between the two sides fails loudly.
+Torch-free: the orchestrator imports this module and nothing else of ``launch/``. It holds the
+phase spec (the one JSON file through which the orchestrator tells a phase what to do; unknown keys
+are errors, so drift between the two sides fails loudly), the learning rate of a step (both sides
+must agree on it), the names of the files a phase leaves in its directory, and the channels'
+framing.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -125,3 +128,16 @@ class PhaseSpec(_Spec):
     @classmethod
     def read(cls, path: str | Path) -> PhaseSpec:
         return cls.model_validate(json.loads(Path(path).read_text()))
+
+
+def lr_at(step: int, opt) -> float:
+    """``opt``: lr, lr_kind, warmup_steps, total_steps (the phase spec's optimizer part)."""
+    if opt.warmup_steps and step < opt.warmup_steps:
+        return opt.lr * (step + 1) / opt.warmup_steps
+    if opt.lr_kind == "constant":
+        return opt.lr
+    span = max(1, opt.total_steps - opt.warmup_steps)
+    frac = min(1.0, (step - opt.warmup_steps) / span)
+    if opt.lr_kind == "linear":
+        return opt.lr * (1.0 - frac)
+    return opt.lr * 0.5 * (1.0 + math.cos(math.pi * frac))

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from launch.phase import lr_at
-from launch.spec import OptimizerPart
+from launch.contract import OptimizerPart
 
 
 def opt(kind: str, warmup: int = 0) -> OptimizerPart:
