@@ -23,7 +23,8 @@ from typing import Callable
 
 from orchestrator import procs
 from orchestrator.schedule import LaunchSection, Phase
-from shard_tools.manifest import remove_temporaries_of, write_text_atomic
+from shard_tools.files import write_atomic
+from shard_tools.manifest import remove_temporaries_of
 
 GO_FIFO = "go"
 GO_RECORD = 1024
@@ -145,7 +146,7 @@ class PhaseProcesses:
             spec.update(prewarm=True, restore=None, go_fifo=str(fifo),
                         preload=str(work.restore) if work.restore else None)
         spec_path = phase_dir / "spec.json"
-        write_text_atomic(spec_path, json.dumps(spec, indent=1))
+        write_atomic(spec_path, json.dumps(spec, indent=1))
         log_path = phase_dir / "worker.log"
         zygote = self.fork_server(spec_path)
         if zygote is not None:

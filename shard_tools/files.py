@@ -76,3 +76,36 @@ def read_regular(path: Path, limit: int, follow_symlinks: bool = True) -> bytes:
             return f.read(limit + 1)[:limit]
     finally:
         os.close(fd)
+
+
+TMP_PREFIX = ".tmp-"
+"""What a temporary that a writer renames into place starts with; readers skip such names."""
+
+
+def fsync_path(path: Path) -> None:
+    """fsync of a file, or of a directory (which makes the names in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: str | bytes, mode: int = 0o640, durable: bool = True) -> None:
+    """Writes ``data`` to a sibling temporary and renames it over ``path``: readers see the old file
+    or the new one, never a torn one. ``durable`` fsyncs the file and its folder, so the new file
+    survives a power cut; records that only live processes read skip that cost."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_path(path.parent)

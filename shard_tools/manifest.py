@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from shard_tools.digest import digest_fd
-from shard_tools.files import describe, open_regular, read_regular
+from shard_tools.files import TMP_PREFIX, describe, fsync_path, open_regular, read_regular
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -25,7 +25,6 @@ CHECKPOINTS = "checkpoints"
 JOURNAL = "journal.jsonl"
 FINAL = "final"
 """RUN_DIR/final: the finished run's model, the one export that lives inside its run."""
-TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _MAX_MANIFEST = 16 << 20  # a manifest lists a few files; anything near this is not one
 
@@ -295,37 +294,12 @@ def needed_by(run_dir: Path, kept: list[Path]) -> set[Path]:
     return need
 
 
-def fsync_path(path: Path) -> None:
-    """fsync of a file, or of a directory (which makes the names in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def make_durable(ckpt: Path) -> None:
     """fsyncs a checkpoint written with ``durable=False``: its files, its directory, its parent."""
     for f in ckpt.iterdir():
         fsync_path(f)
     fsync_path(ckpt)
     fsync_path(ckpt.parent)
-
-
-def write_text_atomic(path: Path, text: str, mode: int = 0o640) -> None:
-    """Writes to a sibling temporary, fsyncs and renames: readers see the old file or the new one."""
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_path(path.parent)
 
 
 class InputError(Exception):
