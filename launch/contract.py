@@ -17,9 +17,9 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, NamedTuple
+from typing import Any, Callable, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
 from shard_tools.files import write_atomic
 
@@ -166,15 +166,26 @@ def rank_name(rank: int) -> str:
     return f"{RANK}{rank}"
 
 
-class PidRecord(NamedTuple):
-    pid: int
+class _Record(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True)
+
+
+_R = TypeVar("_R", bound=_Record)
+
+
+class PidRecord(_Record):
+    """pids/NAME.json."""
+
+    pid: PositiveInt
     create_time: float
     """The process's start time: with the pid, a process that no pid reuse can impersonate."""
 
 
-class ExitRecord(NamedTuple):
+class ExitRecord(_Record):
+    """exit/rank-N.json."""
+
     rc: int
-    time: float
+    time: float = 0.0
     """When the fork server reaped the rank."""
 
 
@@ -183,26 +194,17 @@ class RunDir:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.zygote_fifo = self.path / "zygote.fifo"
+        """The fork server's requests (``FORK_REQUESTS``)."""
+        self.zygote_log = self.path / "zygote.log"
+        self.zygote_error = self.path / "zygote.error"
+        """Why the fork server failed (``write_reason``)."""
 
     def phase(self, index: int) -> PhaseDir:
         return PhaseDir(self.path / PHASES / f"phase-{index:04d}")
 
     def phase_dirs(self) -> list[PhaseDir]:
         return [PhaseDir(p) for p in sorted((self.path / PHASES).glob("phase-*"))]
-
-    @property
-    def zygote_fifo(self) -> Path:
-        """The fork server's requests (``FORK_REQUESTS``)."""
-        return self.path / "zygote.fifo"
-
-    @property
-    def zygote_log(self) -> Path:
-        return self.path / "zygote.log"
-
-    @property
-    def zygote_error(self) -> Path:
-        """Why the fork server failed (``write_reason``)."""
-        return self.path / "zygote.error"
 
 
 class PhaseDir:
@@ -215,44 +217,20 @@ class PhaseDir:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-
-    @property
-    def spec(self) -> Path:
+        self.spec = self.path / "spec.json"
         """The ``PhaseSpec``, written by the orchestrator before the phase's processes start."""
-        return self.path / "spec.json"
-
-    @property
-    def log(self) -> Path:
+        self.log = self.path / "worker.log"
         """Every process of the phase logs here (stdout and stderr)."""
-        return self.path / "worker.log"
-
-    @property
-    def go(self) -> Path:
+        self.go = self.path / "go"
         """A pre-warmed phase's go channel (``GO``), a FIFO."""
-        return self.path / "go"
-
-    @property
-    def records(self) -> Path:
+        self.records = self.path / "records.json"
         """Rank 0's timings and measurements, written once at its end."""
-        return self.path / "records.json"
-
-    @property
-    def stages(self) -> Path:
+        self.stages = self.path / "stages.jsonl"
         """What rank 0 is doing before its first step, one JSON object a line, for the display."""
-        return self.path / "stages.jsonl"
-
-    @property
-    def pids(self) -> Path:
-        return self.path / "pids"
-
-    @property
-    def exits(self) -> Path:
+        self.pids = self.path / "pids"
+        self.exits = self.path / "exit"
         """Forked ranks' exit codes, written by the fork server that reaped them."""
-        return self.path / "exit"
-
-    @property
-    def errors(self) -> Path:
-        return self.path / "errors"
+        self.errors = self.path / "errors"
 
     def clear(self) -> None:
         """Removes what an earlier attempt at the phase left, before a new one starts."""
@@ -264,29 +242,22 @@ class PhaseDir:
     def record_pid(self, name: str, pid: int, create_time: float) -> None:
         """pids/NAME.json, so that the orchestrator can find the process (and reap it)."""
         self.pids.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.pids / f"{name}.json", json.dumps({"pid": pid, "create_time": create_time}), durable=False)
+        record = PidRecord(pid=pid, create_time=create_time)
+        write_atomic(self.pids / f"{name}.json", record.model_dump_json(), durable=False)
 
     def pid_records(self, prefix: str = "") -> list[PidRecord]:
         """The readable pid files whose names start with ``prefix``, in name order."""
-        out = []
-        for f in sorted(self.pids.glob(f"{prefix}*.json")):
-            rec = _read_json(f)
-            if (rec is not None and _is_int(rec.get("pid")) and rec["pid"] > 0
-                    and isinstance(rec.get("create_time"), int | float) and not isinstance(rec["create_time"], bool)):
-                out.append(PidRecord(rec["pid"], float(rec["create_time"])))
-        return out
+        records = (_read(PidRecord, f) for f in sorted(self.pids.glob(f"{prefix}*.json")))
+        return [r for r in records if r is not None]
 
     def write_exit(self, rank: int, rc: int, at: float) -> None:
         self.exits.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.exits / f"{rank_name(rank)}.json", json.dumps({"rc": rc, "time": at}), durable=False)
+        write_atomic(self.exits / f"{rank_name(rank)}.json", ExitRecord(rc=rc, time=at).model_dump_json(),
+                     durable=False)
 
     def read_exit(self, rank: int) -> ExitRecord | None:
         """How a forked rank ended; None until the fork server has reaped it."""
-        rec = _read_json(self.exits / f"{rank_name(rank)}.json")
-        if rec is None or not _is_int(rec.get("rc")):
-            return None
-        at = rec.get("time", 0.0)
-        return ExitRecord(rec["rc"], float(at) if isinstance(at, int | float) and not isinstance(at, bool) else 0.0)
+        return _read(ExitRecord, self.exits / f"{rank_name(rank)}.json")
 
     def write_error(self, rank: int, error: BaseException) -> None:
         """errors/rank-N.txt: the reason a rank failed, where the orchestrator looks for it."""
@@ -301,7 +272,11 @@ class PhaseDir:
 
     def read_records(self) -> dict[str, Any]:
         """The records, or {} where the phase wrote none (it failed, or was killed first)."""
-        return _read_json(self.records) or {}
+        try:
+            records = json.loads(self.records.read_bytes())
+        except (OSError, ValueError):
+            return {}
+        return records if isinstance(records, dict) else {}
 
     def append_stage(self, name: str) -> None:
         with open(self.stages, "a") as f:
@@ -327,17 +302,12 @@ def read_reasons(paths: list[Path]) -> list[str]:
     return reasons
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON object from a file, or None: missing, unreadable, torn, or not an object."""
+def _read(kind: type[_R], path: Path) -> _R | None:
+    """The record in ``path``, or None: missing, unreadable, torn, or not one."""
     try:
-        value = json.loads(path.read_bytes())
-    except (OSError, ValueError):
+        return kind.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError):
         return None
-    return value if isinstance(value, dict) else None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # -- the channels -----------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def test_pid_records_skip_what_is_not_one(tmp_path):
     d.pids.joinpath("rank-2.json").write_text('{"pid": 13, "create')  # a writer killed mid-write
     d.pids.joinpath("rank-3.json").write_text('{"pid": "14", "create_time": 1.0}')
     d.pids.joinpath("rank-4.json").write_text('{"pid": 0, "create_time": 1.0}')
-    assert d.pid_records(RANK) == [PidRecord(11, 100.0), PidRecord(12, 100.5)]
+    assert d.pid_records(RANK) == [PidRecord(pid=11, create_time=100.0), PidRecord(pid=12, create_time=100.5)]
     assert {r.pid for r in d.pid_records()} == {10, 11, 12}
     assert PhaseDir(tmp_path / "none").pid_records() == []
 
@@ -82,7 +82,7 @@ def test_exit_records(tmp_path):
     d = PhaseDir(tmp_path)
     assert d.read_exit(0) is None
     d.write_exit(0, -9, 123.25)
-    assert d.read_exit(0) == ExitRecord(-9, 123.25)
+    assert d.read_exit(0) == ExitRecord(rc=-9, time=123.25)
     d.exits.joinpath("rank-1.json").write_text('{"rc": 0, "ti')
     d.exits.joinpath("rank-2.json").write_text('{"time": 1.0}')
     assert d.read_exit(1) is None and d.read_exit(2) is None
