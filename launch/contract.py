@@ -3,18 +3,25 @@
 Torch-free: the orchestrator imports this module and nothing else of ``launch/``. It holds the
 phase spec (the one JSON file through which the orchestrator tells a phase what to do; unknown keys
 are errors, so drift between the two sides fails loudly), the learning rate of a step (both sides
-must agree on it), the names of the files a phase leaves in its directory, and the channels'
-framing.
+must agree on it), the run and phase directories' files that both sides use with their readers
+and writers, and the channels' framing.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import select
+import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
+
+from shard_tools.files import write_atomic
 
 
 DATA_CACHE = "data-cache"
@@ -129,6 +136,11 @@ class PhaseSpec(_Spec):
     def read(cls, path: str | Path) -> PhaseSpec:
         return cls.model_validate(json.loads(Path(path).read_text()))
 
+    def changed(self, **update: Any) -> PhaseSpec:
+        """``model_copy(update=...)``, validated: model_copy takes any value unchecked and drops an
+        unknown key silently, so a change the worker would refuse is caught here instead."""
+        return self.model_validate(self.model_dump() | update)
+
 
 def lr_at(step: int, opt) -> float:
     """``opt``: lr, lr_kind, warmup_steps, total_steps (the phase spec's optimizer part)."""
@@ -141,3 +153,211 @@ def lr_at(step: int, opt) -> float:
     if opt.lr_kind == "linear":
         return opt.lr * (1.0 - frac)
     return opt.lr * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+# -- the run and phase directories ------------------------------------------------------------
+PHASES = "phases"
+RANK = "rank-"
+"""What the pid, exit and error files of a rank start with (``rank-N``); a launcher records its
+pid as ``launcher``."""
+
+
+def rank_name(rank: int) -> str:
+    return f"{RANK}{rank}"
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True)
+
+
+_R = TypeVar("_R", bound=_Record)
+
+
+class PidRecord(_Record):
+    """pids/NAME.json."""
+
+    pid: PositiveInt
+    create_time: float
+    """The process's start time: with the pid, a process that no pid reuse can impersonate."""
+
+
+class ExitRecord(_Record):
+    """exit/rank-N.json."""
+
+    rc: int
+    time: float = 0.0
+    """When the fork server reaped the rank."""
+
+
+class RunDir:
+    """RUN_DIR's files that the orchestrator and the phase processes both use."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.zygote_fifo = self.path / "zygote.fifo"
+        """The fork server's requests (``FORK_REQUESTS``)."""
+        self.zygote_log = self.path / "zygote.log"
+        self.zygote_error = self.path / "zygote.error"
+        """Why the fork server failed (``write_reason``)."""
+
+    def phase(self, index: int) -> PhaseDir:
+        return PhaseDir(self.path / PHASES / f"phase-{index:04d}")
+
+    def phase_dirs(self) -> list[PhaseDir]:
+        return [PhaseDir(p) for p in sorted((self.path / PHASES).glob("phase-*"))]
+
+
+class PhaseDir:
+    """RUN_DIR/phases/phase-NNNN: what one phase's processes and the orchestrator leave each other.
+
+    Every file here is written whole (renamed into place) or appended by lines, and every reader
+    takes a missing or unreadable file as "not there yet": the writer may still be starting, or
+    may have been killed.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.spec = self.path / "spec.json"
+        """The ``PhaseSpec``, written by the orchestrator before the phase's processes start."""
+        self.log = self.path / "worker.log"
+        """Every process of the phase logs here (stdout and stderr)."""
+        self.go = self.path / "go"
+        """A pre-warmed phase's go channel (``GO``), a FIFO."""
+        self.records = self.path / "records.json"
+        """Rank 0's timings and measurements, written once at its end."""
+        self.stages = self.path / "stages.jsonl"
+        """What rank 0 is doing before its first step, one JSON object a line, for the display."""
+        self.pids = self.path / "pids"
+        self.exits = self.path / "exit"
+        """Forked ranks' exit codes, written by the fork server that reaped them."""
+        self.errors = self.path / "errors"
+
+    def clear(self) -> None:
+        """Removes what an earlier attempt at the phase left, before a new one starts."""
+        for stale in (self.pids, self.errors, self.exits):
+            shutil.rmtree(stale, ignore_errors=True)
+        self.records.unlink(missing_ok=True)
+        self.stages.unlink(missing_ok=True)
+
+    def record_pid(self, name: str, pid: int, create_time: float) -> None:
+        """pids/NAME.json, so that the orchestrator can find the process (and reap it)."""
+        self.pids.mkdir(parents=True, exist_ok=True)
+        record = PidRecord(pid=pid, create_time=create_time)
+        write_atomic(self.pids / f"{name}.json", record.model_dump_json(), durable=False)
+
+    def pid_records(self, prefix: str = "") -> list[PidRecord]:
+        """The readable pid files whose names start with ``prefix``, in name order."""
+        records = (_read(PidRecord, f) for f in sorted(self.pids.glob(f"{prefix}*.json")))
+        return [r for r in records if r is not None]
+
+    def write_exit(self, rank: int, rc: int, at: float) -> None:
+        self.exits.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.exits / f"{rank_name(rank)}.json", ExitRecord(rc=rc, time=at).model_dump_json(),
+                     durable=False)
+
+    def read_exit(self, rank: int) -> ExitRecord | None:
+        """How a forked rank ended; None until the fork server has reaped it."""
+        return _read(ExitRecord, self.exits / f"{rank_name(rank)}.json")
+
+    def write_error(self, rank: int, error: BaseException) -> None:
+        """errors/rank-N.txt: the reason a rank failed, where the orchestrator looks for it."""
+        write_reason(self.errors / f"{rank_name(rank)}.txt", error)
+
+    def error_reasons(self) -> list[str]:
+        return read_reasons(sorted(self.errors.glob(f"{RANK}*.txt")))
+
+    def write_records(self, records: dict[str, Any]) -> None:
+        # Read by the orchestrator while it runs only: a power cut loses it with the phase anyway.
+        write_atomic(self.records, json.dumps(records, indent=1), durable=False)
+
+    def read_records(self) -> dict[str, Any]:
+        """The records, or {} where the phase wrote none (it failed, or was killed first)."""
+        try:
+            records = json.loads(self.records.read_bytes())
+        except (OSError, ValueError):
+            return {}
+        return records if isinstance(records, dict) else {}
+
+    def append_stage(self, name: str) -> None:
+        with open(self.stages, "a") as f:
+            f.write(json.dumps({"time": time.time(), "stage": name}) + "\n")
+
+
+def write_reason(path: Path, error: BaseException) -> None:
+    """One line naming the error, for the orchestrator to name in the failure it reports."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, f"{type(error).__name__}: {error}\n", durable=False)
+
+
+def read_reasons(paths: list[Path]) -> list[str]:
+    """The distinct reasons in errors files (one per rank that failed; ranks often agree)."""
+    reasons: list[str] = []
+    for path in paths:
+        try:
+            text = path.read_text(errors="replace").strip()
+        except OSError:
+            continue
+        if text and text not in reasons:
+            reasons.append(text)
+    return reasons
+
+
+def _read(kind: type[_R], path: Path) -> _R | None:
+    """The record in ``path``, or None: missing, unreadable, torn, or not one."""
+    try:
+        return kind.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError):
+        return None
+
+
+# -- the channels -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Channel:
+    """Fixed-size records on a FIFO: a JSON object padded with spaces to ``size`` bytes. ``size``
+    is at most PIPE_BUF, so each write reaches one reader whole, even with many readers on one
+    FIFO (the ranks of a pre-warmed phase)."""
+
+    size: int
+    keys: frozenset[str]
+
+    def encode(self, **record: Any) -> bytes:
+        if set(record) != self.keys:
+            raise ValueError(f"a record of keys {sorted(record)}, expected {sorted(self.keys)}")
+        data = json.dumps(record).encode()
+        if len(data) > self.size:
+            raise ValueError(f"a record of {len(data)} bytes does not fit the channel's {self.size}: {data[:80]!r}...")
+        return data.ljust(self.size)
+
+    def decode(self, data: bytes) -> dict[str, Any]:
+        if len(data) != self.size:
+            raise ValueError(f"a record of {len(data)} bytes, expected {self.size}")
+        record = json.loads(data)
+        if not isinstance(record, dict) or set(record) != self.keys:
+            raise ValueError(f"not a record of keys {sorted(self.keys)}: {data.rstrip()[:80]!r}")
+        return record
+
+    def read(self, fd: int, idle: Callable[[], None] | None = None, interval: float = 0.005) -> dict[str, Any] | None:
+        """The next record from ``fd``; None at EOF (every writer gone) before a whole one.
+
+        With ``idle`` (``fd`` is then non-blocking) it is called every ``interval`` seconds while
+        nothing is there; a record that another reader took first is waited past."""
+        data = b""
+        while len(data) < self.size:
+            if idle is not None and not select.select([fd], [], [], interval)[0]:
+                idle()
+                continue
+            try:
+                chunk = os.read(fd, self.size - len(data))
+            except BlockingIOError:  # another reader took the record that woke this one
+                continue
+            if not chunk:
+                return None
+            data += chunk
+        return self.decode(data)
+
+
+GO = Channel(1024, frozenset({"restore"}))
+"""phase-NNNN/go: a pre-warmed phase's checkpoint to restore (or None: the base model), one record
+per rank, written once its predecessor's processes are gone."""
+FORK_REQUESTS = Channel(4096, frozenset({"spec", "nproc"}))
+"""RUN_DIR/zygote.fifo: fork the ranks of the phase whose spec.json is at ``spec``."""

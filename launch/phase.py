@@ -29,7 +29,7 @@ from launch import procs, zero_state
 from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.data import SampleOrder, load_examples, micro_batch, prepare, rows, step_targets
 from launch.scaler import restore_scaler, scaler_tensors
-from launch.contract import DATA_CACHE, PhaseSpec, lr_at
+from launch.contract import DATA_CACHE, PhaseDir, PhaseSpec, lr_at
 from launch.staging import Staging
 from shard_tools.checkpoint import (
     BODY_OPTIM, HEAD, LAYERS, OPTIM_KEYS, STATE, PreparedFiles, flatten_optim_state, last_write_timing, layer_weights,
@@ -545,8 +545,7 @@ class Phase:
     def _stage(self, name: str) -> None:
         """What this phase is doing before its first step, for the progress display (rank 0)."""
         if self.rank == 0:
-            with open(Path(self.spec.phase_dir) / "stages.jsonl", "a") as f:
-                f.write(json.dumps({"time": time.time(), "stage": name}) + "\n")
+            PhaseDir(self.spec.phase_dir).append_stage(name)
 
     def _log(self, metrics: Path, record: dict) -> None:
         """One line of metrics.jsonl (rank 0), and the same scalars to TensorBoard when asked for."""
@@ -647,10 +646,7 @@ class Phase:
 
     def write_records(self) -> None:
         if self.rank == 0:
-            path = Path(self.spec.phase_dir) / "records.json"
-            tmp = path.with_name(f".tmp-records.{os.getpid()}")
-            tmp.write_text(json.dumps(self.records, indent=1))
-            os.replace(tmp, path)
+            PhaseDir(self.spec.phase_dir).write_records(self.records)
 
 
 def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict) -> int:

@@ -4,9 +4,7 @@ never outlive the orchestrator (which may have been SIGKILLed and so could not c
 from __future__ import annotations
 
 import ctypes
-import json
 import os
-import select
 import signal
 import sys
 import threading
@@ -15,6 +13,8 @@ from pathlib import Path
 from typing import Callable
 
 import psutil
+
+from launch.contract import GO, PhaseDir, rank_name
 
 PR_SET_PDEATHSIG = 1
 
@@ -26,13 +26,9 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
 
 
 def record_pid(phase_dir: Path, name: str) -> None:
-    """Writes {pid, create_time} to phase_dir/pids/NAME.json so the orchestrator can reap it."""
-    pids = phase_dir / "pids"
-    pids.mkdir(parents=True, exist_ok=True)
+    """Records this process as ``name`` in the phase directory, so the orchestrator can reap it."""
     me = psutil.Process()
-    tmp = pids / f".tmp-{name}.{me.pid}"
-    tmp.write_text(json.dumps({"pid": me.pid, "create_time": me.create_time()}))
-    os.replace(tmp, pids / f"{name}.json")
+    PhaseDir(phase_dir).record_pid(name, me.pid, me.create_time())
 
 
 def _watch(pid: int, create_time: float, interval: float) -> None:
@@ -58,36 +54,22 @@ def watch_orchestrator(pid: int, interval: float = 0.5) -> None:
 
 def guard_process(phase_dir: Path, rank: int, orchestrator_pid: int | None) -> None:
     set_parent_death_signal()
-    record_pid(phase_dir, f"rank-{rank}")
+    record_pid(phase_dir, rank_name(rank))
     if orchestrator_pid is not None:
         watch_orchestrator(orchestrator_pid)
 
 
-GO_RECORD = 1024
-"""Size of one go message; below PIPE_BUF, so each write reaches one reader whole."""
-
-
-def wait_for_go(fifo: Path, idle: Callable[[], None] = lambda: None, interval: float = 0.005) -> dict:
+def wait_for_go(fifo: Path, idle: Callable[[], None] = lambda: None) -> dict:
     """Blocks until the orchestrator writes a go record to ``fifo`` (one per rank), calling
-    ``idle`` every ``interval`` seconds meanwhile; EOF means the orchestrator is gone, and so this
-    process goes too."""
+    ``idle`` meanwhile; EOF means the orchestrator is gone, and so this process goes too."""
     fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        data = b""
-        while len(data) < GO_RECORD:
-            if not select.select([fd], [], [], interval)[0]:
-                idle()
-                continue
-            try:
-                chunk = os.read(fd, GO_RECORD - len(data))
-            except BlockingIOError:  # another rank took the record that woke this one
-                continue
-            if not chunk:
-                raise SystemExit(f"{fifo}: closed before the go: the orchestrator is gone")
-            data += chunk
+        go = GO.read(fd, idle)
     finally:
         os.close(fd)
-    return json.loads(data.decode())
+    if go is None:
+        raise SystemExit(f"{fifo}: closed before the go: the orchestrator is gone")
+    return go
 
 
 BACKGROUND_NICE = 10
@@ -131,10 +113,5 @@ class PhaseError(Exception):
 
 
 def report_error(phase_dir: Path, rank: int, error: BaseException) -> None:
-    """Leaves the reason a rank failed where the orchestrator looks for it (errors/rank-N.txt)."""
-    write_reason(phase_dir / "errors" / f"rank-{rank}.txt", error)
-
-
-def write_reason(path: Path, error: BaseException) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{type(error).__name__}: {error}\n")
+    """Leaves the reason a rank failed where the orchestrator looks for it."""
+    PhaseDir(phase_dir).write_error(rank, error)

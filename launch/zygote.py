@@ -8,27 +8,23 @@ host-side only: imported modules and the base weights, copy-on-write. CUDA is ne
 here, and torch runs single-threaded until the fork (a used OpenMP pool does not survive a fork).
 Requests are fixed-size JSON records {"spec": path, "nproc": n} on a FIFO that the orchestrator
 holds open; EOF means the orchestrator is gone, and so is this process. For each child that exits,
-PHASE_DIR/exit/rank-R.json gets its exit code.
+its phase directory gets its exit code (``PhaseDir.write_exit``).
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 
 import psutil
 
 from launch import procs
-from launch.contract import PhaseSpec
+from launch.contract import FORK_REQUESTS, PhaseDir, PhaseSpec, RunDir, rank_name, write_reason
 
-REQUEST = 4096  # one request; PIPE_BUF, so a write arrives whole
-ERROR_FILE = "zygote.error"  # RUN_DIR/zygote.error: why this process failed
 # Modules a phase's first optimizer and first deepspeed.initialize import; importing them here (no
 # device is touched by importing) saves every forked phase that part of its warm-up. The biggest:
 # torch.optim's first optimizer imports torch._dynamo, and DeepSpeed's optimizer check imports its
@@ -41,13 +37,6 @@ WARM_IMPORTS = (
     "torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.module_inject.auto_ep_layer",
     "deepspeed.utils.pin_memory", "torch.profiler._cupti_monitor", "deepspeed.compile.backend",
 )
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 class Zygote:
@@ -72,7 +61,7 @@ class Zygote:
         model_spec = ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=spec.seed)
         self.model = phase.build_base_model(model_spec)
         self.key = phase.model_key(model_spec)
-        self.children: dict[int, tuple[Path, int]] = {}
+        self.children: dict[int, tuple[PhaseDir, int]] = {}
         self.lock = threading.Lock()
 
     def reap_forever(self) -> None:
@@ -85,12 +74,11 @@ class Zygote:
             with self.lock:
                 phase_dir, rank = self.children.pop(pid, (None, None))
             if phase_dir is not None:
-                _write_json(phase_dir / "exit" / f"rank-{rank}.json",
-                            {"rc": os.waitstatus_to_exitcode(status), "time": time.time()})
+                phase_dir.write_exit(rank, os.waitstatus_to_exitcode(status), time.time())
 
     def fork_phase(self, spec_path: str, nproc: int, requests_fd: int) -> None:
         spec = PhaseSpec.read(spec_path)
-        phase_dir = Path(spec.phase_dir)
+        phase_dir = PhaseDir(spec.phase_dir)
         for rank in range(nproc):
             with self.lock:
                 pid = os.fork()
@@ -98,8 +86,7 @@ class Zygote:
                     self._child(spec, spec_path, rank, nproc, requests_fd)
                 self.children[pid] = (phase_dir, rank)
             try:
-                _write_json(phase_dir / "pids" / f"rank-{rank}.json",
-                            {"pid": pid, "create_time": psutil.Process(pid).create_time()})
+                phase_dir.record_pid(rank_name(rank), pid, psutil.Process(pid).create_time())
             except psutil.NoSuchProcess:
                 pass  # already gone: its exit file says how
 
@@ -107,7 +94,7 @@ class Zygote:
         rc = 1
         try:
             os.close(requests_fd)
-            log = os.open(Path(spec.phase_dir) / "worker.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+            log = os.open(PhaseDir(spec.phase_dir).log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
             os.dup2(log, 1)
             os.dup2(log, 2)
             os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
@@ -135,7 +122,7 @@ def main(argv: list[str]) -> None:
         serve(spec, argv[2])
     except Exception as e:
         # The orchestrator names this reason (and zygote.log's last lines) in the phase's failure.
-        procs.write_reason(Path(spec.run_dir) / ERROR_FILE, e)
+        write_reason(RunDir(spec.run_dir).zygote_error, e)
         raise
 
 
@@ -146,14 +133,7 @@ def serve(spec: PhaseSpec, requests: str) -> None:
     zygote = Zygote(spec)
     threading.Thread(target=zygote.reap_forever, daemon=True, name="reaper").start()
     fd = os.open(requests, os.O_RDONLY)
-    while True:
-        record = b""
-        while len(record) < REQUEST:
-            chunk = os.read(fd, REQUEST - len(record))
-            if not chunk:
-                return  # the orchestrator is gone
-            record += chunk
-        request = json.loads(record.decode())
+    while (request := FORK_REQUESTS.read(fd)) is not None:  # None: the orchestrator is gone
         zygote.fork_phase(request["spec"], request["nproc"], fd)
 
 

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from launch.contract import RunDir
 from orchestrator.errors import ScheduleError
 from orchestrator.estimate import PlanEstimate, format_bytes
 from orchestrator.journal import JsonlTail, read_journal
@@ -115,7 +116,7 @@ class Display:
 
     def progress(self, run_dir: Path, phase: Phase, start_step: int) -> Callable[[], None]:
         metrics = JsonlTail(run_dir / "metrics.jsonl")
-        stages = JsonlTail(run_dir / "phases" / f"phase-{phase.index:04d}" / "stages.jsonl")
+        stages = JsonlTail(RunDir(run_dir).phase(phase.index).stages)
         stages.offset = 0  # removed at the phase's spawn: all of it is this attempt's
         prewarmed = self._started.get("prewarmed", False)
         if not prewarmed:

@@ -2,16 +2,13 @@
 the run's fork server), the go of a pre-warmed group, and taking groups down.
 
 The channels are FIFOs in the run directory, mode 0600: fork requests to the fork server
-(``zygote.fifo``) and each pre-warmed phase's go (``phases/phase-NNNN/go``). Records are shorter
-than PIPE_BUF, so every write reaches one reader whole; this process holds each FIFO open, so a
-reader sees EOF when it dies.
+(``RunDir.zygote_fifo``) and each pre-warmed phase's go (``PhaseDir.go``), framed as
+``launch.contract`` says. This process holds each FIFO open, so a reader sees EOF when it dies.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,18 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from launch.contract import FORK_REQUESTS, GO, RANK, PhaseDir, PhaseSpec, RunDir, read_reasons
 from orchestrator import procs
 from orchestrator.schedule import LaunchSection, Phase
 from shard_tools.files import write_atomic
 from shard_tools.manifest import remove_temporaries_of
 
-GO_FIFO = "go"
-GO_RECORD = 1024
-ZYGOTE_FIFO = "zygote.fifo"
-ZYGOTE_REQUEST = 4096
-ZYGOTE_LOG = "zygote.log"
-ZYGOTE_ERROR = "zygote.error"
-"""Where the fork server leaves the reason it failed (``launch.zygote``)."""
 LOG_TAIL = 20
 
 
@@ -51,6 +42,7 @@ class ForkedProc:
 
     def __init__(self, phase_dir: Path, nproc: int, zygote: subprocess.Popen):
         self.phase_dir, self.nproc, self.zygote = phase_dir, nproc, zygote
+        self.files = PhaseDir(phase_dir)
         self.pid: int | None = None
         self.returncode: int | None = None
         self.server_rc: int | None = None
@@ -60,14 +52,8 @@ class ForkedProc:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            codes, reaped = [], []
-            for r in range(self.nproc):
-                try:
-                    exit_ = json.loads((self.phase_dir / "exit" / f"rank-{r}.json").read_text())
-                except (OSError, json.JSONDecodeError):
-                    continue
-                codes.append(exit_["rc"])
-                reaped.append(exit_.get("time", 0.0))
+            exits = [e for e in map(self.files.read_exit, range(self.nproc)) if e is not None]
+            codes, reaped = [e.rc for e in exits], [e.time for e in exits]
             if len(codes) == self.nproc or any(codes):
                 # A failed rank ends the group: the others may wait on it in a collective forever.
                 self.returncode = next((c for c in codes if c != 0), 0)
@@ -86,7 +72,7 @@ class ForkedProc:
         return self.returncode
 
     def kill(self) -> None:
-        procs.signal_all(procs.recorded(self.phase_dir, "rank-"), signal.SIGKILL)
+        procs.signal_all(procs.recorded(self.phase_dir, RANK), signal.SIGKILL)
 
 
 @dataclass
@@ -114,52 +100,49 @@ class Group:
 class PhaseProcesses:
     """Starts, releases and takes down phase groups for one run directory; owns the fork server."""
 
-    def __init__(self, run_dir: Path, launch: LaunchSection, event: Callable[..., None]):
-        self.run_dir, self.launch, self.event = run_dir, launch, event
+    def __init__(self, run_dir: Path, launch: LaunchSection, event: Callable[..., None],
+                 spec_of: Callable[[Work, Path], PhaseSpec]):
+        self.run_dir, self.launch, self.event, self.spec_of = run_dir, launch, event, spec_of
+        self.files = RunDir(run_dir)
         self.zygote: subprocess.Popen | None = None
         self.zygote_fd = -1
         self.stopped: set[int] = set()
         """Fork servers this process ended (their end is no failure of theirs)."""
 
-    def phase_dir(self, phase: Phase) -> Path:
-        """The phase's directory, emptied of what an earlier attempt at it left."""
-        phase_dir = self.run_dir / "phases" / f"phase-{phase.index:04d}"
-        phase_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
-        for stale in ("pids", "errors", "exit"):
-            shutil.rmtree(phase_dir / stale, ignore_errors=True)
-        (phase_dir / "records.json").unlink(missing_ok=True)
-        (phase_dir / "stages.jsonl").unlink(missing_ok=True)
-        return phase_dir
+    def start(self, work: Work, prewarm: bool) -> Group:
+        """Starts the processes of ``work`` in the phase's directory, emptied of what an earlier
+        attempt at it left; its spec is built (and so validated) first."""
+        files = self.files.phase(work.phase.index)
+        spec = self.spec_of(work, files.path)
+        files.path.mkdir(parents=True, exist_ok=True, mode=0o750)
+        files.clear()
+        return self.spawn(work, files, spec, prewarm)
 
-    def spawn(self, work: Work, phase_dir: Path, spec: dict, prewarm: bool) -> Group:
+    def spawn(self, work: Work, files: PhaseDir, spec: PhaseSpec, prewarm: bool) -> Group:
         """Starts one phase's processes: forked by the fork server, or a launcher in a session of
         its own. Pre-warmed, they prepare and wait for their go (``go``); otherwise they train from
         ``work.restore`` at once."""
         ph = work.phase
         go_fd = None
         if prewarm:
-            fifo = phase_dir / GO_FIFO
-            fifo.unlink(missing_ok=True)
-            os.mkfifo(fifo, 0o600)
+            files.go.unlink(missing_ok=True)
+            os.mkfifo(files.go, 0o600)
             # Held open read-write: ranks can open it at once, and see EOF if this process dies.
-            go_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
-            spec.update(prewarm=True, restore=None, go_fifo=str(fifo),
-                        preload=str(work.restore) if work.restore else None)
-        spec_path = phase_dir / "spec.json"
-        write_atomic(spec_path, json.dumps(spec, indent=1))
-        log_path = phase_dir / "worker.log"
-        zygote = self.fork_server(spec_path)
+            go_fd = os.open(files.go, os.O_RDWR | os.O_NONBLOCK)
+            spec = spec.changed(prewarm=True, restore=None, go_fifo=str(files.go),
+                                preload=str(work.restore) if work.restore else None)
+        write_atomic(files.spec, spec.model_dump_json(indent=1))
+        zygote = self.fork_server(files.spec)
         if zygote is not None:
-            request = json.dumps({"spec": str(spec_path), "nproc": ph.nproc}).encode().ljust(ZYGOTE_REQUEST)
-            os.write(self.zygote_fd, request)
-            proc: subprocess.Popen | ForkedProc = ForkedProc(phase_dir, ph.nproc, zygote)
+            os.write(self.zygote_fd, FORK_REQUESTS.encode(spec=str(files.spec), nproc=ph.nproc))
+            proc: subprocess.Popen | ForkedProc = ForkedProc(files.path, ph.nproc, zygote)
         else:
-            with open(log_path, "ab") as log:
-                proc = subprocess.Popen([sys.executable, "-m", "launch", str(spec_path)], stdout=log,
+            with open(files.log, "ab") as log:
+                proc = subprocess.Popen([sys.executable, "-m", "launch", str(files.spec)], stdout=log,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-        return Group(work=work, phase_dir=phase_dir, proc=proc, log_path=log_path, t_start=time.time(),
-                     go_fd=go_fd, world=ph.nproc * self.launch.nnodes, port=spec["master_port"],
+        return Group(work=work, phase_dir=files.path, proc=proc, log_path=files.log, t_start=time.time(),
+                     go_fd=go_fd, world=ph.nproc * self.launch.nnodes, port=spec.master_port,
                      preload=work.restore if prewarm else None)
 
     def fork_server(self, spec_path: Path) -> subprocess.Popen | None:
@@ -169,12 +152,12 @@ class PhaseProcesses:
         if not (launch.prewarm and launch.launcher == "local" and launch.nnodes == 1):
             return None
         if self.zygote is None:
-            fifo = self.run_dir / ZYGOTE_FIFO
+            fifo = self.files.zygote_fifo
             fifo.unlink(missing_ok=True)
             os.mkfifo(fifo, 0o600)
             self.zygote_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
-            (self.run_dir / ZYGOTE_ERROR).unlink(missing_ok=True)  # an earlier orchestrator's
-            log = open(self.run_dir / ZYGOTE_LOG, "ab")
+            self.files.zygote_error.unlink(missing_ok=True)  # an earlier orchestrator's
+            log = open(self.files.zygote_log, "ab")
             self.zygote = subprocess.Popen([sys.executable, "-m", "launch.zygote", str(spec_path), str(fifo)],
                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
@@ -192,7 +175,7 @@ class PhaseProcesses:
             pass
         self.zygote.wait()
         os.close(self.zygote_fd)
-        (self.run_dir / ZYGOTE_FIFO).unlink(missing_ok=True)
+        self.files.zygote_fifo.unlink(missing_ok=True)
         self.zygote = None
 
     def wait(self, proc: subprocess.Popen | ForkedProc, timeout: float) -> int:
@@ -213,13 +196,13 @@ class PhaseProcesses:
         proc = group.proc
         if isinstance(proc, ForkedProc) and proc.server_rc is not None and proc.zygote.pid not in self.stopped:
             return (f"the fork server (launch.zygote, pid {proc.zygote.pid}) ended {exit_text(proc.server_rc)}",
-                    self.run_dir / ZYGOTE_LOG, read_reasons([self.run_dir / ZYGOTE_ERROR]))
-        reasons = read_reasons(sorted((group.phase_dir / "errors").glob("rank-*.txt")))
+                    self.files.zygote_log, read_reasons([self.files.zygote_error]))
+        reasons = PhaseDir(group.phase_dir).error_reasons()
         return f"its processes ended {exit_text(rc)}", group.log_path, reasons
 
     def go(self, group: Group, restore: Path | None) -> None:
         """Tells a pre-warmed group its checkpoint; called only once its predecessor is gone."""
-        record = json.dumps({"restore": str(restore) if restore else None}).encode().ljust(GO_RECORD)
+        record = GO.encode(restore=str(restore) if restore else None)
         # The records wait in the pipe for ranks still preparing; the FIFO stays open until the
         # group is gone, since a pipe's data goes with its last open descriptor.
         for _ in range(group.world):
@@ -230,7 +213,7 @@ class PhaseProcesses:
         if group.go_fd is not None:
             os.close(group.go_fd)
             group.go_fd = None
-            (group.phase_dir / GO_FIFO).unlink(missing_ok=True)
+            PhaseDir(group.phase_dir).go.unlink(missing_ok=True)
 
     def abort(self, pending: list[Group]) -> None:
         """Takes pre-warmed groups down (their predecessor failed or stopped, or the plan moved on)."""
@@ -262,19 +245,6 @@ def exit_text(rc: int) -> str:
         except ValueError:
             return f"by signal {-rc}"
     return f"with exit code {rc}"
-
-
-def read_reasons(paths: list[Path]) -> list[str]:
-    """The distinct reasons in errors files (one per rank that failed; ranks often agree)."""
-    reasons: list[str] = []
-    for path in paths:
-        try:
-            text = path.read_text(errors="replace").strip()
-        except OSError:
-            continue
-        if text and text not in reasons:
-            reasons.append(text)
-    return reasons
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL) -> str:

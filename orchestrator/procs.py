@@ -2,52 +2,32 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
 
 import psutil
 
-
-def _pid_records(phase_dir: Path, prefix: str = "") -> list[dict]:
-    """The readable pid files in phase_dir/pids whose names start with ``prefix``, in name order."""
-    out = []
-    for f in sorted((phase_dir / "pids").glob(f"{prefix}*.json")):
-        try:
-            rec = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
+from launch.contract import PhaseDir
 
 
 def recorded(phase_dir: Path, prefix: str = "") -> list[psutil.Process]:
-    """Live processes whose pid files are in phase_dir/pids (matched on create time: no pid reuse).
-
-    Ranks record themselves as ``rank-N``, the launcher as ``launcher``.
-    """
+    """Live processes of the phase's pid records whose names start with ``prefix`` (``RANK`` for
+    the ranks), matched on create time: no pid reuse."""
     out = []
-    for rec in _pid_records(phase_dir, prefix):
+    for rec in PhaseDir(phase_dir).pid_records(prefix):
         try:
-            p = psutil.Process(rec["pid"])
-            if abs(p.create_time() - rec["create_time"]) < 0.01:
+            p = psutil.Process(rec.pid)
+            if abs(p.create_time() - rec.create_time) < 0.01:
                 out.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError):
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return out
 
 
 def recorded_pids(phase_dir: Path) -> set[int]:
-    """Every pid ever recorded in phase_dir/pids, alive or not."""
-    out = set()
-    for rec in _pid_records(phase_dir):
-        try:
-            out.add(int(rec["pid"]))
-        except (KeyError, TypeError, ValueError):
-            continue
-    return out
+    """Every pid ever recorded for the phase, alive or not."""
+    return {rec.pid for rec in PhaseDir(phase_dir).pid_records()}
 
 
 COMM_BUFFER = "deepspeed_allreduce_buffer"

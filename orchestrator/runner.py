@@ -5,11 +5,9 @@ sure all of it is gone, journal, repeat. Preemption and resume live here too.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import shutil
 import signal
-import socket
 import time
 import tomllib
 from pathlib import Path
@@ -18,17 +16,16 @@ from typing import Callable
 
 import psutil
 
-from launch.contract import lr_at
+from launch.contract import PHASES, PhaseDir, RunDir, lr_at
 
 from orchestrator import devmem, final, procs
-from orchestrator.datastep import adopt_data, data_spec, stage_data
-from orchestrator.groups import GO_FIFO, Group, PhaseProcesses, Work, log_tail
+from orchestrator.datastep import adopt_data, stage_data
+from orchestrator.groups import Group, PhaseProcesses, Work, log_tail
 from orchestrator.errors import PhaseFailed, Preempted, RelayerError, RunLocked, ScheduleError
 from orchestrator.journal import Journal, JsonlTail
+from orchestrator.phasespec import phase_spec
 from orchestrator.quiet import Pauser
-from orchestrator.schedule import (
-    LoadedSchedule, Phase, check_batch, plan_phases, tokenizer_of, validate_schedule,
-)
+from orchestrator.schedule import LoadedSchedule, Phase, plan_phases, validate_schedule
 from shard_tools.manifest import (
     CheckpointError, Manifest, checkpoints_dir, fsync_path, is_checkpoint_dir, layer_sources, list_checkpoints,
     make_durable, needed_by, newest_valid, read_manifest, remove_stray_temporaries, step_of, verify_checkpoint,
@@ -84,12 +81,6 @@ class RunLock:
             os.close(self.fd)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def schedule_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     diffs = []
     for key in sorted(set(old) | set(new)):
@@ -140,7 +131,8 @@ class Runner:
         self.stop_signal: int | None = None
         self.verified: set[Path] = set()
         self.live_pending: list[Group] = []
-        self.groups = PhaseProcesses(self.run_dir, loaded.schedule.launch, self._event)
+        self.groups = PhaseProcesses(self.run_dir, loaded.schedule.launch, self._event,
+                                     lambda work, phase_dir: phase_spec(loaded, self.phases, work, phase_dir))
         self.pauser = Pauser(loaded.schedule.launch.pause_preparing_seconds, self._event)
 
     # -- entry ---------------------------------------------------------------------------------
@@ -236,7 +228,7 @@ class Runner:
         try:
             (tmp / SCHEDULE_COPY).write_text(text)
             (tmp / "checkpoints").mkdir()
-            (tmp / "phases").mkdir()
+            (tmp / PHASES).mkdir()
             if rd.exists():
                 # Only a lock file is there (the rest removed by hand, say): the folder is free
                 # unless an orchestrator holds the lock.
@@ -297,11 +289,11 @@ class Runner:
 
     # -- the loop ------------------------------------------------------------------------------
     def _loop(self, fresh: bool) -> None:
-        for phase_dir in sorted((self.run_dir / "phases").glob("phase-*")):
-            (phase_dir / GO_FIFO).unlink(missing_ok=True)  # left by an orchestrator that was killed
-            killed = procs.reap(phase_dir, None, grace=self.loaded.schedule.launch.grace_seconds)
+        for files in RunDir(self.run_dir).phase_dirs():
+            files.go.unlink(missing_ok=True)  # left by an orchestrator that was killed
+            killed = procs.reap(files.path, None, grace=self.loaded.schedule.launch.grace_seconds)
             if killed:
-                self._event("killed", phase_dir=str(phase_dir), pids=killed)
+                self._event("killed", phase_dir=str(files.path), pids=killed)
         for stray in remove_stray_temporaries(self.run_dir):  # once no process can still write them
             self._event("stray_removed", path=str(stray))
         first = True
@@ -390,7 +382,7 @@ class Runner:
                 return first
             self._event("prewarm_unused", phase=first.work.phase.index, rc=first.proc.poll())
             self._abort(pending)
-        return self._spawn(work, prewarm=False)
+        return self.groups.start(work, prewarm=False)
 
     def _prewarm_ahead(self, pending: list[Group], work: Work) -> None:
         """Starts the next ``prewarm_depth`` phases' groups, to prepare while this one trains.
@@ -408,7 +400,7 @@ class Runner:
             nxt = next((p for p in self.phases if p.start_step == last.end_step), None)
             if nxt is None:
                 return
-            pending.append(self._spawn(Work(nxt, nxt.start_step, work.restore), prewarm=True))
+            pending.append(self.groups.start(Work(nxt, nxt.start_step, work.restore), prewarm=True))
             self._event("prewarm_started", phase=nxt.index)
             last = nxt
 
@@ -439,36 +431,6 @@ class Runner:
         if not faults:
             self.verified.add(ckpt)
         return faults
-
-    def _spec(self, work: Work, phase_dir: Path) -> dict:
-        s = self.loaded.schedule
-        ph = work.phase
-        check_batch(s.data, ph.nproc, self.loaded.source, ph.index, nnodes=s.launch.nnodes)
-        return {
-            "run_dir": str(self.run_dir), "phase_dir": str(phase_dir), "seed": s.run.seed,
-            "tensorboard": s.run.tensorboard or "tensorboard" in s.run.report_to, "wandb": "wandb" in s.run.report_to,
-            "phase": ph.index, "start_step": work.start_step, "phase_start_step": ph.start_step,
-            "end_step": ph.end_step, "layers": list(ph.layers),
-            "restore": str(work.restore) if work.restore else None,
-            "model": {"path": str(self.loaded.model_path) if self.loaded.model_path else None,
-                      "config": s.model.config, "dtype": s.model.dtype, "persistent": s.model.persistent,
-                      "layers": s.model.layers, "gradient_checkpointing": s.model.gradient_checkpointing,
-                      "tokenizer": str(t) if (t := tokenizer_of(s.model, self.loaded.source.parent)) else None},
-            "data": data_spec(self.loaded),
-            "optimizer": {"lr": s.optimizer.lr, "weight_decay": s.optimizer.weight_decay,
-                          "betas": list(s.optimizer.betas), "eps": s.optimizer.eps,
-                          "grad_clip": s.optimizer.grad_clip, "lr_kind": s.lr_schedule.kind,
-                          "warmup_steps": s.lr_schedule.warmup_steps, "total_steps": self.phases[-1].end_step},
-            "zero_stage": s.deepspeed.zero_stage, "deepspeed_config": s.deepspeed.config,
-            "every_steps": s.checkpoint.every_steps, "launcher": s.launch.launcher, "nproc": ph.nproc,
-            "nnodes": s.launch.nnodes,
-            "hostfile": str((self.loaded.source.parent / s.launch.hostfile).resolve()) if s.launch.hostfile else None,
-            "master_port": free_port(), "orchestrator_pid": os.getpid(), "orchestrator_host": socket.gethostname(),
-        }
-
-    def _spawn(self, work: Work, prewarm: bool) -> Group:
-        phase_dir = self.groups.phase_dir(work.phase)
-        return self.groups.spawn(work, phase_dir, self._spec(work, phase_dir), prewarm)
 
     def _supervise(self, group: Group, pending: list[Group], ahead: bool = False) -> None:
         """Waits for a phase's group, makes sure all of it is gone, and judges the result; the
@@ -534,7 +496,7 @@ class Runner:
         if killed:
             self._event("killed", phase=ph.index, pids=killed)
         group.pids = pids
-        records = {**self._records(phase_dir), **getattr(proc, "times", {}), "t_gone": t_gone}
+        records = {**PhaseDir(phase_dir).read_records(), **getattr(proc, "times", {}), "t_gone": t_gone}
         end = self.run_dir / "checkpoints" / f"step-{ph.end_step:08d}"
         if rc == 0 and not verify_checkpoint(end, checksums=False):
             # Journaled by _after_switch, once the next phase has its go and the checkpoint is durable.
@@ -559,12 +521,6 @@ class Runner:
         why = "".join(f"\n  {r}" for r in reasons)
         raise PhaseFailed(f"phase {ph.index} ({steps}, layers {list(ph.layers)}) failed: {who}; "
                           f"earlier checkpoints are intact.{why}\nlast lines of {log}:\n{log_tail(log)}")
-
-    def _records(self, phase_dir: Path) -> dict:
-        try:
-            return json.loads((phase_dir / "records.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            return {}
 
     def _retain(self, protect: set[Path]) -> None:
         """Keeps the newest keep_last checkpoints and everything they still need; removes the rest.

@@ -1,0 +1,57 @@
+"""The phase spec a phase's processes start from (``launch.contract.PhaseSpec``), built from the
+schedule for one piece of work.
+
+Built typed, so it is validated here, before the phase's processes start: a ValidationError is a
+bug in relayer (the schedule was validated long before), and surfaces as one, not as bad input.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from launch.contract import DataPart, ModelPart, OptimizerPart, PhaseSpec
+from orchestrator.datastep import data_spec
+from orchestrator.groups import Work
+from orchestrator.schedule import LoadedSchedule, Phase, check_batch, tokenizer_of
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def phase_spec(loaded: LoadedSchedule, phases: list[Phase], work: Work, phase_dir: Path) -> PhaseSpec:
+    """The spec of ``work``, whose processes keep their files in ``phase_dir``."""
+    s, ph = loaded.schedule, work.phase
+    check_batch(s.data, ph.nproc, loaded.source, ph.index, nnodes=s.launch.nnodes)
+    return PhaseSpec(
+        run_dir=str(loaded.output_dir), phase_dir=str(phase_dir), seed=s.run.seed,
+        tensorboard=s.run.tensorboard or "tensorboard" in s.run.report_to, wandb="wandb" in s.run.report_to,
+        phase=ph.index, start_step=work.start_step, phase_start_step=ph.start_step, end_step=ph.end_step,
+        layers=list(ph.layers), restore=str(work.restore) if work.restore else None,
+        model=_model_part(loaded), data=DataPart(**data_spec(loaded)),
+        optimizer=_optimizer_part(loaded, total_steps=phases[-1].end_step),
+        zero_stage=s.deepspeed.zero_stage, deepspeed_config=s.deepspeed.config,
+        every_steps=s.checkpoint.every_steps, launcher=s.launch.launcher, nproc=ph.nproc, nnodes=s.launch.nnodes,
+        hostfile=str((loaded.source.parent / s.launch.hostfile).resolve()) if s.launch.hostfile else None,
+        master_port=free_port(), orchestrator_pid=os.getpid(), orchestrator_host=socket.gethostname(),
+    )
+
+
+def _model_part(loaded: LoadedSchedule) -> ModelPart:
+    m = loaded.schedule.model
+    tokenizer = tokenizer_of(m, loaded.source.parent)
+    return ModelPart(path=str(loaded.model_path) if loaded.model_path else None, config=m.config, dtype=m.dtype,
+                     persistent=m.persistent, layers=m.layers, gradient_checkpointing=m.gradient_checkpointing,
+                     tokenizer=str(tokenizer) if tokenizer else None)
+
+
+def _optimizer_part(loaded: LoadedSchedule, total_steps: int) -> OptimizerPart:
+    """``total_steps``: the run's last global step, for the lr's decay."""
+    s = loaded.schedule
+    return OptimizerPart(lr=s.optimizer.lr, weight_decay=s.optimizer.weight_decay, betas=tuple(s.optimizer.betas),
+                         eps=s.optimizer.eps, grad_clip=s.optimizer.grad_clip, lr_kind=s.lr_schedule.kind,
+                         warmup_steps=s.lr_schedule.warmup_steps, total_steps=total_steps)
