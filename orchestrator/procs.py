@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 from pathlib import Path
 
 import psutil
@@ -113,3 +114,10 @@ def reap(phase_dir: Path, session: int | None, grace: float) -> list[int]:
     if alive:
         raise RuntimeError(f"processes {[p.pid for p in alive]} of {phase_dir} survived SIGKILL")
     return stopped
+
+
+def free_port() -> int:
+    """A port free on this machine now, for a group's MASTER_PORT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
