@@ -1,9 +1,8 @@
 """One phase's group, from its start until all of it is gone, as a small state machine:
 
-    STARTING ─> SWITCHING ─> TRAINING ─> ENDING ─┐
-        └────────────────────┘                   │
-    SWITCHING, TRAINING, ENDING ─(stop signal)─> STOPPING
-    every live state ─(the group ended; a stop's grace ran out)─> REAPING ─> DONE | FAILED | PREEMPTED
+    STARTING ─> SWITCHING ─> TRAINING ─> ENDING      (STARTING ─> TRAINING where no switch is kept quiet)
+    SWITCHING, TRAINING, ENDING ─(a stop signal)─> STOPPING
+    any of those four ─(the group ended; a stop's grace is up)─> REAPING ─> DONE | FAILED | PREEMPTED
 
 SWITCHING lasts until the phase's first step is done (or ``launch.pause_preparing_seconds`` are
 up): the pre-warmed phases after the next stay paused (``orchestrator.quiet``), and the phases
