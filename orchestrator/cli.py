@@ -49,7 +49,7 @@ def run(schedule: Path, output_dir: Path | None, nproc: int | None, force: bool,
     loaded = load_schedule(schedule, output_dir=output_dir, nproc=nproc, overrides=overrides)
     display = Display(loaded)
     with display:
-        run_schedule(loaded, force=force, on_event=display.event, progress=display.progress, resume_from=resume_from)
+        run_schedule(loaded, force=force, on_event=display.event, observer=display, resume_from=resume_from)
     click.echo(f"run complete: {loaded.output_dir}")
 
 

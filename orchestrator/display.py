@@ -8,19 +8,19 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from launch.contract import RunDir
 from orchestrator.errors import ScheduleError
 from orchestrator.estimate import PlanEstimate, format_bytes
-from orchestrator.journal import JsonlTail, read_journal
+from orchestrator.groups import Group
+from orchestrator.journal import read_journal
 from orchestrator.pace import Pace, clock
 from orchestrator.schedule import LoadedSchedule, Phase, plan_phases
+from orchestrator.supervisor import Observer, State
 
 # Off a terminal, lines are logs: never wrap them (rich would at 80 columns).
 console = Console(stderr=True, soft_wrap=True)
@@ -54,8 +54,9 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], estimate: PlanEstima
                   f"gradient checkpointing; CUDA context, buffers and logits not counted{device}")
 
 
-class Display:
-    """Journal events as lines, and one progress bar over the run's global steps."""
+class Display(Observer):
+    """Journal events as lines, and one progress bar over the run's global steps; follows each
+    phase as the supervisor's observer."""
 
     # Preparing: what a pre-warmed phase did before its turn, not worth a line when it starts.
     PREPARATION = ("starting the process group", "loading the model", "preparing data", "warming up")
@@ -71,7 +72,8 @@ class Display:
                                   console=console, disable=not self.live)
         self._task = self._progress.add_task("steps", total=self.total, info="")
         self._last_plain = 0.0
-        self._started: dict = {}
+        self._group: Group | None = None
+        """The phase running now."""
 
     def say(self, text: str) -> None:
         """A line above the bar; off a terminal, a log line with the time."""
@@ -108,41 +110,38 @@ class Display:
             "final_model_started": lambda: f"writing the final model to {e['path']}",
             "final_model_written": lambda: f"final model written: {e['path']}",
         }.get(kind)
-        if kind == "phase_started":
-            self._started = e
         line = text() if text else None
         if line:
             self.say(line)
 
-    def progress(self, run_dir: Path, phase: Phase, start_step: int) -> Callable[[], None]:
-        metrics = JsonlTail(run_dir / "metrics.jsonl")
-        stages = JsonlTail(RunDir(run_dir).phase(phase.index).stages)
-        stages.offset = 0  # removed at the phase's spawn: all of it is this attempt's
-        prewarmed = self._started.get("prewarmed", False)
-        if not prewarmed:
+    def on_state(self, state: State, group: Group) -> None:
+        if state is not State.STARTING:
+            return
+        self._group = group
+        phase = group.work.phase
+        if not group.prewarmed:
             self.say(f"phase {phase.index}: starting its processes (importing torch and DeepSpeed)")
-        self._progress.update(self._task, completed=start_step,
+        self._progress.update(self._task, completed=group.work.start_step,
                               description=f"phase {phase.index} layers {list(phase.layers)}")
 
-        def tick() -> None:
-            for s in stages.new():
-                if not (prewarmed and s["stage"] in self.PREPARATION):
-                    self.say(f"phase {phase.index}: {s['stage']}")
-            for m in metrics.new():
-                if "eval_loss" in m:
-                    self.say(f"step {m['step']}: eval loss {m['eval_loss']:.4f}")
-                    continue
-                self.pace.add(m)
-                tps = self.pace.tokens_per_s
-                info = (f"loss {m['loss']:.4f}  lr {m['lr']:.2e}  "
-                        f"{f'{tps:.0f} tok/s' if tps else 'tok/s after a steady step'}  "
-                        f"ETA {clock(self.pace.eta(m['step']))}")
-                self._progress.update(self._task, completed=m["step"], info=info)
-                if not self.live and (time.time() - self._last_plain > 5 or m["step"] in (phase.end_step, start_step + 1)):
-                    self.say(f"step {m['step']}/{self.total}  phase {m['phase']}  layers {m['layers']}  {info}")
-                    self._last_plain = time.time()
+    def on_stage(self, stage: dict) -> None:
+        if not (self._group.prewarmed and stage["stage"] in self.PREPARATION):
+            self.say(f"phase {self._group.work.phase.index}: {stage['stage']}")
 
-        return tick
+    def on_metric(self, m: dict) -> None:
+        if "eval_loss" in m:
+            self.say(f"step {m['step']}: eval loss {m['eval_loss']:.4f}")
+            return
+        phase, start_step = self._group.work.phase, self._group.work.start_step
+        self.pace.add(m)
+        tps = self.pace.tokens_per_s
+        info = (f"loss {m['loss']:.4f}  lr {m['lr']:.2e}  "
+                f"{f'{tps:.0f} tok/s' if tps else 'tok/s after a steady step'}  "
+                f"ETA {clock(self.pace.eta(m['step']))}")
+        self._progress.update(self._task, completed=m["step"], info=info)
+        if not self.live and (time.time() - self._last_plain > 5 or m["step"] in (phase.end_step, start_step + 1)):
+            self.say(f"step {m['step']}/{self.total}  phase {m['phase']}  layers {m['layers']}  {info}")
+            self._last_plain = time.time()
 
 
 def run_state(run_dir: Path, events: list[dict]) -> str:

@@ -93,3 +93,4 @@ def reap(phase_dir: Path, session: int | None, grace: float) -> list[int]:
     if alive:
         raise RuntimeError(f"processes {[p.pid for p in alive]} of {phase_dir} survived SIGKILL")
     return stopped
+

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 from orchestrator.cli import main
 from orchestrator.errors import RunLocked
 from orchestrator.journal import JsonlTail, read_journal
-from orchestrator.runner import LOCK, RunLock, Runner
+from orchestrator.rundir import LOCK, RunLock
+from orchestrator.runner import Runner
 from orchestrator.schedule import load_schedule
 from tests.conftest import cli, schedule_dict, write_schedule
 

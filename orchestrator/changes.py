@@ -1,0 +1,85 @@
+"""What a schedule may change of a run already under way: anything about its future, nothing that
+alters the work already done (unless forced)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from launch.contract import lr_at
+
+from orchestrator.errors import ScheduleError
+from orchestrator.rundir import SCHEDULE_COPY
+from orchestrator.schedule import LoadedSchedule, Phase, plan_phases, validate_schedule
+from shard_tools.manifest import newest_valid
+
+# Where and how the work runs does not change what it computes; phases and the lr are compared apart.
+HARMLESS = ("schedule.", "launch.", "checkpoint.", "deepspeed.zero_stage", "lr_schedule.", "optimizer.lr:",
+            "run.final_model", "run.group_readable", "run.report_to", "run.tensorboard")
+
+
+def schedule_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        path = f"{prefix}{key}"
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += schedule_differences(a, b, path + ".")
+        elif a != b:
+            diffs.append(f"{path}: {a!r} -> {b!r}")
+    return diffs
+
+
+def without_output_dir(raw: dict) -> dict:
+    run = raw.get("run", {})
+    return {**raw, "run": {k: v for k, v in run.items() if k != "output_dir"}} if isinstance(run, dict) else raw
+
+
+def changed_lr(old: LoadedSchedule, old_phases: list[Phase], new: LoadedSchedule, new_phases: list[Phase],
+               done_step: int) -> str | None:
+    """How the lr of a step already taken would change (a new total_steps moves a decaying lr), or None."""
+    def opt(loaded: LoadedSchedule, phases: list[Phase]) -> SimpleNamespace:
+        s = loaded.schedule
+        return SimpleNamespace(lr=s.optimizer.lr, lr_kind=s.lr_schedule.kind, warmup_steps=s.lr_schedule.warmup_steps,
+                               total_steps=phases[-1].end_step)
+
+    a, b = opt(old, old_phases), opt(new, new_phases)
+    for step in range(done_step):
+        if lr_at(step, a) != lr_at(step, b):
+            return (f"lr of step {step}, already taken, would change: {lr_at(step, a):.6g} -> {lr_at(step, b):.6g} "
+                    f"(lr {a.lr:g}, {a.lr_kind}, warmup_steps {a.warmup_steps}, total_steps {a.total_steps} -> "
+                    f"lr {b.lr:g}, {b.lr_kind}, warmup_steps {b.warmup_steps}, total_steps {b.total_steps})")
+    return None
+
+
+def check_same_schedule(loaded: LoadedSchedule, phases: list[Phase], old_raw: dict, force: bool) -> None:
+    """Refuses ``loaded`` (the schedule given now, planned as ``phases``) where it differs from the
+    run's copy ``old_raw`` in ways that alter completed work, unless ``force``."""
+    run_dir = loaded.output_dir
+    diffs = schedule_differences(without_output_dir(old_raw), without_output_dir(loaded.raw))
+    if not diffs:
+        return
+    _, manifest, _ = newest_valid(run_dir, checksums=False)
+    done_step = manifest.global_step if manifest else 0
+    try:
+        old_loaded = validate_schedule(old_raw, loaded.source)
+        old_planned = plan_phases(old_loaded)
+    except ScheduleError as e:
+        # Messages name the user's file: the copy's relative paths are resolved from there.
+        raise ScheduleError(f"{run_dir / SCHEDULE_COPY}: the schedule this run was started with is no "
+                            f"longer valid (edited?): {e}") from None
+    old_phases = [p for p in old_planned if p.start_step < done_step]
+    new_phases = [p for p in phases if p.start_step < done_step]
+    changes_done = [d for d in diffs if not d.startswith(HARMLESS)]
+    lr_change = changed_lr(old_loaded, old_planned, loaded, phases, done_step)
+    if lr_change:
+        changes_done.append(lr_change)
+    same_done = [(p.start_step, p.end_step, p.layers) for p in old_phases] == [
+        (p.start_step, p.end_step, p.layers) for p in new_phases]
+    if not same_done:
+        changes_done.append("schedule: phases already run (in part or whole) differ")
+    if changes_done and not force:
+        raise ScheduleError(
+            f"{loaded.source}: differs from the schedule this run was started with "
+            f"({run_dir / SCHEDULE_COPY}) in ways that alter completed work:\n  "
+            + "\n  ".join(diffs + [lr_change] * bool(lr_change)) + "\nuse --force to go on anyway"
+        )

@@ -1,0 +1,270 @@
+"""One phase's group, from its start until all of it is gone, as a small state machine:
+
+    STARTING ─> SWITCHING ─> TRAINING ─> ENDING      (STARTING ─> TRAINING where no switch is kept quiet)
+    SWITCHING, TRAINING, ENDING ─(a stop signal)─> STOPPING
+    any of those four ─(the group ended; a stop's grace is up)─> REAPING ─> DONE | FAILED | PREEMPTED
+
+SWITCHING lasts until the phase's first step is done (or ``launch.pause_preparing_seconds`` are
+up): the pre-warmed phases after the next stay paused (``orchestrator.quiet``), and the phases
+further ahead start only then. ENDING is from the phase's last step on: the successors after the
+next are paused for the coming switch. STOPPING forwards the orchestrator's stop signal to every
+rank, which finishes its step and writes a checkpoint, for ``launch.grace_seconds`` at most.
+REAPING makes sure no process of the group is left; the result is judged after it.
+
+Who follows along (the progress display) is an ``Observer``: it hears every state, the phase's
+stages and every line of metrics.jsonl, which the supervisor reads once for itself and for it.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from launch.contract import RANK, PhaseDir
+
+from orchestrator import procs
+from orchestrator.errors import PhaseFailed, Preempted
+from orchestrator.groups import Group, PhaseProcesses, log_tail
+from orchestrator.journal import JsonlTail
+from orchestrator.quiet import Pauser
+from shard_tools.manifest import newest_valid, verify_checkpoint
+
+POLL_SECONDS = 0.02
+
+
+class State(Enum):
+    STARTING = "starting"
+    SWITCHING = "switching"
+    TRAINING = "training"
+    ENDING = "ending"
+    STOPPING = "stopping"
+    REAPING = "reaping"
+    DONE = "done"
+    FAILED = "failed"
+    PREEMPTED = "preempted"
+
+
+NEXT: dict[State, frozenset[State]] = {
+    State.STARTING: frozenset({State.SWITCHING, State.TRAINING}),
+    State.SWITCHING: frozenset({State.TRAINING, State.STOPPING, State.REAPING}),
+    State.TRAINING: frozenset({State.ENDING, State.STOPPING, State.REAPING}),
+    State.ENDING: frozenset({State.STOPPING, State.REAPING}),
+    State.STOPPING: frozenset({State.REAPING}),
+    State.REAPING: frozenset({State.DONE, State.FAILED, State.PREEMPTED}),
+}
+"""Every transition there is; DONE, FAILED and PREEMPTED are final."""
+
+
+class Observer:
+    """Follows the supervised phases (the progress display); here every method does nothing."""
+
+    def on_state(self, state: State, group: Group) -> None:
+        """``group`` entered ``state`` (STARTING too, right after its ``phase_started`` event)."""
+
+    def on_stage(self, stage: dict) -> None:
+        """A line of the phase's stages.jsonl: what it is doing before its first step."""
+
+    def on_metric(self, record: dict) -> None:
+        """A line appended to the run's metrics.jsonl since the phase started."""
+
+
+@dataclass
+class Context:
+    """What the runner lends the supervisor of every phase."""
+
+    run_dir: Path
+    grace: float
+    """``launch.grace_seconds``."""
+    groups: PhaseProcesses
+    pauser: Pauser
+    event: Callable[..., None]
+    """Journals an event."""
+    stop_signal: Callable[[], int | None]
+    """The stop signal the orchestrator got, if any."""
+    abort: Callable[[list[Group]], None]
+    """Takes pre-warmed groups down, paused ones included."""
+    records: Callable[[Path], dict]
+    """The records a phase directory holds."""
+    observer: Observer = field(default_factory=Observer)
+
+
+def verdict(rc: int, end_whole: Callable[[], bool], stopped: bool) -> State:
+    """How a phase ended: DONE where its processes exited 0 and left its end checkpoint whole
+    (looked at only then), else PREEMPTED where a stop was asked for and FAILED where not."""
+    if rc == 0 and end_whole():
+        return State.DONE
+    return State.PREEMPTED if stopped else State.FAILED
+
+
+class Supervisor:
+    """Supervises one group; ``pending`` are the pre-warmed groups of the next phases, in order,
+    which go down with a phase that failed or stopped. ``ahead`` starts the phases further ahead
+    once the switch into this one is over (None: they were started already)."""
+
+    def __init__(self, context: Context, group: Group, pending: list[Group],
+                 ahead: Callable[[], None] | None = None):
+        self.ctx, self.group, self.pending, self.ahead = context, group, pending, ahead
+        self.work, self.phase = group.work, group.work.phase
+        self.run_dir = context.run_dir
+        self._records = context.records
+        self.state = State.STARTING
+        self.done = group.work.start_step
+        """The global step this phase's rank 0 has logged last."""
+        self.metrics = JsonlTail(self.run_dir / "metrics.jsonl")
+        self.stages = JsonlTail(PhaseDir(group.phase_dir).stages)
+        self.stages.offset = 0  # removed at the phase's spawn: all of it is this attempt's
+        self.stop_at: float | None = None
+        """When the stop signal was first forwarded."""
+        self.signalled: set[int] = set()
+        self.rc: int | None = None
+        self.killed: list[int] = []
+        self.pids: set[int] = set()
+
+    def run(self) -> None:
+        """Returns once the phase is done (``group.end`` and ``group.records`` set); raises
+        Preempted or PhaseFailed (journaled) otherwise."""
+        self._start()
+        try:
+            while self._watch():
+                time.sleep(POLL_SECONDS)
+            self._drain()
+        finally:
+            self._reap()
+        self._settle()
+
+    def _enter(self, state: State) -> None:
+        assert state in NEXT[self.state], f"{self.state} -> {state}"
+        self.state = state
+        self.ctx.observer.on_state(state, self.group)
+
+    # -- the live states, one look every POLL_SECONDS ------------------------------------------
+    def _start(self) -> None:
+        work, ph, group = self.work, self.phase, self.group
+        switching = self.ahead is not None or self.ctx.pauser.active
+        self.ctx.event("phase_started", phase=ph.index, start_step=work.start_step, end_step=ph.end_step,
+                       layers=list(ph.layers), nproc=ph.nproc, pid=group.proc.pid,
+                       restore=str(work.restore) if work.restore else None, prewarmed=group.prewarmed)
+        self.ctx.observer.on_state(State.STARTING, group)
+        self._enter(State.SWITCHING if switching else State.TRAINING)
+
+    def _watch(self) -> bool:
+        """One look at the group: False once it is to be reaped (it ended, or a stop's grace is up)."""
+        if self.group.proc.poll() is not None:
+            return False
+        self._read()
+        if self.state is State.SWITCHING:
+            self._switching()
+        if self.ctx.pauser.overdue():
+            self.ctx.pauser.resume("limit")
+        self.ctx.pauser.stop_new_ranks()
+        if self.state is State.TRAINING:
+            self._training()
+        if self.ctx.stop_signal() is not None and self.state is not State.STOPPING:
+            self._stop()
+        return self._stopping() if self.state is State.STOPPING else True
+
+    def _read(self) -> None:
+        """The phase's new stages and metrics to the observer; the last step it has logged."""
+        for stage in self.stages.new():
+            self.ctx.observer.on_stage(stage)
+        for m in self.metrics.new():
+            self.ctx.observer.on_metric(m)
+            if m.get("phase") == self.phase.index and "loss" in m:
+                self.done = max(self.done, m["step"])
+
+    def _switching(self) -> None:
+        """SWITCHING -> TRAINING once the first step is done, or the pause has lasted long enough."""
+        late = time.time() - self.group.t_start > self.ctx.pauser.limit
+        if self.done > self.work.start_step or late:
+            self.ctx.pauser.resume("limit" if self.done == self.work.start_step else "first_step")
+            self._enter(State.TRAINING)
+            if self.ahead is not None:
+                self.ahead()
+
+    def _training(self) -> None:
+        """TRAINING -> ENDING from the phase's last step on: the successors after the next pause."""
+        if self.done >= self.phase.end_step - 1:
+            self.ctx.pauser.pause(self.pending[1:])
+            self._enter(State.ENDING)
+
+    def _stop(self) -> None:
+        self.stop_at = time.time()
+        self._enter(State.STOPPING)
+        self.ctx.event("stop_requested", phase=self.phase.index, signal=self.ctx.stop_signal())
+
+    def _stopping(self) -> bool:
+        """Forwards the stop to every rank; False once the grace is up."""
+        # Ranks catch SIGTERM, finish their step and write a checkpoint. Launchers do not
+        # forward it, so it goes to every rank directly, also to late starters.
+        ranks = [p for p in procs.recorded(self.group.phase_dir, RANK) if p.pid not in self.signalled]
+        procs.signal_all(ranks, signal.SIGTERM)
+        self.signalled.update(p.pid for p in ranks)
+        return time.time() - self.stop_at <= self.ctx.grace
+
+    def _drain(self) -> None:
+        """What the group did last: the ranks of a stopped phase get the rest of their grace (the
+        launcher may be gone while they still write their checkpoint), then the last lines."""
+        if self.stop_at is not None:
+            psutil.wait_procs(procs.recorded(self.group.phase_dir, RANK),
+                              timeout=max(0.0, self.stop_at + self.ctx.grace - time.time()))
+        self._read()
+
+    # -- after it --------------------------------------------------------------------------
+    def _reap(self) -> None:
+        """REAPING: every process of the group gone, the next phase never left paused."""
+        group, proc, grace = self.group, self.group.proc, self.ctx.grace
+        self._enter(State.REAPING)
+        self.pids = {p.pid for p in procs.recorded(group.phase_dir)}
+        self.killed = procs.reap(group.phase_dir, proc.pid, grace=grace if self.stop_at is None else 1.0)
+        if proc.poll() is None:
+            proc.kill()
+        self.rc = self.ctx.groups.wait(proc, grace)
+        self.ctx.groups.close_go(group)
+        self.ctx.pauser.resume("its_turn", self.pending[:1])
+
+    def _settle(self) -> None:
+        """REAPING -> DONE, FAILED or PREEMPTED."""
+        group, ph, phase_dir, proc = self.group, self.phase, self.group.phase_dir, self.group.proc
+        t_gone = time.time()
+        self.ctx.groups.clean_up(group)
+        if self.killed:
+            self.ctx.event("killed", phase=ph.index, pids=self.killed)
+        group.pids = self.pids
+        records = {**self._records(phase_dir), **getattr(proc, "times", {}), "t_gone": t_gone}
+        end = self.run_dir / "checkpoints" / f"step-{ph.end_step:08d}"
+        state = verdict(self.rc, lambda: not verify_checkpoint(end, checksums=False), self.ctx.stop_signal() is not None)
+        self._enter(state)
+        if state is State.DONE:
+            # Journaled by the runner once the next phase has its go and the checkpoint is durable.
+            group.records, group.end = records, end
+            return
+        self.ctx.abort(self.pending)
+        raise self._preempted() if state is State.PREEMPTED else self._failed(end)
+
+    def _preempted(self) -> Preempted:
+        ph, sig = self.phase, self.ctx.stop_signal()
+        kept, manifest, _ = newest_valid(self.run_dir, checksums=False)
+        step = manifest.global_step if manifest else 0
+        self.ctx.event("preempted", phase=ph.index, step=step, signal=sig, rc=self.rc)
+        return Preempted(f"preempted by signal {sig} in phase {ph.index}; kept: the checkpoint at "
+                        f"step {step} ({kept}); run the same command again to resume" if kept else
+                        f"preempted by signal {sig} in phase {ph.index} before any checkpoint; "
+                        "run the same command again to start over")
+
+    def _failed(self, end: Path) -> PhaseFailed:
+        work, ph, rc = self.work, self.phase, self.rc
+        who, log, reasons = self.ctx.groups.failure(self.group, rc)
+        if rc == 0:
+            who += f", but its checkpoint {end} is missing or incomplete"
+        steps = f"steps {work.start_step}-{ph.end_step - 1}"  # numbered as plan numbers them
+        self.ctx.event("phase_failed", phase=ph.index, rc=rc, log=str(log), reason="; ".join([who, *reasons]),
+                       reasons=reasons)
+        why = "".join(f"\n  {r}" for r in reasons)
+        return PhaseFailed(f"phase {ph.index} ({steps}, layers {list(ph.layers)}) failed: {who}; "
+                          f"earlier checkpoints are intact.{why}\nlast lines of {log}:\n{log_tail(log)}")
