@@ -30,8 +30,8 @@ from orchestrator.schedule import (
     LoadedSchedule, Phase, check_batch, plan_phases, tokenizer_of, validate_schedule,
 )
 from shard_tools.manifest import (
-    CheckpointError, Manifest, checkpoints_dir, fsync_path, is_checkpoint_dir, layer_sources, list_checkpoints,
-    make_durable, needed_by, newest_valid, read_manifest, remove_stray_temporaries, step_of, verify_checkpoint,
+    STEP_DIR_SHAPE, CheckpointError, Manifest, checkpoints_dir, fsync_path, is_checkpoint_dir, layer_sources, list_checkpoints,
+    make_durable, needed_by, newest_valid, read_manifest, remove_stray_temporaries, step_dir_name, step_of, verify_checkpoint,
 )
 
 SCHEDULE_COPY = "schedule.toml"
@@ -235,7 +235,7 @@ class Runner:
             raise ScheduleError(f"{rd}: cannot create the run directory: {e.strerror or e}") from None
         try:
             (tmp / SCHEDULE_COPY).write_text(text)
-            (tmp / "checkpoints").mkdir()
+            checkpoints_dir(tmp).mkdir()
             (tmp / "phases").mkdir()
             if rd.exists():
                 # Only a lock file is there (the rest removed by hand, say): the folder is free
@@ -535,7 +535,7 @@ class Runner:
             self._event("killed", phase=ph.index, pids=killed)
         group.pids = pids
         records = {**self._records(phase_dir), **getattr(proc, "times", {}), "t_gone": t_gone}
-        end = self.run_dir / "checkpoints" / f"step-{ph.end_step:08d}"
+        end = checkpoints_dir(self.run_dir) / step_dir_name(ph.end_step)
         if rc == 0 and not verify_checkpoint(end, checksums=False):
             # Journaled by _after_switch, once the next phase has its go and the checkpoint is durable.
             self.verified.add(end)
@@ -595,7 +595,7 @@ def resume_point(run_dir: Path, given: Path) -> Path:
         raise ScheduleError(f"--resume-from: {run_dir} holds no run to resume")
     if ckpt.parent != checkpoints_dir(run_dir).resolve() or not is_checkpoint_dir(ckpt):
         raise ScheduleError(f"--resume-from: expected a checkpoint of this run "
-                            f"({checkpoints_dir(run_dir)}/step-NNNNNNNN), got {given}")
+                            f"({checkpoints_dir(run_dir)}/{STEP_DIR_SHAPE}), got {given}")
     try:
         faults = [f for src in sorted({ckpt, *layer_sources(run_dir, ckpt).values()}) for f in verify_checkpoint(src)]
     except CheckpointError as e:

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from orchestrator.journal import read_journal
 from shard_tools.checkpoint import write_checkpoint
-from shard_tools.inspect import read_events
 from shard_tools.manifest import Manifest, read_manifest
 from tests.conftest import cli
 from tests.shard_tools.conftest import ckpt, invoke
@@ -27,7 +27,7 @@ def test_run_phase_table(tiny_run):
     report = json.loads(result.stdout)
     assert [(p["index"], p["start_step"], p["end_step"], p["layers"]) for p in report["phases"]] == [
         (0, 0, 10, [0]), (1, 10, 20, [1]), (2, 20, 30, [0])]
-    done = {e["phase"]: e for e in read_events(tiny_run) if e["event"] == "phase_done"}
+    done = {e["phase"]: e for e in read_journal(tiny_run) if e["event"] == "phase_done"}
     for p in report["phases"]:
         assert p["seconds"] == done[p["index"]]["seconds"]
         assert p["nproc"] == 1
