@@ -63,12 +63,12 @@ def run(schedule: Path, output_dir: Path | None, nproc: int | None, force: bool,
 def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides: tuple[str, ...]) -> None:
     """Print the phase table of SCHEDULE and check the file, without starting anything."""
     from orchestrator.display import print_plan
-    from orchestrator.estimate import EstimateError, estimate_plan, format_bytes, parse_size
+    from orchestrator.estimate import EstimateError, estimate_plan, format_bytes, size_option
     from orchestrator.schedule import load_schedule, plan_phases
 
     from orchestrator.datastep import check_data
 
-    device = parse_size(device_memory, "--device-memory") if device_memory is not None else None
+    device = size_option(device_memory, "--device-memory") if device_memory is not None else None
     loaded = load_schedule(schedule, nproc=nproc, overrides=overrides)
     phases = plan_phases(loaded)
     data = check_data(loaded)
@@ -149,8 +149,17 @@ def status(run_dir: Path) -> None:
 @main.command()
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="The PNG to write (default RUN_DIR/report.png).")
-def report(run_dir: Path, out: Path | None) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the phase rows (steps, layers, status, records, switch overhead) as JSON; draw nothing.")
+def report(run_dir: Path, out: Path | None, as_json: bool) -> None:
     """Plot RUN_DIR: loss per step with its phases, memory per phase, overhead per switch."""
-    from orchestrator.report import write_report
+    import json
 
+    from orchestrator.report import history_json, write_report
+
+    if as_json and out is not None:
+        raise click.UsageError("--out draws the report, --json prints it: give one")
+    if as_json:
+        click.echo(json.dumps(history_json(run_dir), indent=2))
+        return
     click.echo(f"report written: {write_report(run_dir, out)}")

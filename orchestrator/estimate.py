@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.errors import ScheduleError
 from orchestrator.schedule import LoadedSchedule, Phase, num_layers_of
+from shard_tools.sizes import parse_size
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ADAM_BYTES = 12
@@ -178,19 +178,12 @@ def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
     return PlanEstimate(phases=out, count=count, unsized=[p for p in persistent if p not in count.head])
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
-
-
-def parse_size(text: str, option: str) -> int:
-    """Bytes from 80GiB, 80GB, 141e9 or 1.5TiB; a ScheduleError naming ``option`` otherwise."""
-    m = _SIZE.fullmatch(text)
-    if m and m.group(2).lower() in _UNITS:
-        size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-        if size > 0:
-            return size
-    raise ScheduleError(f"{option}: expected a size such as 80GiB, 80GB or 141e9 (bytes), got {text!r}")
+def size_option(text: str, option: str) -> int:
+    """Bytes from 80GiB, 80GB, 141e9 or 1.5TiB (``parse_size``); a ScheduleError naming ``option`` otherwise."""
+    size = parse_size(text)
+    if size is None:
+        raise ScheduleError(f"{option}: expected a size such as 80GiB, 80GB or 141e9 (bytes), got {text!r}")
+    return size
 
 
 def format_bytes(n: float) -> str:

@@ -29,7 +29,7 @@ class Journal:
 # The fields that readers (status, report, the runner) take from events, with their types; an
 # event holding one of another type is not one this code wrote, and is skipped like a torn line.
 FIELD_TYPES: dict[str, type] = {"phase": int, "start_step": int, "end_step": int, "step": int, "layers": list,
-                                "records": dict, "reason": str}
+                                "nproc": int, "records": dict, "reason": str}
 REQUIRED = {"phase_started": ("phase", "start_step", "end_step", "layers"), "phase_done": ("phase", "step", "layers"),
             "resumed": ("step",), "preempted": ("step",), "phase_failed": ("phase",)}
 

@@ -2,22 +2,26 @@
 
     orchestrator report runs/tiny                      # writes runs/tiny/report.png
     orchestrator report runs/tiny --out tiny.png
+    orchestrator report runs/tiny --json               # the phase rows as JSON; writes nothing
 
 Three panels: the loss against the global step with the phase boundaries and each phase's
 layers; the memory each phase recorded (device memory on CUDA, the process's RSS elsewhere); and
-the overhead of each switch: the time from the last step of phase k to the first step of phase k+1,
-less one ordinary step of phase k+1. matplotlib (the ``report`` extra) is imported only here.
+the overhead of each switch as ``orchestrator.history`` defines it: the time from the last step of
+phase k to the first step of phase k+1, less one ordinary step of phase k+1, within one go of the
+orchestrator. matplotlib (the ``report`` extra) is imported only here.
 """
 
 from __future__ import annotations
 
+import io
 import json
-import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from orchestrator.errors import RelayerError, ScheduleError
-from orchestrator.journal import JOURNAL, read_journal
+from orchestrator.history import PhaseRow, read_history
+from shard_tools.files import write_atomic
 
 REPORT = "report.png"
 METRICS = "metrics.jsonl"
@@ -27,22 +31,15 @@ NOT_USAGE = {"device_free"}
 
 
 @dataclass
-class PhaseRow:
-    index: int
-    start_step: int
-    end_step: int
-    layers: list[int]
-    records: dict = field(default_factory=dict)
-    """The records of the process that finished the phase; empty while it is not done."""
-
-
-@dataclass
 class RunReport:
     loss: dict[int, float]
     """Global step (steps done) -> mean loss; a step run again after a restart keeps its last value."""
     phases: list[PhaseRow]
-    switch_seconds: dict[int, float]
-    """Phase k+1 -> overhead of the switch into it, for switches measured in one go."""
+
+    @property
+    def switch_seconds(self) -> dict[int, float]:
+        """Phase k+1 -> overhead of the switch into it, for switches measured in one go."""
+        return {p.index: p.switch_seconds for p in self.phases if p.switch_seconds is not None}
 
 
 def read_metrics(run_dir: Path) -> dict[int, float]:
@@ -60,46 +57,18 @@ def read_metrics(run_dir: Path) -> dict[int, float]:
 
 
 def read_run(run_dir: Path) -> RunReport:
-    if not (run_dir / JOURNAL).is_file():
-        raise ScheduleError(f"{run_dir}: not a relayer run directory (no {JOURNAL})")
+    phases = read_history(run_dir).phases
     loss = read_metrics(run_dir)
     if not loss:
         raise ScheduleError(f"{run_dir}: no training steps recorded yet ({run_dir / METRICS} is missing or empty)")
-    phases: dict[int, PhaseRow] = {}
-    switches: dict[int, float] = {}
-    # A switch is measured only when phase k+1's finishing process started straight after phase k
-    # ended, in the same orchestrator: a resume in between would count the downtime.
-    last_done: dict | None = None
-    attempt: tuple[dict, dict | None] | None = None
-    for e in read_journal(run_dir):
-        kind = e["event"]
-        if kind in ("run_started", "resumed"):
-            last_done = None
-        elif kind == "phase_started":
-            row = phases.setdefault(e["phase"], PhaseRow(e["phase"], e["start_step"], e["end_step"], e["layers"]))
-            row.start_step = min(row.start_step, e["start_step"])
-            attempt = (e, last_done)
-            last_done = None
-        elif kind == "phase_done":
-            rec = e.get("records") or {}
-            phases.setdefault(e["phase"], PhaseRow(e["phase"], e["step"], e["step"], e["layers"])).records = rec
-            overhead = _switch_overhead(*attempt, e) if attempt is not None else None
-            if overhead is not None:
-                switches[e["phase"]] = overhead
-            last_done, attempt = e, None
-    return RunReport(loss=loss, phases=[phases[i] for i in sorted(phases)], switch_seconds=switches)
+    return RunReport(loss=loss, phases=phases)
 
 
-def _switch_overhead(started: dict, before: dict | None, done: dict) -> float | None:
-    """Seconds the switch into ``done``'s phase cost, if its process started right as ``before`` ended it."""
-    if before is None or before["phase"] != done["phase"] - 1 or started["start_step"] != before["step"]:
-        return None
-    prev, rec = before.get("records") or {}, done.get("records") or {}
-    times = (prev.get("t_last_step_end"), rec.get("t_first_step_end"), rec.get("step_seconds_median"))
-    if not all(isinstance(t, int | float) for t in times):
-        return None
-    last, first, median = times
-    return first - last - median
+def history_json(run_dir: Path) -> dict[str, Any]:
+    """``orchestrator report --json``: the run's phase rows, switch overheads included, as plain data."""
+    history = read_history(run_dir)
+    return {"path": str(run_dir), "events": history.events, "last_event": history.last_event,
+            "phases": [asdict(p) for p in history.phases]}
 
 
 def memory_series(phases: list[PhaseRow]) -> dict[str, dict[int, float]]:
@@ -172,12 +141,10 @@ def plot(report: RunReport, out: Path, title: str) -> None:
     if len(switches) > 12:
         ax_switch.tick_params(axis="x", labelrotation=90, labelsize=7)
 
-    tmp = out.with_name(f".tmp-{out.name}.{os.getpid()}")
-    try:
-        fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    # Any file's mode (0666 less the umask), as savefig gives; not fsynced: a report is redrawn at will.
+    write_atomic(out, png.getvalue(), mode=0o666, durable=False)
 
 
 def write_report(run_dir: Path, out: Path | None = None) -> Path:

@@ -14,7 +14,7 @@ from orchestrator.groups import Work
 from orchestrator.rundir import SCHEDULE_COPY
 from orchestrator.schedule import Phase
 from shard_tools.manifest import (
-    CheckpointError, Manifest, checkpoints_dir, fsync_path, is_checkpoint_dir, layer_sources, list_checkpoints,
+    STEP_DIR_SHAPE, CheckpointError, Manifest, checkpoints_dir, fsync_path, is_checkpoint_dir, layer_sources, list_checkpoints,
     read_manifest, step_of, verify_checkpoint,
 )
 
@@ -78,7 +78,7 @@ def resume_point(run_dir: Path, given: Path) -> Path:
         raise ScheduleError(f"--resume-from: {run_dir} holds no run to resume")
     if ckpt.parent != checkpoints_dir(run_dir).resolve() or not is_checkpoint_dir(ckpt):
         raise ScheduleError(f"--resume-from: expected a checkpoint of this run "
-                            f"({checkpoints_dir(run_dir)}/step-NNNNNNNN), got {given}")
+                            f"({checkpoints_dir(run_dir)}/{STEP_DIR_SHAPE}), got {given}")
     try:
         faults = [f for src in sorted({ckpt, *layer_sources(run_dir, ckpt).values()}) for f in verify_checkpoint(src)]
     except CheckpointError as e:

@@ -33,7 +33,7 @@ from orchestrator.errors import PhaseFailed, Preempted
 from orchestrator.groups import Group, PhaseProcesses, log_tail
 from orchestrator.journal import JsonlTail
 from orchestrator.quiet import Pauser
-from shard_tools.manifest import newest_valid, verify_checkpoint
+from shard_tools.manifest import checkpoints_dir, newest_valid, step_dir_name, verify_checkpoint
 
 POLL_SECONDS = 0.02
 
@@ -237,7 +237,7 @@ class Supervisor:
             self.ctx.event("killed", phase=ph.index, pids=self.killed)
         group.pids = self.pids
         records = {**self._records(phase_dir), **getattr(proc, "times", {}), "t_gone": t_gone}
-        end = self.run_dir / "checkpoints" / f"step-{ph.end_step:08d}"
+        end = checkpoints_dir(self.run_dir) / step_dir_name(ph.end_step)
         state = verdict(self.rc, lambda: not verify_checkpoint(end, checksums=False), self.ctx.stop_signal() is not None)
         self._enter(state)
         if state is State.DONE:

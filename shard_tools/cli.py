@@ -73,6 +73,8 @@ def inspect(path: Path, as_json: bool) -> None:
     from shard_tools.inspect import inspect_path, render
 
     report = inspect_path(path)
+    for warning in report.get("warnings", []):
+        click.echo(f"shard-tools: warning: {warning}", err=True)
     if as_json:
         _print_json(report)
     else:

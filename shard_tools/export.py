@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from shard_tools.manifest import (
     step_of,
 )
 from shard_tools.model import DTYPES, ModelSpec, build_base_model
+from shard_tools.sizes import parse_size
 from shard_tools.verify import trusted_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -91,7 +91,7 @@ def export(source: Path, out: Path, dtype: str | None = None, force: bool = Fals
     out = Path(out)
     if dtype is not None and dtype not in DTYPES:
         raise InputError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
-    shard_bytes = parse_size(MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
+    shard_bytes = shard_size(MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
     dest = check_out(out, force)
     # A run's own final/ is the one place inside a run an export may go (what a completed run writes).
     own_final = path_kind(Path(source)) == "run" and dest == real_path(Path(source)) / FINAL
@@ -128,19 +128,10 @@ def export(source: Path, out: Path, dtype: str | None = None, force: bool = Fals
     return ckpt
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
-          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
-
-
-def parse_size(value: str | int) -> int:
-    """Bytes of a size such as ``500MB`` or ``5GiB`` (or a plain number of bytes); InputError otherwise."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
-    unit = _UNITS.get(m.group(2).upper()) if m else None
-    try:
-        size = int(float(m.group(1)) * unit) if unit else 0
-    except OverflowError:
-        size = 0
-    if size < 1:
+def shard_size(value: str | int) -> int:
+    """Bytes of ``--max-shard-size`` (``parse_size``); InputError otherwise."""
+    size = parse_size(value)
+    if size is None:
         raise InputError(f"--max-shard-size: {str(value)!r} is not a size such as 500MB or 5GB (a positive number "
                          f"and B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)")
     return size

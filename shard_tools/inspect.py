@@ -1,7 +1,8 @@
 """``shard-tools inspect``: what a run or one checkpoint holds.
 
-Reads only the journal, the manifests and the safetensors headers, never torch, so it answers at
-once however big the run:
+Reads only the manifests and the safetensors headers, never torch, so it answers at once however
+big the run; a run's phases, as its journal records them, come from the control plane
+(``orchestrator report --json``, see ``run_history``):
 
     shard-tools inspect runs/tiny            # phase table
     shard-tools inspect runs/tiny/checkpoints/step-00000030 --json
@@ -9,16 +10,19 @@ once however big the run:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from shard_tools.files import describe, open_regular, regular_fault
 from shard_tools.manifest import (
-    JOURNAL, CheckpointError, list_checkpoints, path_kind, read_manifest, step_of, stray_temporaries,
+    JOURNAL, CheckpointError, InputError, list_checkpoints, path_kind, read_manifest, step_of, stray_temporaries,
     verify_checkpoint,
 )
 
@@ -26,6 +30,8 @@ from shard_tools.manifest import (
 GROUPS = {"head.safetensors": "head", "layers.safetensors": "body", "body_optim.safetensors": "body_optim",
           "state.safetensors": "state"}
 _MAX_HEADER = 100 << 20  # the safetensors library refuses larger headers too
+# The replay reads the journal once; even a run of 100,000 phases takes seconds, never minutes.
+REPLAY_TIMEOUT = 300
 
 
 def tensor_headers(path: Path) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
@@ -141,29 +147,6 @@ def inspect_checkpoint(ckpt: Path) -> dict[str, Any]:
             "bytes": sum(e.size for e in manifest.files.values()), "metadata": metadata, "tensors": tensors}
 
 
-def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    """Every complete journal event. A line that is not one (torn by a writer killed mid-write,
-    or edited by hand) is skipped: the journal informs the report, it does not decide anything."""
-    path = Path(run_dir) / JOURNAL
-    try:
-        fd = open_regular(path)
-    except FileNotFoundError:
-        return []
-    except OSError as e:
-        raise CheckpointError(f"{path}: {describe(e)}") from None
-    with os.fdopen(fd, "rb") as f:
-        lines = f.read().splitlines()
-    events = []
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except (ValueError, RecursionError):  # ValueError: not JSON, or not UTF-8
-            continue
-        if isinstance(event, dict) and isinstance(event.get("event"), str):
-            events.append(event)
-    return events
-
-
 def _checkpoint_summary(ckpt: Path) -> dict[str, Any]:
     entry: dict[str, Any] = {"name": ckpt.name, "step": step_of(ckpt)}
     faults = verify_checkpoint(ckpt, checksums=False)
@@ -175,39 +158,8 @@ def _checkpoint_summary(ckpt: Path) -> dict[str, Any]:
             "complete": not faults, "bytes": sum(e.size for e in m.files.values()), "faults": faults}
 
 
-def _phases(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Phase rows from the journal; a field missing or of the wrong type is unknown rather than a failure."""
-    phases: dict[int, dict[str, Any]] = {}
-    for e in events:
-        kind, index = e.get("event"), _int(e.get("phase"))
-        if index is None or kind not in ("phase_started", "phase_done", "phase_failed", "preempted"):
-            continue
-        p = phases.setdefault(index, _phase_row(index))
-        if kind == "phase_started":
-            starts = [s for s in (p["start_step"], _int(e.get("start_step"))) if s is not None]
-            # A resumed phase starts again mid-way; the phase itself began at its first start.
-            p.update(start_step=min(starts, default=None), end_step=_int(e.get("end_step")),
-                     layers=_layers(e.get("layers")), nproc=_int(e.get("nproc")), status="started",
-                     attempts=p["attempts"] + 1)
-        elif kind == "phase_done":
-            step = _int(e.get("step"))
-            p.update(status="done", end_step=p["end_step"] if step is None else step,
-                     seconds=_number(e.get("seconds")), records=_records(e.get("records")))
-        else:
-            p["status"] = "failed" if kind == "phase_failed" else "preempted"
-    return phases
-
-
-def _int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
 def _number(v: Any) -> float | None:
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
-
-
-def _layers(v: Any) -> list[int] | None:
-    return v if isinstance(v, list) and all(_int(x) is not None for x in v) else None
 
 
 def _records(v: Any) -> dict[str, float]:
@@ -217,34 +169,53 @@ def _records(v: Any) -> dict[str, float]:
 
 def _phase_row(index: int, **known: Any) -> dict[str, Any]:
     return {"index": index, "start_step": None, "end_step": None, "layers": None, "nproc": None,
-            "status": "started", "attempts": 0, "seconds": None, "switch_seconds": None, "records": {}, **known}
+            "status": "started", "attempts": 0, "seconds": None, "switch_seconds": None, "records": {},
+            "resumed": False, **known}
 
 
-def _switch_seconds(prev: dict[str, Any], cur: dict[str, Any]) -> float | None:
-    """From the previous phase's last step to this one's first, less this phase's typical step."""
-    last, first = prev["records"].get("t_last_step_end"), cur["records"].get("t_first_step_end")
-    if last is None or first is None:
-        return None
-    return first - last - (cur["records"].get("step_seconds_median") or 0.0)
+def run_history(run_dir: Path) -> tuple[dict[str, Any] | None, list[str]]:
+    """The run's phases as the control plane replays its journal (``orchestrator report --json``,
+    in a process of its own: this package reads no control-plane events and imports nothing of the
+    orchestrator), and warnings; (None, []) for a run without a journal.
+
+    Without the orchestrator installed, (None, [why]): the checkpoints still tell their phases.
+    """
+    journal = Path(run_dir) / JOURNAL
+    if not journal.exists():
+        return None, []
+    if importlib.util.find_spec("orchestrator") is None:
+        return None, [f"{journal}: not read: the phases' history needs relayer's orchestrator, which is not "
+                      f"installed here; showing what the checkpoints say"]
+    cmd = [sys.executable, "-m", "orchestrator", "report", "--json", "--", str(run_dir)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=REPLAY_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise CheckpointError(f"{journal}: not replayed within {REPLAY_TIMEOUT} s") from None
+    if r.returncode != 0:
+        lines = r.stderr.strip().splitlines() or [f"exit code {r.returncode}"]
+        message = lines[-1].removeprefix("orchestrator: ")
+        raise (InputError if r.returncode == 2 else CheckpointError)(message)
+    try:
+        return json.loads(r.stdout), []
+    except ValueError:
+        raise CheckpointError(f"{journal}: the orchestrator's replay of it is not JSON: {r.stdout[:100]!r}") from None
 
 
 def inspect_run(run_dir: Path) -> dict[str, Any]:
-    events = read_events(run_dir)
-    phases = _phases(events)
+    history, warnings = run_history(run_dir)
+    phases = {p["index"]: {**p, "records": _records(p["records"])} for p in (history or {}).get("phases", [])}
     checkpoints = [_checkpoint_summary(c) for c in list_checkpoints(run_dir)]
     for c in checkpoints:
         if c["phase"] is not None and c["phase"] not in phases:
             # Journal lost or cut short: the manifests still say which phase wrote what.
             phases[c["phase"]] = _phase_row(c["phase"], end_step=c["step"], layers=c["layers"], status="unknown")
     ordered = [phases[i] for i in sorted(phases)]
-    for prev, cur in zip(ordered, ordered[1:]):
-        if cur["index"] == prev["index"] + 1:
-            cur["switch_seconds"] = _switch_seconds(prev, cur)
     for p in ordered:
         p["checkpoints"] = [c for c in checkpoints if c["phase"] == p["index"]]
-    return {"kind": "run", "path": str(run_dir), "events": len(events),
-            "last_event": events[-1].get("event") if events else None, "phases": ordered,
-            "checkpoints": checkpoints, "stray_temporaries": [str(p) for p in stray_temporaries(run_dir)]}
+    return {"kind": "run", "path": str(run_dir), "events": history["events"] if history else 0,
+            "last_event": history["last_event"] if history else None, "phases": ordered,
+            "checkpoints": checkpoints, "stray_temporaries": [str(p) for p in stray_temporaries(run_dir)],
+            "warnings": warnings}
 
 
 def inspect_path(path: Path) -> dict[str, Any]:
@@ -267,6 +238,11 @@ def _or_unknown(value: Any) -> str:
 
 def _seconds(s: float | None) -> str:
     return "-" if s is None else f"{s:.2f} s"
+
+
+def _switch(p: dict[str, Any]) -> str:
+    """The switch cell: the downtime before a resumed phase is no switch, and shown as none."""
+    return "resumed" if p["switch_seconds"] is None and p["resumed"] else _seconds(p["switch_seconds"])
 
 
 def render(report: dict[str, Any], console) -> None:
@@ -304,7 +280,7 @@ def _render_run(r: dict[str, Any], console) -> None:
         last = None if p["end_step"] is None else p["end_step"] - 1
         table.add_row(str(p["index"]), f"{_or_unknown(p['start_step'])}-{_or_unknown(last)}",
                       ",".join(map(str, p["layers"] or [])), _or_unknown(p["nproc"]), p["status"],
-                      _seconds(p["seconds"]), _seconds(p["switch_seconds"]),
+                      _seconds(p["seconds"]), _switch(p),
                       human_bytes(p["records"].get("memory_peak")), ckpts)
     console.print(table)
     for c in r["checkpoints"]:

@@ -26,6 +26,8 @@ JOURNAL = "journal.jsonl"
 FINAL = "final"
 """RUN_DIR/final: the finished run's model, the one export that lives inside its run."""
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+STEP_DIR_SHAPE = "step-NNNNNNNN"
+"""How messages name any checkpoint folder (``step_dir_name`` spells one)."""
 _MAX_MANIFEST = 16 << 20  # a manifest lists a few files; anything near this is not one
 
 
@@ -136,6 +138,7 @@ def _plain_name(name: str) -> bool:
 
 
 def step_dir_name(step: int) -> str:
+    """The name of the checkpoint folder at global step ``step``; every writer and reader spells it here."""
     return f"step-{step:08d}"
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shard_tools.manifest import (
-    CHECKPOINTS, CheckpointError, InputError, Manifest, layer_sources, list_checkpoints, newest_valid, path_kind,
-    read_manifest,
+    CHECKPOINTS, STEP_DIR_SHAPE, CheckpointError, InputError, Manifest, layer_sources, list_checkpoints, newest_valid,
+    path_kind, read_manifest,
     step_of, stray_temporaries, verify_checkpoint,
 )
 
@@ -60,7 +60,7 @@ def trusted_checkpoint(path: Path) -> tuple[Path, Path, Manifest]:
             raise CheckpointError(f"{run_dir}: no whole checkpoint" + "".join(f"\n  {f}" for f in skipped))
     else:
         if step_of(path) is None or path.absolute().parent.name != CHECKPOINTS:
-            raise InputError(f"{path}: not inside a run's {CHECKPOINTS}/ as step-NNNNNNNN; a checkpoint's "
+            raise InputError(f"{path}: not inside a run's {CHECKPOINTS}/ as {STEP_DIR_SHAPE}; a checkpoint's "
                              f"weights compose from its run's earlier checkpoints")
         ckpt = path.absolute()
         run_dir = ckpt.parent.parent

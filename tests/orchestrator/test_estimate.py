@@ -19,7 +19,7 @@ from transformers import (
 from orchestrator.cli import main
 from orchestrator.errors import ScheduleError
 from orchestrator.estimate import (
-    ACTIVATION_VALUES, EstimateError, ParamCount, format_bytes, param_count, parse_size, phase_memory,
+    ACTIVATION_VALUES, EstimateError, ParamCount, format_bytes, param_count, phase_memory, size_option,
 )
 from tests.conftest import ROOT, SEQ, schedule_dict, write_schedule
 
@@ -106,14 +106,15 @@ def test_phase_memory_partitions_by_zero_stage(stage, weights, optimizer, gradie
     ("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("141e9", 141 * 10**9), ("1.5TiB", int(1.5 * 2**40)),
     ("512 MiB", 512 * 2**20), ("80gib", 80 * 2**30), ("4096", 4096), ("1KB", 1000),
 ])
-def test_parse_size(text, size):
-    assert parse_size(text, "--device-memory") == size
+def test_size_option(text, size):
+    assert size_option(text, "--device-memory") == size
 
 
-@pytest.mark.parametrize("text", ["80G", "eighty", "", "-5GiB", "0", "80 GiB GiB", "GiB"])
-def test_parse_size_refuses(text):
+# 1e400GiB: a float overflows to infinity, which is no size (and no traceback).
+@pytest.mark.parametrize("text", ["80G", "eighty", "", "-5GiB", "0", "80 GiB GiB", "GiB", "1e400GiB", "0.1"])
+def test_size_option_refuses(text):
     with pytest.raises(ScheduleError) as e:
-        parse_size(text, "--device-memory")
+        size_option(text, "--device-memory")
     assert str(e.value) == f"--device-memory: expected a size such as 80GiB, 80GB or 141e9 (bytes), got {text!r}"
 
 

@@ -93,3 +93,18 @@ def test_a_run_without_steps(run_copy):
     assert r.stderr == (f"orchestrator: {run_copy}: no training steps recorded yet "
                         f"({run_copy / 'metrics.jsonl'} is missing or empty)\n")
     assert not (run_copy / "report.png").exists()
+
+
+def test_json_prints_the_phases_and_draws_nothing(run_copy):
+    r = invoke("report", run_copy, "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    report = read_run(run_copy)
+    assert [(p["index"], p["start_step"], p["end_step"], p["layers"], p["status"]) for p in out["phases"]] == [
+        (p.index, p.start_step, p.end_step, p.layers, "done") for p in report.phases]
+    assert {p["index"]: p["switch_seconds"] for p in out["phases"] if p["switch_seconds"] is not None} == \
+        report.switch_seconds
+    assert out["last_event"] == "run_done" and not (run_copy / "report.png").exists()
+    both = invoke("report", run_copy, "--json", "--out", run_copy / "r.png")
+    assert both.exit_code == 2 and "--out draws the report, --json prints it: give one" in both.stderr
+    assert not (run_copy / "r.png").exists()

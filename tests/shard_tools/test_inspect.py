@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -12,10 +13,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from orchestrator.journal import read_journal
 from shard_tools.checkpoint import write_checkpoint
-from shard_tools.inspect import read_events
 from shard_tools.manifest import Manifest, read_manifest
-from tests.conftest import cli
+from tests.conftest import ROOT, cli
 from tests.shard_tools.conftest import ckpt, invoke
 
 PHASES = 100
@@ -27,7 +28,7 @@ def test_run_phase_table(tiny_run):
     report = json.loads(result.stdout)
     assert [(p["index"], p["start_step"], p["end_step"], p["layers"]) for p in report["phases"]] == [
         (0, 0, 10, [0]), (1, 10, 20, [1]), (2, 20, 30, [0])]
-    done = {e["phase"]: e for e in read_events(tiny_run) if e["event"] == "phase_done"}
+    done = {e["phase"]: e for e in read_journal(tiny_run) if e["event"] == "phase_done"}
     for p in report["phases"]:
         assert p["seconds"] == done[p["index"]]["seconds"]
         assert p["nproc"] == 1
@@ -81,6 +82,30 @@ def test_inspect_and_verify_do_not_import_torch(tiny_run):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_shard_tools_imports_nothing_of_the_control_plane():
+    # The format package is the lower layer: inspect gets a run's phases from a process, not an import.
+    for path in sorted((ROOT / "shard_tools").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert not {n.split(".")[0] for n in names} & {"orchestrator", "launch"}, (path.name, names)
+
+
+def test_without_the_orchestrator_inspect_shows_the_checkpoints(tiny_run):
+    code = ("import sys\n"
+            "sys.modules['orchestrator'] = None  # as where only the format package is installed\n"
+            "from shard_tools.cli import main\n"
+            f"main(['inspect', {str(tiny_run)!r}, '--json'])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == (f"shard-tools: warning: {tiny_run / 'journal.jsonl'}: not read: the phases' history needs "
+                        f"relayer's orchestrator, which is not installed here; showing what the checkpoints say\n")
+    report = json.loads(r.stdout)
+    assert [(p["index"], p["end_step"], p["layers"], p["status"]) for p in report["phases"]] == [
+        (0, 10, [0], "unknown"), (1, 20, [1], "unknown"), (2, 30, [0], "unknown")]
+    assert (report["events"], report["last_event"]) == (0, None)
 
 
 def _fake_run(root: Path, phases: int) -> Path:

@@ -1,0 +1,113 @@
+"""A run's history replayed from its journal: one row per phase, with the overhead of the switch into it.
+
+The one replay of a run's phases: ``orchestrator report`` plots it, ``orchestrator report --json``
+prints it, and ``shard-tools inspect RUN_DIR`` shows that JSON beside the checkpoints it reads
+itself (the format package reads no control-plane events).
+
+The overhead of the switch into phase k+1 is what changing phases cost the run's wall clock: from
+the end of phase k's last step to the end of phase k+1's first step, less one ordinary step of
+phase k+1 (its median step). It is measured only within one go of the orchestrator: the process
+that finished phase k+1 started where phase k ended, after the orchestrator had seen phase k done.
+Downtime between two goes (a preemption, a kill, a ``--resume-from``) is no switch: a phase
+whose finishing process started after the orchestrator came back has no overhead, and its row
+says ``resumed``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import RelayerError, ScheduleError
+from orchestrator.journal import JOURNAL, read_journal
+from shard_tools.files import regular_fault
+
+
+@dataclass
+class PhaseRow:
+    index: int
+    start_step: int
+    """The global step the phase began at (its first start, however often it was resumed)."""
+    end_step: int
+    layers: list[int]
+    nproc: int | None = None
+    status: str = "started"
+    """started, done, failed or preempted: what the journal says last of the phase."""
+    attempts: int = 0
+    seconds: float | None = None
+    """Wall time of the process group that finished the phase, from its start to its last process gone."""
+    switch_seconds: float | None = None
+    """Overhead of the switch into this phase (see the module's docstring), when measured."""
+    records: dict = field(default_factory=dict)
+    """The records of the process that finished the phase; empty while it is not done."""
+    resumed: bool = False
+    """Its last process group started after the orchestrator resumed the run: the time before is
+    downtime, not a switch."""
+
+
+@dataclass
+class History:
+    phases: list[PhaseRow]
+    events: int
+    last_event: str | None
+
+
+def read_history(run_dir: Path) -> History:
+    """The phases of the run in ``run_dir``, from its journal; ScheduleError if it has none."""
+    path = Path(run_dir) / JOURNAL
+    if not path.exists():
+        raise ScheduleError(f"{run_dir}: not a relayer run directory (no {JOURNAL})")
+    if fault := regular_fault(path):
+        raise RelayerError(f"{path}: {fault}")
+    events = read_journal(run_dir)
+    return History(phases=replay(events), events=len(events), last_event=events[-1]["event"] if events else None)
+
+
+def replay(events: list[dict[str, Any]]) -> list[PhaseRow]:
+    """Phase rows from journal events (as ``read_journal`` returns them), in phase order."""
+    phases: dict[int, PhaseRow] = {}
+    # The phase_done this orchestrator saw last, while the next phase's process may still start
+    # from it; None after a (re)start of the orchestrator and once a process has started.
+    last_done: dict | None = None
+    after_resume = False
+    attempt: tuple[dict, dict | None] | None = None
+    for e in events:
+        kind = e["event"]
+        if kind in ("run_started", "resumed"):
+            last_done, after_resume = None, kind == "resumed"
+        elif kind == "phase_started":
+            row = phases.setdefault(e["phase"], PhaseRow(e["phase"], e["start_step"], e["end_step"], e["layers"]))
+            row.start_step = min(row.start_step, e["start_step"])
+            row.end_step, row.layers, row.nproc = e["end_step"], e["layers"], e.get("nproc")
+            row.status, row.attempts, row.resumed = "started", row.attempts + 1, after_resume
+            attempt, last_done, after_resume = (e, last_done), None, False
+        elif kind == "phase_done":
+            row = phases.setdefault(e["phase"], PhaseRow(e["phase"], e["step"], e["step"], e["layers"]))
+            row.status, row.end_step, row.records = "done", e["step"], e.get("records") or {}
+            row.seconds = _finite(e.get("seconds"))
+            row.switch_seconds = switch_overhead(*attempt, e) if attempt is not None else None
+            last_done, attempt = e, None
+        elif kind in ("phase_failed", "preempted") and e.get("phase") in phases:
+            phases[e["phase"]].status = "failed" if kind == "phase_failed" else "preempted"
+    return [phases[i] for i in sorted(phases)]
+
+
+def switch_overhead(started: dict, before: dict | None, done: dict) -> float | None:
+    """Seconds the switch into ``done``'s phase cost, if the process that finished it (``started``)
+    started where ``before``, the previous phase's phase_done in the same go, ended; else None."""
+    if before is None or before["phase"] != done["phase"] - 1 or started["start_step"] != before["step"]:
+        return None
+    prev, rec = before.get("records") or {}, done.get("records") or {}
+    times = [_finite(t) for t in (prev.get("t_last_step_end"), rec.get("t_first_step_end"),
+                                  rec.get("step_seconds_median"))]
+    if None in times:
+        return None
+    last, first, median = times
+    return first - last - median
+
+
+def _finite(value: Any) -> float | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return value if ok else None
