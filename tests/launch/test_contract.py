@@ -4,8 +4,7 @@ import math
 
 import pytest
 
-from launch.phase import lr_at
-from launch.contract import OptimizerPart
+from launch.contract import OptimizerPart, lr_at
 
 
 def opt(kind: str, warmup: int = 0) -> OptimizerPart:
