@@ -45,7 +45,9 @@ def test_prepared_write_equals_plain_write(tmp_path):
     for name, t in list(files[HEAD].items())[:2]:
         prepared.views[HEAD][name].copy_(t)
         files[HEAD][name] = prepared.views[HEAD][name]
-    fast = write_checkpoint(tmp_path / "b", manifest(5), files, META, prepared=prepared).path
+    written = write_checkpoint(tmp_path / "b", manifest(5), files, META, prepared=prepared)
+    fast = written.path
+    assert set(written.timing) == {"write", "fsync"} and all(v >= 0 for v in written.timing.values())
     for f in (HEAD, LAYERS, STATE):
         assert (plain / f).read_bytes() == (fast / f).read_bytes(), f
     assert verify_checkpoint(fast) == []
