@@ -65,7 +65,7 @@ def head_and_layer(name: str, layer: int) -> bool:
 
 
 def deepspeed_config(setup: dict, trainable_numel: int) -> dict:
-    """What ``launch.phase.deepspeed_config`` builds for the same schedule (buckets sized the same)."""
+    """What ``launch.prepare.deepspeed_config`` builds for the same schedule (buckets sized the same)."""
     bucket = int(min(5e8, max(5e5, trainable_numel)))
     return {
         "train_batch_size": setup["batch_size"],
@@ -179,7 +179,7 @@ def load_model(path: str, dtype: str):
 def run_inprocess(setup: dict) -> None:
     import torch
 
-    from launch.phase import memory_now  # measured exactly as relayer's phases measure, so the ways compare
+    from launch.prepare import memory_now  # measured exactly as relayer's phases measure, so the ways compare
 
     way_dir = Path(setup["work_dir"]) / "inprocess"
     way_dir.mkdir(parents=True, exist_ok=True)
@@ -210,7 +210,7 @@ def run_inprocess(setup: dict) -> None:
 def run_naive(setup: dict, k: int) -> None:
     import torch
 
-    from launch.phase import memory_now
+    from launch.prepare import memory_now
 
     way_dir = Path(setup["work_dir"]) / "naive"
     way_dir.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,8 @@ from launch.commands import rank_env_from_slurm
 from launch.contract import PhaseSpec
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], prebuilt: dict | None = None) -> int:
+    """``prebuilt``: base models built before this process was forked (``launch.zygote``)."""
     spec = PhaseSpec.read(argv[1])
     if spec.launcher == "slurm":
         os.environ.update(rank_env_from_slurm(os.environ))
@@ -40,7 +41,7 @@ def main(argv: list[str]) -> int:
     try:
         from launch.phase import run_phase
 
-        return run_phase(spec, rank, world, stop)
+        return run_phase(spec, rank, world, stop, prebuilt)
     except procs.PhaseError as e:
         procs.report_error(Path(spec.phase_dir), rank, e)
         print(f"rank {rank}: {e}", file=sys.stderr)

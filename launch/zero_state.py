@@ -17,6 +17,8 @@ from torch import nn
 from launch.staging import Staging
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# The roles of a phase's param groups (``launch.prepare.param_groups``): Adam's step is per group.
+HEAD_DECAY, HEAD_NO_DECAY, BODY_DECAY, BODY_NO_DECAY = range(4)
 
 
 def flat_partitions(engine) -> list[tuple[torch.Tensor, int]]:

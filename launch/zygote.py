@@ -45,8 +45,9 @@ class Zygote:
 
         self.threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        from launch import phase  # the heavy imports: torch, deepspeed, transformers
-        from shard_tools.model import ModelSpec
+        from launch import phase  # noqa: F401 - the heavy imports: torch, deepspeed, transformers
+        from launch.prepare import model_key
+        from shard_tools.model import ModelSpec, build_base_model
 
         for name in WARM_IMPORTS:
             try:
@@ -59,8 +60,8 @@ class Zygote:
 
         m = spec.model
         model_spec = ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=spec.seed)
-        self.model = phase.build_base_model(model_spec)
-        self.key = phase.model_key(model_spec)
+        self.model = build_base_model(model_spec)
+        self.key = model_key(model_spec)
         self.children: dict[int, tuple[PhaseDir, int]] = {}
         self.lock = threading.Lock()
 
@@ -101,11 +102,10 @@ class Zygote:
                               LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec.master_port))
             import torch
 
-            from launch import phase, worker
+            from launch import worker
 
             torch.set_num_threads(max(1, self.threads // nproc))
-            phase.PREBUILT[self.key] = self.model
-            rc = worker.main([sys.argv[0], spec_path])
+            rc = worker.main([sys.argv[0], spec_path], prebuilt={self.key: self.model})
         except SystemExit as e:
             rc = e.code if isinstance(e.code, int) else 1
         except BaseException:

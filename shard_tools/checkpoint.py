@@ -19,6 +19,7 @@ import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -38,8 +39,12 @@ STATE = "state.safetensors"
 OPTIM_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
-last_write_timing: dict[str, float] = {}
-"""Seconds the last ``write_checkpoint`` of this process spent writing, fsyncing, waiting for hashes."""
+class Written(NamedTuple):
+    """What ``write_checkpoint`` wrote: the checkpoint dir, and the seconds it spent writing,
+    fsyncing and waiting for hashes (by what)."""
+
+    path: Path
+    timing: dict[str, float]
 
 
 def write_checkpoint(
@@ -49,8 +54,9 @@ def write_checkpoint(
     metadata: dict[str, dict[str, str]] | None = None,
     durable: bool = True,
     prepared: PreparedFiles | None = None,
-) -> Path:
-    """Writes ``files`` (file name -> tensors) and then the manifest; returns the checkpoint dir.
+) -> Written:
+    """Writes ``files`` (file name -> tensors) and then the manifest; returns the checkpoint dir
+    and the time spent (``Written``).
 
     ``durable=False`` leaves the fsyncs to the caller's process (``manifest.make_durable``): a
     phase-end checkpoint is made durable by the orchestrator while the next phase starts. Until
@@ -89,8 +95,7 @@ def write_checkpoint(
     os.replace(tmp, final)
     if durable:
         fsync_path(root)
-    last_write_timing.update(timing)
-    return final
+    return Written(final, timing)
 
 
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",

@@ -125,7 +125,7 @@ def _fake_run(root: Path, phases: int) -> Path:
             run, manifest,
             {"head.safetensors": {"master/model.norm.weight": torch.full((4,), float(k))},
              "layers.safetensors": {f"model.layers.{layer}.w": torch.zeros(2, 2)}},
-            {"layers.safetensors": {"layers": str(layer), "layers_prefix": "model.layers"}})
+            {"layers.safetensors": {"layers": str(layer), "layers_prefix": "model.layers"}}).path
         events.append({"event": "checkpoint_committed", "step": end, "path": str(path), "time": t0 + 9})
         events.append({"event": "phase_done", "phase": k, "step": end, "layers": [layer], "nproc": 2, "seconds": 9.0,
                        "records": {"t_process_start": t0 + 1, "t_first_step_end": t0 + 3, "t_last_step_end": t0 + 8,

@@ -38,14 +38,16 @@ META = {LAYERS: {"layers": "1", "layers_prefix": "layers"}}
 
 def test_prepared_write_equals_plain_write(tmp_path):
     files = tensors(0)
-    plain = write_checkpoint(tmp_path / "a", manifest(5), files, META)
+    plain = write_checkpoint(tmp_path / "a", manifest(5), files, META).path
     prepared = PreparedFiles(tmp_path / "b", layouts(files), META)
     assert prepared.dir.name.startswith(".tmp-prepared.")
     # Half of the head goes in through its views (as the GPU gather does), the rest is copied.
     for name, t in list(files[HEAD].items())[:2]:
         prepared.views[HEAD][name].copy_(t)
         files[HEAD][name] = prepared.views[HEAD][name]
-    fast = write_checkpoint(tmp_path / "b", manifest(5), files, META, prepared=prepared)
+    written = write_checkpoint(tmp_path / "b", manifest(5), files, META, prepared=prepared)
+    fast = written.path
+    assert set(written.timing) == {"write", "fsync"} and all(v >= 0 for v in written.timing.values())
     for f in (HEAD, LAYERS, STATE):
         assert (plain / f).read_bytes() == (fast / f).read_bytes(), f
     assert verify_checkpoint(fast) == []
@@ -59,7 +61,7 @@ def test_prepared_files_a_write_does_not_take_are_dropped(tmp_path):
     files = tensors(1)
     prepared = PreparedFiles(tmp_path, layouts(files), META)
     del files[LAYERS]
-    path = write_checkpoint(tmp_path, manifest(3), files, META, prepared=prepared)
+    path = write_checkpoint(tmp_path, manifest(3), files, META, prepared=prepared).path
     assert sorted(p.name for p in path.iterdir()) == [HEAD, "manifest.json", STATE]
     assert verify_checkpoint(path) == []
 
@@ -69,7 +71,7 @@ def test_prepared_that_does_not_fit_is_discarded(tmp_path):
     prepared = PreparedFiles(tmp_path, layouts(tensors(2)), META)
     files[HEAD]["master/norm"] = torch.zeros(71)  # another shape than prepared
     files[LAYERS]["layers.1.w"] = torch.zeros(70, 70, dtype=torch.bfloat16)
-    path = write_checkpoint(tmp_path, manifest(4), files, META, prepared=prepared)
+    path = write_checkpoint(tmp_path, manifest(4), files, META, prepared=prepared).path
     assert not prepared.dir.exists()
     assert torch.equal(load_file(path / HEAD)["master/norm"], torch.zeros(71))
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000004"]
@@ -96,7 +98,7 @@ except CheckpointError as e:
 
 def test_map_tensors_reads_what_was_written_and_never_writes_the_file(tmp_path):
     files = tensors(3)
-    path = write_checkpoint(tmp_path, manifest(1), files, META)
+    path = write_checkpoint(tmp_path, manifest(1), files, META).path
     before = (path / HEAD).read_bytes()
     mapped = map_tensors(path / HEAD)
     assert mapped.keys() == files[HEAD].keys()
@@ -109,7 +111,7 @@ def test_map_tensors_reads_what_was_written_and_never_writes_the_file(tmp_path):
 
 def test_map_tensors_names_a_damaged_file(tmp_path):
     files = tensors(4)
-    path = write_checkpoint(tmp_path, manifest(1), files, META)
+    path = write_checkpoint(tmp_path, manifest(1), files, META).path
     head = path / HEAD
     data = head.read_bytes()
     head.write_bytes(data[:-100])
@@ -140,7 +142,7 @@ def test_map_tensors_without_populate_maps_pages_only_when_asked(tmp_path):
 
     g = torch.Generator().manual_seed(6)
     big = {HEAD: {"master/w": torch.randn(2_000_000, generator=g), "exp_avg/w": torch.randn(2_000_000, generator=g)}}
-    path = write_checkpoint(tmp_path, manifest(2), big)
+    path = write_checkpoint(tmp_path, manifest(2), big).path
     lazy = map_tensors(path / HEAD, populate=False)
     moments = lazy["exp_avg/w"]
     assert _rss_kb(moments.data_ptr()) < 1000  # 16 MB mapped, nothing of it in this process yet

@@ -1,0 +1,166 @@
+"""Training a phase: its steps to the phase end (or a stop), the evaluations, the metrics each
+logs, and the check that stops a run whose loss or gradients went non-finite."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psutil
+import torch
+
+from launch import procs
+from launch.contract import lr_at
+from launch.data import micro_batch, rows, step_targets
+from launch.save import prepare_files, save
+
+if TYPE_CHECKING:
+    from launch.phase import Phase
+
+
+class NonFinite(procs.PhaseError):
+    """The loss or the gradient norm of a step is inf or NaN: training on would make garbage."""
+
+
+def check_finite(phase: int, step: int, loss: float, bad_norm: bool, norm) -> None:
+    """Raises NonFinite naming the phase and the step (numbered as ``orchestrator plan`` does)."""
+    what = ([] if math.isfinite(loss) else [f"the loss is {loss}"]) + ([f"the gradient norm is {norm}"] if bad_norm else [])
+    if what:
+        raise NonFinite(f"phase {phase}, step {step}: {' and '.join(what)}; stopped there, nothing of this step "
+                        "or after it is saved")
+
+
+def train(ph: Phase, stop: dict) -> bool:
+    """Runs to the phase end; returns False when a stop was requested (a checkpoint follows)."""
+    spec, d = ph.spec, ph.spec.data
+    metrics = ph.run_dir / "metrics.jsonl"
+    step_times: list[float] = []
+    ph.step = spec.start_step
+    # For the tests: a pre-warmed phase's switch made this much longer (its first step starts late).
+    if spec.prewarm and (hold := float(os.environ.get("RELAYER_TEST_HOLD_FIRST_STEP", 0))):
+        time.sleep(hold)
+    ph.stage("first step")
+    while ph.step < spec.end_step:
+        stop_asked = _step(ph, stop, metrics, step_times)
+        if d.eval_every and ph.step % d.eval_every == 0:
+            evaluate(ph, metrics)
+        if stop_asked and ph.step < spec.end_step:
+            return False
+        if spec.every_steps and ph.step % spec.every_steps == 0 and ph.step < spec.end_step:
+            save(ph, phase_complete=False)
+            ph.prepared = prepare_files(ph)  # for the next one
+    ph.timeline.mark("t_last_step_end")
+    ph.timeline.add(step_seconds_median=statistics.median(step_times[1:] or step_times) if step_times else None,
+                    memory_peak=(torch.cuda.max_memory_allocated() if torch.cuda.is_available()
+                                 else psutil.Process().memory_info().rss))
+    return True
+
+
+def _step(ph: Phase, stop: dict, metrics: Path, step_times: list[float]) -> bool:
+    """One optimizer step, checked and logged; returns whether any rank was asked to stop."""
+    spec, d = ph.spec, ph.spec.data
+    t0 = time.perf_counter()
+    lr = lr_at(ph.step, spec.optimizer)
+    for g in ph.engine.optimizer.optimizer.param_groups:
+        g["lr"] = lr
+    loss_sum = 0.0
+    # The step's loss is its summed token loss over N_global, its target tokens on every
+    # rank. DeepSpeed divides each micro-batch's loss by the accumulation steps and averages
+    # gradients over ranks, so micro-batch m's mean is scaled by c_m * gas * world / N_global
+    # (exactly 1.0 with full rows: the results of unmasked data are as before). A step with
+    # no target tokens at all has zero gradients and is still an optimizer step (Adam's
+    # moments carry on, the step counts); its loss is logged as 0.0 with target_tokens 0.
+    n_global = step_targets(ph.examples, ph.order, ph.step, d.batch_size)
+    for micro in range(ph.gas):
+        batch = micro_batch(ph.examples, ph.order, ph.step, d.batch_size, micro, ph.rank, ph.world,
+                            d.micro_batch_size)
+        mean, count = token_loss(ph.engine, batch, ph.device)
+        loss = mean * (count * ph.gas * ph.world / n_global) if n_global else mean
+        ph.engine.backward(loss)
+        ph.engine.step()
+        loss_sum += loss.item()
+    ph.step += 1
+    # One small collective a step: the mean loss, whether any rank was asked to stop, and
+    # whether any saw a non-finite gradient norm (fp16's loss scaler skips those steps).
+    norm = ph.engine.get_global_grad_norm()
+    bad_norm = norm is not None and not ph.engine.fp16_enabled() and not math.isfinite(float(norm))
+    flags = torch.tensor([loss_sum / ph.gas, 1.0 if stop["signal"] else 0.0, float(bad_norm)], device=ph.device)
+    torch.distributed.all_reduce(flags)
+    # Every rank decides on the reduced values, so all stop at the same step, before it is logged or saved.
+    check_finite(spec.phase, ph.step - 1, flags[0].item() / ph.world, flags[2].item() > 0, norm)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    step_times.append(dt)
+    if ph.step == spec.start_step + 1:
+        ph.timeline.mark("t_first_step_end")  # before the orchestrator can see the step
+        ph.timeline.add(nice=os.getpriority(os.PRIO_PROCESS, 0))  # the priority it trains at
+        if ph.staging is not None:
+            ph.staging.unregister_later()  # the host weights are on the device: unpinned off the switch
+    if ph.rank == 0:
+        log(ph, metrics, {
+            "time": time.time(), "step": ph.step, "phase": spec.phase, "layers": spec.layers,
+            "loss": flags[0].item() / ph.world, "lr": lr, "step_seconds": dt,
+            "tokens_per_s": d.batch_size * d.seq_len / dt, "target_tokens": n_global,
+        })
+    return flags[1].item() > 0
+
+
+def evaluate(ph: Phase, metrics: Path) -> None:
+    """Mean token loss over every target token of the validation rows, split over the ranks.
+    Every rank runs the same number of forward passes (ZeRO-3 gathers parameters
+    collectively); padding ones weigh 0."""
+    val, mb = ph.validation, ph.spec.data.micro_batch_size
+    per_round = mb * ph.world
+    total = torch.zeros(2, device=ph.device, dtype=torch.float64)
+    ph.engine.eval()
+    with torch.no_grad():
+        for first in range(0, len(val), per_round):
+            idx = list(range(first + ph.rank * mb, min(first + (ph.rank + 1) * mb, len(val))))
+            mean, count = token_loss(ph.engine, rows(val, idx or [0]), ph.device)
+            if idx:
+                total += torch.stack([mean.double() * count, torch.tensor(float(count), device=ph.device,
+                                                                          dtype=torch.float64)])
+    ph.engine.train()
+    torch.distributed.all_reduce(total)
+    if ph.rank == 0 and total[1] > 0:
+        log(ph, metrics, {"time": time.time(), "step": ph.step, "phase": ph.spec.phase,
+                          "eval_loss": (total[0] / total[1]).item()})
+
+
+def log(ph: Phase, metrics: Path, record: dict) -> None:
+    """One line of metrics.jsonl (rank 0), and the same scalars to TensorBoard when asked for."""
+    with open(metrics, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if ph.spec.tensorboard:
+        if ph.tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            ph.tb = SummaryWriter(str(ph.run_dir / "tensorboard"))
+        for key in ("loss", "eval_loss", "lr", "tokens_per_s", "step_seconds"):
+            if key in record:
+                ph.tb.add_scalar(key, record[key], record["step"], walltime=record["time"])
+        ph.tb.flush()
+    if ph.spec.wandb:
+        if ph.wandb is None:
+            from launch.report_wandb import WandbReport
+
+            ph.wandb = WandbReport(ph.run_dir, ph.spec.phase, {"layers": ph.spec.layers, "seed": ph.spec.seed})
+        ph.wandb.log(record)
+
+
+def token_loss(engine, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
+    """(the mean token loss of a micro-batch, its target tokens), the model's own loss with the
+    batch's labels. Without targets the mean is 0 times the logits: a zero gradient, but every
+    parameter's backward hook still runs (ZeRO reduces gradients in them, collectively)."""
+    count = int((batch["labels"][:, 1:] != -100).sum())
+    batch = {k: v.to(device) for k, v in batch.items()}
+    if count:
+        return engine(**batch).loss, count
+    logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return logits.sum() * 0.0, 0
