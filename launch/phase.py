@@ -25,7 +25,7 @@ import transformers
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from launch import procs, zero_state
+from launch import faults, procs, zero_state
 from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.data import SampleOrder, load_examples, micro_batch, prepare, rows, step_targets
 from launch.scaler import restore_scaler, scaler_tensors
@@ -458,9 +458,7 @@ class Phase:
         metrics = self.run_dir / "metrics.jsonl"
         step_times: list[float] = []
         self.step = spec.start_step
-        # For the tests: a pre-warmed phase's switch made this much longer (its first step starts late).
-        if spec.prewarm and (hold := float(os.environ.get("RELAYER_TEST_HOLD_FIRST_STEP", 0))):
-            time.sleep(hold)
+        faults.point("phase.first_step", prewarm=spec.prewarm)
         self._stage("first step")
         while self.step < spec.end_step:
             t0 = time.perf_counter()
@@ -615,7 +613,8 @@ class Phase:
         prepared, self.prepared = self.prepared, None
         # A phase end is made durable by the orchestrator, after the next phase has its go.
         path = write_checkpoint(self.run_dir, manifest, files, self._file_metadata(), durable=not phase_complete,
-                                prepared=prepared)
+                                prepared=prepared,
+                                on_file_written=lambda name: faults.point("checkpoint.file_written", name=name))
         self.records.setdefault("checkpoints", []).append(
             {"step": self.step, "gather_seconds": t_gathered - t0, "write_seconds": time.time() - t_gathered,
              "prepared": prepared is not None, **{f"{k}_seconds": v for k, v in last_write_timing.items()},
