@@ -54,7 +54,7 @@ def inspect(req: dict[str, Any]) -> dict[str, Any]:
 def check(data: DataPart, cache: Path, vocab_size: int | None) -> None:
     """Rows that the model can take: every token id and target below its vocabulary size (the first
     offending record named where rows are records). ``seq_len`` against the model's positions is
-    the schedule's check (``orchestrator.schedule``), made before this runs."""
+    the schedule's check (``orchestrator.validate``), made before this runs."""
     import numpy as np
 
     from launch.data import load_examples

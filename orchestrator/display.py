@@ -19,7 +19,8 @@ from orchestrator.errors import ScheduleError
 from orchestrator.estimate import PlanEstimate, format_bytes
 from orchestrator.journal import JsonlTail, read_journal
 from orchestrator.pace import Pace, clock
-from orchestrator.schedule import LoadedSchedule, Phase, plan_phases
+from orchestrator.plan import plan_phases
+from orchestrator.schedule import LoadedSchedule, Phase
 
 # Off a terminal, lines are logs: never wrap them (rich would at 80 columns).
 console = Console(stderr=True, soft_wrap=True)

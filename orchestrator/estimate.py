@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.errors import ScheduleError
-from orchestrator.schedule import LoadedSchedule, Phase, num_layers_of
+from orchestrator.modelcheck import num_layers_of
+from orchestrator.schedule import LoadedSchedule, Phase
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ADAM_BYTES = 12

@@ -26,9 +26,9 @@ from orchestrator.groups import GO_FIFO, Group, PhaseProcesses, Work, log_tail
 from orchestrator.errors import PhaseFailed, Preempted, RelayerError, RunLocked, ScheduleError
 from orchestrator.journal import Journal, JsonlTail
 from orchestrator.quiet import Pauser
-from orchestrator.schedule import (
-    LoadedSchedule, Phase, check_batch, plan_phases, tokenizer_of, validate_schedule,
-)
+from orchestrator.plan import check_batch, plan_phases
+from orchestrator.schedule import LoadedSchedule, Phase
+from orchestrator.validate import tokenizer_of, validate_schedule
 from shard_tools.manifest import (
     CheckpointError, Manifest, checkpoints_dir, fsync_path, is_checkpoint_dir, layer_sources, list_checkpoints,
     make_durable, needed_by, newest_valid, read_manifest, remove_stray_temporaries, step_of, verify_checkpoint,

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from orchestrator.cli import main
 from orchestrator.runner import SCHEDULE_COPY, Runner
-from orchestrator.schedule import load_schedule
+from orchestrator.validate import load_schedule
 from tests.conftest import schedule_dict, write_schedule
 from tests.orchestrator.test_cli_plan import table_rows
 

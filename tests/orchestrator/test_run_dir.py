@@ -16,7 +16,7 @@ from orchestrator.cli import main
 from orchestrator.errors import RunLocked
 from orchestrator.journal import JsonlTail, read_journal
 from orchestrator.runner import LOCK, RunLock, Runner
-from orchestrator.schedule import load_schedule
+from orchestrator.validate import load_schedule
 from tests.conftest import cli, schedule_dict, write_schedule
 
 
