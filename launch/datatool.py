@@ -19,8 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launch.dataprep import IGNORE, TOKENIZER_FILES, DataError, _where, load_tokenizer, prepare, read_stats
+from launch.dataprep import IGNORE, DataError, _where, load_tokenizer, prepare, read_stats
 from launch.contract import DataPart
+from shard_tools.tokenizer import TOKENIZER_FILES
 
 
 def inspect(req: dict[str, Any]) -> dict[str, Any]:

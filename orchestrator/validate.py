@@ -18,6 +18,7 @@ from orchestrator.modelcheck import (
 )
 from orchestrator.plan import MAX_PHASES, check_batch, plan_phases
 from orchestrator.schedule import DataSection, LoadedSchedule, ModelSection, Schedule, _format_validation
+from shard_tools.tokenizer import MAIN_FILES
 
 def _non_finite(raw: dict[str, Any]) -> list[tuple[str, float]]:
     """(dotted key, value) of every inf and nan in a parsed schedule, however deep."""
@@ -33,8 +34,6 @@ def _non_finite(raw: dict[str, Any]) -> list[tuple[str, float]]:
     return sorted(found)
 
 
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -176,7 +175,7 @@ def _check_tokenizer(sched: Schedule, base: Path, source: Path) -> None:
     if tokenizer_path is None:
         raise ScheduleError(f'{source}: {key}: data.format = "{sched.data.format}" needs a tokenizer, but '
                             "there is none (model.config has no files)")
-    if not any((tokenizer_path / f).is_file() for f in TOKENIZER_FILES):
+    if not any((tokenizer_path / f).is_file() for f in MAIN_FILES):
         raise ScheduleError(f'{source}: {key}: data.format = "{sched.data.format}" needs a tokenizer: expected '
                             f"tokenizer.json or tokenizer_config.json in {tokenizer_path}")
 
