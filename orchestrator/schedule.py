@@ -424,6 +424,6 @@ def _plain(err: dict[str, Any]) -> tuple[str, str]:
     return key, err["msg"].removeprefix("Value error, ")
 
 
-def _format_validation(err: ValidationError, source: Path) -> str:
+def format_validation(err: ValidationError, source: Path) -> str:
     return "\n".join(f"{source}: {key or '(top level)'}: {msg}" for key, msg in map(_plain, err.errors()))
 

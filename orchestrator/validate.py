@@ -17,8 +17,9 @@ from orchestrator.modelcheck import (
     check_weights, need_file, num_layers_of, path_is, path_kind, position_limit, read_model_config, resolve_path,
 )
 from orchestrator.plan import MAX_PHASES, check_batch, plan_phases
-from orchestrator.schedule import DataSection, LoadedSchedule, ModelSection, Schedule, _format_validation
+from orchestrator.schedule import DataSection, LoadedSchedule, ModelSection, Schedule, format_validation
 from shard_tools.tokenizer import MAIN_FILES
+
 
 def _non_finite(raw: dict[str, Any]) -> list[tuple[str, float]]:
     """(dotted key, value) of every inf and nan in a parsed schedule, however deep."""
@@ -32,8 +33,6 @@ def _non_finite(raw: dict[str, Any]) -> list[tuple[str, float]]:
         elif isinstance(value, list):
             todo.extend((f"{key}[{i}]", v) for i, v in enumerate(value))
     return sorted(found)
-
-
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -119,7 +118,7 @@ def _parse(raw: dict[str, Any], source: Path, nproc: int | None) -> Schedule:
     try:
         return Schedule.model_validate(raw)
     except ValidationError as e:
-        raise ScheduleError(_format_validation(e, source)) from None
+        raise ScheduleError(format_validation(e, source)) from None
 
 
 def _check_model(sched: Schedule, base: Path, source: Path) -> tuple[Path | None, int]:
