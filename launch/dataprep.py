@@ -33,14 +33,13 @@ from typing import Any
 import numpy as np
 
 from launch.contract import DataPart, is_template_path
+from launch.rows import IGNORE, pack, pad, ragged
+from shard_tools.tokenizer import TOKENIZER_FILES
 
 CACHE_VERSION = 1
 """Part of every cache key: bump it when the rows prepared from the same input change."""
 ROWS, STATS = "rows.safetensors", "stats.json"
-IGNORE = -100
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow", ".txt")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "chat_template.jinja", "chat_template.json")
 ALPACA = ("Below is an instruction that describes a task{context}. Write a response that appropriately completes "
           "the request.\n\n### Instruction:\n{instruction}\n\n{input}### Response:\n")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -154,11 +153,11 @@ def _build(data: DataPart, tokenizer: str | None, out: Path) -> None:
     if bad:
         i = bad[0]
         raise DataError(enc[i]["error"], str(path), **_where(path, i))
-    ids, lengths = _ragged(enc, "input_ids")
-    labels, _ = _ragged(enc, "labels")
+    ids, lengths = ragged(enc, "input_ids")
+    labels, _ = ragged(enc, "labels")
     stats: dict[str, Any] = {"format": data.format, "pack": data.packs, "seq_len": data.seq_len,
                              "source": str(path), "examples": len(ds), "tokens": int(lengths.sum())}
-    input_ids, row_labels, row_lengths = (_pack if data.packs else _pad)(ids, labels, lengths, data.seq_len, stats)
+    input_ids, row_labels, row_lengths = (pack if data.packs else pad)(ids, labels, lengths, data.seq_len, stats)
     if len(input_ids) == 0:
         raise DataError(f"{stats['tokens']} tokens, fewer than one example of data.seq_len = {data.seq_len}",
                         str(path))
@@ -174,43 +173,6 @@ def _build(data: DataPart, tokenizer: str | None, out: Path) -> None:
     os.umask(mask)
     os.chmod(out / ROWS, 0o666 & ~mask)
     (out / STATS).write_text(json.dumps(stats, indent=1) + "\n")
-
-
-def _ragged(enc, column: str) -> tuple[np.ndarray, np.ndarray]:
-    """A list column as (flat int32 values, lengths), without going through Python lists."""
-    col = enc.data.column(column).combine_chunks()
-    offsets = col.offsets.to_numpy()
-    flat = col.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]].astype(np.int32)
-    return flat, np.diff(offsets).astype(np.int64)
-
-
-def _pack(ids, labels, lengths, seq_len, stats) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One stream cut into rows (the last partial row dropped); the first token of every example
-    is no target, so no example learns to predict the next one from its end."""
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    labels = labels.copy()
-    labels[starts[lengths > 0]] = IGNORE
-    n = len(ids) // seq_len
-    stats.update(dropped_tokens=int(len(ids) - n * seq_len), truncated=0)
-    return (ids[: n * seq_len].reshape(n, seq_len), labels[: n * seq_len].reshape(n, seq_len),
-            np.full(n, seq_len, dtype=np.int32))
-
-
-def _pad(ids, labels, lengths, seq_len, stats) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One example a row: cut to seq_len or padded (input 0, labels -100, beyond ``lengths``)."""
-    n = len(lengths)
-    out_ids = np.zeros((n, seq_len), dtype=np.int32)
-    out_labels = np.full((n, seq_len), IGNORE, dtype=np.int32)
-    kept = np.minimum(lengths, seq_len)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    # Row r takes flat[starts[r] : starts[r] + kept[r]]: one gather over every row at once.
-    cols = np.arange(seq_len)
-    inside = cols[None, :] < kept[:, None]
-    src = (starts[:, None] + cols[None, :])[inside]
-    out_ids[inside] = ids[src]
-    out_labels[inside] = labels[src]
-    stats.update(truncated=int((lengths > seq_len).sum()), dropped_tokens=int((lengths - kept).sum()))
-    return out_ids, out_labels, kept.astype(np.int32)
 
 
 # -- reading records ---------------------------------------------------------------------------

@@ -19,8 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launch.dataprep import IGNORE, TOKENIZER_FILES, DataError, _where, load_tokenizer, prepare, read_stats
+from launch.dataprep import IGNORE, DataError, _where, load_tokenizer, prepare, read_stats
 from launch.contract import DataPart
+from shard_tools.tokenizer import TOKENIZER_FILES
 
 
 def inspect(req: dict[str, Any]) -> dict[str, Any]:
@@ -54,7 +55,7 @@ def inspect(req: dict[str, Any]) -> dict[str, Any]:
 def check(data: DataPart, cache: Path, vocab_size: int | None) -> None:
     """Rows that the model can take: every token id and target below its vocabulary size (the first
     offending record named where rows are records). ``seq_len`` against the model's positions is
-    the schedule's check (``orchestrator.schedule``), made before this runs."""
+    the schedule's check (``orchestrator.validate``), made before this runs."""
     import numpy as np
 
     from launch.data import load_examples

@@ -15,7 +15,7 @@ import safetensors
 import torch
 import transformers
 
-from launch import zero_state
+from launch import faults, zero_state
 from launch.contract import lr_at
 from launch.scaler import scaler_tensors
 from launch.zero_state import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DECAY
@@ -45,7 +45,8 @@ def save(ph: Phase, phase_complete: bool) -> Path | None:
     prepared, ph.prepared = ph.prepared, None
     # A phase end is made durable by the orchestrator, after the next phase has its go.
     path, timing = write_checkpoint(ph.run_dir, _manifest(ph, phase_complete, head_step, body_step), files,
-                                    file_metadata(ph), durable=not phase_complete, prepared=prepared)
+                                    file_metadata(ph), durable=not phase_complete, prepared=prepared,
+                                    on_file_written=lambda name: faults.point("checkpoint.file_written", name=name))
     ph.timeline.append("checkpoints", {
         "step": ph.step, "gather_seconds": t_gathered - t0, "write_seconds": time.time() - t_gathered,
         "prepared": prepared is not None, **{f"{k}_seconds": v for k, v in timing.items()},

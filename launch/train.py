@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
-from launch import procs
+from launch import faults, procs
 from launch.contract import lr_at
 from launch.data import micro_batch, rows, step_targets
 from launch.save import prepare_files, save
@@ -41,9 +41,7 @@ def train(ph: Phase, stop: dict) -> bool:
     metrics = ph.run_dir / "metrics.jsonl"
     step_times: list[float] = []
     ph.step = spec.start_step
-    # For the tests: a pre-warmed phase's switch made this much longer (its first step starts late).
-    if spec.prewarm and (hold := float(os.environ.get("RELAYER_TEST_HOLD_FIRST_STEP", 0))):
-        time.sleep(hold)
+    faults.point("phase.first_step", prewarm=spec.prewarm)
     ph.stage("first step")
     while ph.step < spec.end_step:
         stop_asked = _step(ph, stop, metrics, step_times)

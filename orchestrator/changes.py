@@ -9,7 +9,9 @@ from launch.contract import lr_at
 
 from orchestrator.errors import ScheduleError
 from orchestrator.rundir import SCHEDULE_COPY
-from orchestrator.schedule import LoadedSchedule, Phase, plan_phases, validate_schedule
+from orchestrator.plan import plan_phases
+from orchestrator.schedule import LoadedSchedule, Phase
+from orchestrator.validate import validate_schedule
 from shard_tools.manifest import newest_valid
 
 # Where and how the work runs does not change what it computes; phases and the lr are compared apart.

@@ -44,7 +44,7 @@ def run(schedule: Path, output_dir: Path | None, nproc: int | None, force: bool,
     """Run every phase of SCHEDULE; resume from the newest valid checkpoint if the run has progress."""
     from orchestrator.display import Display
     from orchestrator.runner import run_schedule
-    from orchestrator.schedule import load_schedule
+    from orchestrator.validate import load_schedule
 
     loaded = load_schedule(schedule, output_dir=output_dir, nproc=nproc, overrides=overrides)
     display = Display(loaded)
@@ -64,7 +64,8 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
     """Print the phase table of SCHEDULE and check the file, without starting anything."""
     from orchestrator.display import print_plan
     from orchestrator.estimate import EstimateError, estimate_plan, format_bytes, size_option
-    from orchestrator.schedule import load_schedule, plan_phases
+    from orchestrator.plan import plan_phases
+    from orchestrator.validate import load_schedule
 
     from orchestrator.datastep import check_data
 
@@ -112,7 +113,7 @@ def data(schedule: Path, show: int | None, as_json: bool) -> None:
     import json
 
     from orchestrator.datastep import check_data
-    from orchestrator.schedule import load_schedule
+    from orchestrator.validate import load_schedule
 
     out = check_data(load_schedule(schedule), show or 0)
     if as_json:

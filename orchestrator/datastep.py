@@ -19,7 +19,9 @@ from typing import Any
 
 from launch.contract import DATA_CACHE
 from orchestrator.errors import RelayerError, ScheduleError
-from orchestrator.schedule import LoadedSchedule, _read_model_config, chat_template_of, tokenizer_of
+from orchestrator.modelcheck import read_model_config
+from orchestrator.schedule import LoadedSchedule
+from orchestrator.validate import chat_template_of, tokenizer_of
 
 def data_spec(loaded: LoadedSchedule) -> dict[str, Any]:
     """The phase spec's data part (launch/contract.py DataPart): what keys the cache."""
@@ -35,7 +37,7 @@ def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0) -> dic
     """Prepares the data into ``cache_root`` (kept; an existing entry is reused) and checks it;
     the datatool's answer. Raises ScheduleError (exit 2) for data that does not fit."""
     s = loaded.schedule
-    config = _read_model_config(s.model, loaded.model_path, loaded.source)
+    config = read_model_config(s.model, loaded.model_path, loaded.source)
     tok = tokenizer_of(s.model, loaded.source.parent)
     req = {"data": data_spec(loaded), "tokenizer": str(tok) if tok else None, "cache_root": str(cache_root),
            "seed": s.run.seed, "show": show, "vocab_size": config.get("vocab_size")}

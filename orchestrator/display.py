@@ -19,7 +19,8 @@ from orchestrator.estimate import PlanEstimate, format_bytes
 from orchestrator.groups import Group
 from orchestrator.journal import read_journal
 from orchestrator.pace import Pace, clock
-from orchestrator.schedule import LoadedSchedule, Phase, plan_phases
+from orchestrator.plan import plan_phases
+from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.supervisor import Observer, State
 
 # Off a terminal, lines are logs: never wrap them (rich would at 80 columns).

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.errors import ScheduleError
-from orchestrator.schedule import LoadedSchedule, Phase, num_layers_of
+from orchestrator.modelcheck import num_layers_of
+from orchestrator.schedule import LoadedSchedule, Phase
 from shard_tools.sizes import parse_size
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

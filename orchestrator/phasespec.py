@@ -14,7 +14,9 @@ from pathlib import Path
 from launch.contract import DataPart, ModelPart, OptimizerPart, PhaseSpec
 from orchestrator.datastep import data_spec
 from orchestrator.groups import Work
-from orchestrator.schedule import LoadedSchedule, Phase, check_batch, tokenizer_of
+from orchestrator.plan import check_batch
+from orchestrator.schedule import LoadedSchedule, Phase
+from orchestrator.validate import tokenizer_of
 
 
 def free_port() -> int:

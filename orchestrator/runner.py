@@ -25,7 +25,8 @@ from orchestrator.resume import next_work, restore_point, resume_point, set_asid
 from orchestrator.retention import retain
 from orchestrator.rundir import SCHEDULE_COPY, RunLock, create_run_dir, read_copy
 from orchestrator.phasespec import phase_spec
-from orchestrator.schedule import LoadedSchedule, plan_phases
+from orchestrator.plan import plan_phases
+from orchestrator.schedule import LoadedSchedule
 from orchestrator.supervisor import Context, Observer, Supervisor
 from shard_tools.manifest import make_durable, remove_stray_temporaries
 

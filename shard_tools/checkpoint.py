@@ -14,12 +14,11 @@ import math
 import mmap
 import os
 import shutil
-import signal
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -54,6 +53,7 @@ def write_checkpoint(
     metadata: dict[str, dict[str, str]] | None = None,
     durable: bool = True,
     prepared: PreparedFiles | None = None,
+    on_file_written: Callable[[str], None] | None = None,
 ) -> Written:
     """Writes ``files`` (file name -> tensors) and then the manifest; returns the checkpoint dir
     and the time spent (``Written``).
@@ -67,6 +67,9 @@ def write_checkpoint(
 
     ``prepared``: files made ahead (``PreparedFiles``); those that fit are written in place, and the
     prepared folder becomes the checkpoint. It is used up either way.
+
+    ``on_file_written(name)`` is called after each file is written in full (the crash tests'
+    fault point).
     """
     metadata = metadata or {}
     root = checkpoints_dir(run_dir)
@@ -82,7 +85,7 @@ def write_checkpoint(
         tmp = root / f"{TMP_PREFIX}{final.name}.{os.getpid()}"
         tmp.mkdir(mode=0o750)
     try:
-        timing = _write_files(tmp, manifest, files, metadata, durable, prepared, fitting)
+        timing = _write_files(tmp, manifest, files, metadata, durable, prepared, fitting, on_file_written)
     except (OSError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         reason = getattr(e, "strerror", None) or str(e).rsplit("I/O error: ", 1)[-1]
@@ -248,11 +251,9 @@ def _view(mm: mmap.mmap, spec: tuple[torch.dtype, tuple[int, ...]], start: int) 
 
 def _write_files(tmp: Path, manifest: Manifest, files: dict[str, dict[str, torch.Tensor]],
                  metadata: dict[str, dict[str, str]], durable: bool, prepared: PreparedFiles | None,
-                 fitting: set[str]) -> dict[str, float]:
+                 fitting: set[str], on_file_written: Callable[[str], None] | None) -> dict[str, float]:
     """Writes every file, hashing its bytes on all cores while they are written (those in
     ``fitting`` into ``prepared``'s); returns timings."""
-    # Fault injection for the crash tests: SIGKILL this process right after writing one file.
-    kill_after = os.environ.get("RELAYER_TEST_KILL_AFTER")
     entries: dict[str, FileEntry] = {}
     timing = {"write": 0.0, "fsync": 0.0}
     with ThreadPoolExecutor(digest.THREADS) as pool:
@@ -276,8 +277,8 @@ def _write_files(tmp: Path, manifest: Manifest, files: dict[str, dict[str, torch
             entries[name] = FileEntry(size=path.stat().st_size, sha256_chunked=checksum)
             timing["write"] += t1 - t0
             timing["fsync"] += time.perf_counter() - t1
-            if kill_after == name:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if on_file_written is not None:
+                on_file_written(name)
     if prepared is not None:
         for unused in set(prepared.views) - set(files):
             (tmp / unused).unlink()

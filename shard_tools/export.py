@@ -28,11 +28,11 @@ from shard_tools.manifest import (
 )
 from shard_tools.model import DTYPES, ModelSpec, build_base_model
 from shard_tools.sizes import parse_size
+from shard_tools.tokenizer import TOKENIZER_FILES
 from shard_tools.verify import trusted_checkpoint
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
+COPIED_FILES = (*TOKENIZER_FILES, "generation_config.json")
+"""Copied from the run's tokenizer folder (else the base model's) into an export, where present."""
 EXPORT_MARKER = "relayer.json"
 """Written into every export: what it was exported from. ``--force`` replaces only a folder that has one."""
 # Shards of a few GB download and load piece by piece; one file per model would be up to 50 GB.
@@ -114,7 +114,7 @@ def export(source: Path, out: Path, dtype: str | None = None, force: bool = Fals
         # The run's tokenizer (model.tokenizer, recorded since it may live apart from the base model).
         tokenizer = manifest.extra.get("tokenizer")
         tokenizer = tokenizer if isinstance(tokenizer, str) and tokenizer else base_path
-        for name in TOKENIZER_FILES if tokenizer else ():
+        for name in COPIED_FILES if tokenizer else ():
             if (Path(tokenizer) / name).is_file():
                 shutil.copy2(Path(tokenizer) / name, tmp / name)
         (tmp / EXPORT_MARKER).write_text(json.dumps({

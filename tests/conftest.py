@@ -82,6 +82,13 @@ def write_schedule(path: Path, schedule: dict) -> Path:
     return path
 
 
+def faults_env(**plan) -> dict[str, str]:
+    """Environment for a run whose processes install the fault handlers of ``plan`` (see
+    tests/faults/sitecustomize.py)."""
+    path = os.pathsep.join(p for p in (str(ROOT / "tests" / "faults"), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, "RELAYER_TEST_FAULTS": json.dumps(plan)}
+
+
 def cli(*args: str, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
     """Runs ``orchestrator`` or ``shard-tools`` as a user would."""
     exe = Path(sys.executable).parent / args[0]

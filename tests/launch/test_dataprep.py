@@ -271,3 +271,12 @@ def test_cache_is_made_once_and_mapped(tmp_path):
     again = prepare(data, None, tmp_path / "c")
     assert str(again) != dirs[0] and Path(dirs[0]).is_dir()
     shutil.rmtree(again)
+
+
+def test_every_tokenizer_file_keys_the_cache(tmp_path, tok_dir):
+    """added_tokens.json changes how text tokenizes, so another one is another cache entry."""
+    tok = shutil.copytree(tok_dir, tmp_path / "tok")
+    data = part(write_jsonl(tmp_path / "a.jsonl", RECORDS[:1]), "instruction")
+    before = dataprep.cache_key(data, str(tok))
+    (tok / "added_tokens.json").write_text(json.dumps({"<extra>": 7}))
+    assert dataprep.cache_key(data, str(tok)) != before

@@ -339,7 +339,7 @@ def test_the_slurm_example_plans(tmp_path, monkeypatch):
 
 
 def test_the_cli_imports_no_torch():
-    code = ('import sys, orchestrator.cli, orchestrator.schedule, orchestrator.runner, orchestrator.display; '
+    code = ('import sys, orchestrator.cli, orchestrator.schedule, orchestrator.validate, orchestrator.runner, orchestrator.display; '
             'heavy = {"torch", "deepspeed", "transformers"} & set(sys.modules); assert not heavy, heavy')
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 0, r.stderr

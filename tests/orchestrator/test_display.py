@@ -8,7 +8,8 @@ import time
 
 from orchestrator.display import Display
 from orchestrator.groups import Group, Work
-from orchestrator.schedule import load_schedule, plan_phases
+from orchestrator.plan import plan_phases
+from orchestrator.validate import load_schedule
 from orchestrator.supervisor import State
 from tests.conftest import schedule_dict, write_schedule
 

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from orchestrator.cli import main
 from orchestrator.rundir import SCHEDULE_COPY
 from orchestrator.runner import Runner
-from orchestrator.schedule import load_schedule
+from orchestrator.validate import load_schedule
 from tests.conftest import schedule_dict, write_schedule
 from tests.orchestrator.test_cli_plan import table_rows
 

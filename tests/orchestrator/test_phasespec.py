@@ -11,7 +11,8 @@ from pydantic import ValidationError
 from launch.contract import PhaseSpec
 from orchestrator import phasespec
 from orchestrator.groups import Work
-from orchestrator.schedule import load_schedule, plan_phases
+from orchestrator.plan import plan_phases
+from orchestrator.validate import load_schedule
 from tests.conftest import schedule_dict, write_schedule
 
 CONFIG = {"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import ScheduleError
-from orchestrator.schedule import MAX_PHASES, validate_schedule
+from orchestrator.plan import MAX_PHASES
+from orchestrator.validate import validate_schedule
 from tests.conftest import schedule_dict, write_schedule
 from tests.orchestrator.test_cli_plan import (
     COMMANDS, build, expand, invoke, llama_names, on_path, setting, strategy, write_header_only,

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from shard_tools.manifest import list_checkpoints, read_manifest, verify_checkpoint
-from tests.conftest import cli, schedule_dict, write_schedule
+from tests.conftest import cli, faults_env, schedule_dict, write_schedule
 from tests.reference import bitwise_equal, composed, max_abs_diff
 
 pytestmark = pytest.mark.multiprocess
@@ -111,7 +111,7 @@ def test_random_kill_chain_resumes_bitwise(tmp_path, tiny_model, tiny_data, fina
             chains += 1
         before = metrics_steps(run)
         # Files every checkpoint has, so the kill comes at the attempt's first write.
-        env = {"RELAYER_TEST_KILL_AFTER": rng.choice(["head.safetensors", "layers.safetensors", "state.safetensors"])} \
+        env = faults_env(kill_after=rng.choice(["head.safetensors", "layers.safetensors", "state.safetensors"])) \
             if kind == "write_sigkill" else None
         orch = start(sched, env)
         if kind != "write_sigkill":

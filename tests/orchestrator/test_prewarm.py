@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from orchestrator.procs import recorded
-from tests.conftest import cli, schedule_dict, write_schedule
+from tests.conftest import cli, faults_env, schedule_dict, write_schedule
 from tests.reference import bitwise_equal, composed
 
 pytestmark = pytest.mark.multiprocess
@@ -102,7 +102,7 @@ def test_go_channel_is_a_private_fifo(tmp_path, tiny_model, tiny_data):
 
 
 def test_failed_phase_takes_its_successor_down(tmp_path, tiny_model, tiny_data):
-    r = run_six(tmp_path, tiny_model, tiny_data, prewarm=True, env={"RELAYER_TEST_KILL_AFTER": "head.safetensors"})
+    r = run_six(tmp_path, tiny_model, tiny_data, prewarm=True, env=faults_env(kill_after="head.safetensors"))
     assert r.returncode == 1 and "phase 0" in r.stderr
     run = tmp_path / "run"
     ev = events(run)
@@ -140,7 +140,7 @@ def test_switches_are_quiet(warm):
 
 def test_paused_phases_are_stopped_and_die_with_the_orchestrator(tmp_path, tiny_model, tiny_data):
     # Each pre-warmed phase starts its first step 5 s late: a long switch, paused throughout.
-    orch = start_six(tmp_path, tiny_model, tiny_data, env={"RELAYER_TEST_HOLD_FIRST_STEP": "5"})
+    orch = start_six(tmp_path, tiny_model, tiny_data, env=faults_env(hold_first_step=5))
     run = tmp_path / "run"
     try:
         deadline = time.time() + 180
@@ -165,7 +165,7 @@ def test_paused_phases_are_stopped_and_die_with_the_orchestrator(tmp_path, tiny_
 
 
 def test_pause_has_a_time_limit(tmp_path, tiny_model, tiny_data, cold):
-    r = run_six(tmp_path, tiny_model, tiny_data, prewarm=True, env={"RELAYER_TEST_HOLD_FIRST_STEP": "2"},
+    r = run_six(tmp_path, tiny_model, tiny_data, prewarm=True, env=faults_env(hold_first_step=2),
                 pause_preparing_seconds=0.5)
     assert r.returncode == 0, r.stderr
     resumed = [e for e in events(tmp_path / "run") if e["event"] == "preparing_resumed"]

@@ -17,7 +17,7 @@ from orchestrator.errors import RunLocked
 from orchestrator.journal import JsonlTail, read_journal
 from orchestrator.rundir import LOCK, RunLock
 from orchestrator.runner import Runner
-from orchestrator.schedule import load_schedule
+from orchestrator.validate import load_schedule
 from tests.conftest import cli, schedule_dict, write_schedule
 
 

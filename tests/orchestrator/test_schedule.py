@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import ScheduleError
-from orchestrator.schedule import check_batch, load_schedule, num_layers_of, plan_phases, validate_schedule
+from orchestrator.modelcheck import num_layers_of
+from orchestrator.plan import check_batch, plan_phases
+from orchestrator.validate import load_schedule, validate_schedule
 from tests.conftest import ROOT, schedule_dict, write_schedule
 
 LAYERS = 8
@@ -86,7 +88,7 @@ def test_lisa_plan_is_fixed_across_processes_and_releases(tmp_path, tiny_data):
     assert layers(plan(strategy_raw(tiny_data, "lisa", seed=0, total_steps=50, interval=10), tmp_path)) == expected
     path = write_schedule(tmp_path / "schedule.toml",
                           strategy_raw(tiny_data, "lisa", seed=0, total_steps=50, interval=10))
-    code = ("import sys, json; from orchestrator.schedule import load_schedule, plan_phases; "
+    code = ("import sys, json; from orchestrator.plan import plan_phases; from orchestrator.validate import load_schedule; "
             "print(json.dumps([p.layers for p in plan_phases(load_schedule(sys.argv[1]))]))")
     for hash_seed in ("1", "2"):
         r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=ROOT,

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from shard_tools.checkpoint import run_weights
-from shard_tools.export import TOKENIZER_FILES, export
+from shard_tools.export import COPIED_FILES, export
 from shard_tools.inspect import tensor_headers
 from tests.conftest import VOCAB, cli, make_llama, schedule_dict, write_schedule
 from tests.shard_tools.conftest import assert_fails, ckpt, flip_byte, invoke, rewrite_manifests
@@ -220,7 +220,7 @@ def test_tokenizer_files_are_copied(tied_run, tmp_path):
     run, base = tied_run
     out = tmp_path / "export"
     export(run, out)
-    copied = [n for n in TOKENIZER_FILES if (base / n).exists()]
+    copied = [n for n in COPIED_FILES if (base / n).exists()]
     assert "tokenizer.json" in copied
     for name in copied:
         assert (out / name).read_bytes() == (base / name).read_bytes(), name

@@ -1,0 +1,26 @@
+"""Named points where a test can make a process fail or wait; in production nothing is installed
+and a point does nothing.
+
+The crash tests install handlers in the phase processes from a ``sitecustomize`` they put on
+PYTHONPATH (tests/faults/); the fork server imports it before it forks, so its children inherit
+the handlers. Points:
+
+- ``checkpoint.file_written`` (``name``: the file): one checkpoint file is written in full.
+- ``phase.first_step`` (``prewarm``: whether the phase was pre-warmed): a phase is about to take
+  its first step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+_handlers: dict[str, Callable[..., None]] = {}
+
+
+def install(name: str, handler: Callable[..., None]) -> None:
+    _handlers[name] = handler
+
+
+def point(name: str, /, **context: object) -> None:
+    if handler := _handlers.get(name):
+        handler(**context)

@@ -1,0 +1,210 @@
+"""What a schedule names on disk, checked without torch: paths, the model's config.json and its
+safetensors weights (from their headers alone)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import ScheduleError
+from orchestrator.schedule import ModelSection, _show
+from shard_tools.inspect import tensor_headers
+from shard_tools.manifest import CheckpointError
+
+
+def path_kind(path: Path) -> str:
+    """What is at ``path``, following symlinks: 'a file', 'a directory', 'a symlink loop', ..."""
+    try:
+        mode = os.stat(path).st_mode
+    except ValueError:
+        return "not a valid path"
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symlink loop"
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            return "missing"
+        return f"unreadable ({e.strerror})"
+    if stat.S_ISREG(mode):
+        return "a file"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+
+
+def path_is(path: Path) -> str:
+    kind = path_kind(path)
+    return {"missing": "does not exist", "not a valid path": "is not a valid path"}.get(kind, f"is {kind}")
+
+
+def resolve_path(base: Path, value: str) -> Path:
+    """``value`` against ``base``, symlinks followed where they lead somewhere; a loop stays as written."""
+    path = base / value
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError, ValueError):
+        return Path(os.path.abspath(path))
+
+
+def need_file(path: Path, key: str, what: str, source: Path) -> None:
+    if path_kind(path) != "a file":
+        raise ScheduleError(f"{source}: {key}: expected {what}, {path} {path_is(path)}")
+
+
+
+def read_model_config(model: ModelSection, model_path: Path | None, source: Path) -> dict[str, Any]:
+    if model.config is not None:
+        return model.config
+    assert model_path is not None
+    cfg = model_path / "config.json"
+    if path_kind(model_path) != "a directory":
+        raise ScheduleError(f"{source}: model.path: expected a Hugging Face model directory, {model_path} "
+                            f"{path_is(model_path)}")
+    if path_kind(cfg) != "a file":
+        raise ScheduleError(f"{source}: model.path: expected a Hugging Face model directory with config.json, "
+                            f"{cfg} {path_is(cfg)}")
+    try:
+        config = json.loads(cfg.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ScheduleError(f"{source}: model.path: {cfg} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ScheduleError(f"{source}: model.path: {cfg} is not valid: expected a JSON object")
+    if not (isinstance(config.get("model_type"), str) and config["model_type"]):
+        raise ScheduleError(f"{source}: model.path: {cfg}: expected a model_type name such as \"llama\", got "
+                            f"{_show(config.get('model_type'))}")
+    return config
+
+
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_LAYER_NAME = re.compile(r"(.+?)\.(\d+)\.(.+)")
+_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def _weight_names(model_path: Path, source: Path) -> tuple[str, set[str]]:
+    """(how to name the weight files in a message, every tensor name they hold), from the safetensors
+    headers alone; raises ScheduleError for pickle-only folders and unreadable or inconsistent files."""
+    single, index = model_path / "model.safetensors", model_path / "model.safetensors.index.json"
+    if path_kind(single) != "missing" or path_kind(index) == "missing":
+        if path_kind(single) == "missing":
+            try:
+                pickles = sorted(p.name for p in model_path.iterdir() if p.name.endswith(_PICKLE_SUFFIXES))
+            except OSError as e:
+                raise ScheduleError(f"{source}: model.path: cannot list {model_path}: {e.strerror}") from None
+            if pickles:
+                raise ScheduleError(f"{source}: model.path: {model_path / pickles[0]}: pickle weights are not "
+                                    "loaded; convert to safetensors (model.safetensors)")
+        need_file(single, "model.path", "the weights in model.safetensors", source)
+        return str(single), set(_headers(single, source))
+    need_file(index, "model.path", "a safetensors index", source)
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, AttributeError) as e:
+        raise ScheduleError(f"{source}: model.path: {index} is not a safetensors index: {e}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ScheduleError(f"{source}: model.path: {index}: expected a weight_map object of tensor name -> file name")
+    names: set[str] = set()
+    for file in sorted(set(weight_map.values())):
+        if Path(file).name != file or file in (".", ".."):
+            raise ScheduleError(f"{source}: model.path: {index}: expected shard file names inside {model_path}, "
+                                f"got {file!r}")
+        need_file(model_path / file, "model.path", f"a shard that {index.name} names", source)
+        held = _headers(model_path / file, source)
+        absent = sorted(n for n, f in weight_map.items() if f == file and n not in held)
+        if absent:
+            raise ScheduleError(f"{source}: model.path: {index} places {absent[0]} in {file}, which does not hold "
+                                f"it{f' ({len(absent) - 1} more like it)' if len(absent) > 1 else ''}")
+        names |= held.keys()
+    return f"the shards of {index}", names
+
+
+def _headers(file: Path, source: Path) -> dict[str, Any]:
+    try:
+        return tensor_headers(file)[0]
+    except (CheckpointError, ValueError, RecursionError) as e:
+        raise ScheduleError(f"{source}: model.path: {e}") from None
+
+
+def _ranges(indices: set[int]) -> str:
+    """0..3, 5, 7..8"""
+    out, ordered = [], sorted(indices)
+    start = prev = ordered[0]
+    for i in [*ordered[1:], None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(str(start) if start == prev else f"{start}..{prev}")
+        if i is not None:
+            start = prev = i
+    return ", ".join(out)
+
+
+def check_weights(model: ModelSection, config: dict[str, Any], n_layers: int, model_path: Path,
+                   source: Path) -> None:
+    """Every weight config.json implies is in the safetensors files, and only those: the layer list
+    covers exactly layers 0..n-1, no layer lacks a tensor its siblings hold, the embedding is there."""
+    weights, names = _weight_names(model_path, source)
+    cfg = model_path / "config.json"
+    layers: dict[str, dict[int, set[str]]] = {}
+    for name in names:
+        m = _LAYER_NAME.fullmatch(name)
+        if m and (model.layers is None or m.group(1) == model.layers):
+            layers.setdefault(m.group(1), {}).setdefault(int(m.group(2)), set()).add(m.group(3))
+    if not layers:
+        wanted = f"{model.layers}.0." if model.layers else "model.layers.0."
+        raise ScheduleError(f"{source}: {'model.layers' if model.layers else 'model.path'}: {weights} holds no "
+                            f"numbered layers (tensor names beginning {wanted})")
+    # The body is the numbered list that config.json counts, else the one with the most tensors.
+    prefix = max(layers, key=lambda p: (len(layers[p]) == n_layers, sum(map(len, layers[p].values()))))
+    held = layers[prefix]
+    if set(held) != set(range(n_layers)):
+        raise ScheduleError(f"{source}: model.path: {cfg} names {n_layers} layers, {weights} holds layers "
+                            f"{_ranges(set(held))} ({prefix}.N)")
+    # Layers of one model may differ (dense and MoE, attention and linear attention): only a layer
+    # holding a strict subset of another's tensors is missing some.
+    kinds: dict[frozenset[str], int] = {}
+    for i in sorted(held):
+        kinds.setdefault(frozenset(held[i]), i)
+    for small, i in kinds.items():
+        for big, j in kinds.items():
+            if small < big:
+                lacking = sorted(big - small)
+                more = f" (and {len(lacking) - 1} more)" if len(lacking) > 1 else ""
+                raise ScheduleError(f"{source}: model.path: {weights}: layer {prefix}.{i} lacks {lacking[0]}{more}, "
+                                    f"which {prefix}.{j} holds")
+    outside = [n for n in names if not n.startswith(prefix + ".")]
+    if not any(re.search(r"embed|wte", n) for n in outside):
+        raise ScheduleError(f"{source}: model.path: {weights} holds no token embedding (no tensor named like "
+                            "embed_tokens or wte)")
+    for p in model.persistent or []:
+        if any(n == p or n.startswith(p + ".") for n in names):
+            continue
+        # A tied output embedding is saved once, as the input embedding.
+        if p.rsplit(".", 1)[-1] == "lm_head" and config.get("tie_word_embeddings") is not False:
+            continue
+        tops = sorted({".".join(n.split(".")[:2]) for n in outside})
+        raise ScheduleError(f"{source}: model.persistent: {p!r} matches no tensor in {weights} (outside the layers "
+                            f"it holds {', '.join(tops[:8])}{', ...' if len(tops) > 8 else ''})")
+
+
+def position_limit(config: dict[str, Any]) -> tuple[str, int] | None:
+    for key in _POSITION_KEYS:
+        n = config.get(key)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return key, n
+    text = config.get("text_config")
+    return position_limit(text) if isinstance(text, dict) else None
+
+
+
+def num_layers_of(config: dict[str, Any]) -> int | None:
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        n = config.get(key)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    text = config.get("text_config")
+    return num_layers_of(text) if isinstance(text, dict) else None

@@ -1,0 +1,64 @@
+"""The phase table a schedule plans, and the batch check each phase's process count must pass."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from orchestrator.errors import ScheduleError
+from orchestrator.schedule import DataSection, LoadedSchedule, Phase
+
+MAX_PHASES = 100_000
+"""A schedule of more phases is refused: at a second or more per switch, more than a day of switching."""
+MAX_PLANNED_LAYERS = 10_000_000
+"""Phases x layers_per_phase, the size of the phase table a strategy builds."""
+
+
+def check_batch(data: DataSection, nproc: int, source: Path, phase: int, *, nnodes: int = 1) -> None:
+    """batch_size must split into whole micro-batches on every process: gradient accumulation is an integer."""
+    world = nproc * nnodes
+    per_step = data.micro_batch_size * world
+    if data.batch_size % per_step:
+        nodes = f" ({nproc} per node x {nnodes} nodes)" if nnodes > 1 else ""
+        raise ScheduleError(
+            f"{source}: data.batch_size: expected a multiple of micro_batch_size x processes = "
+            f"{data.micro_batch_size} x {world}{nodes} = {per_step}, got {data.batch_size} (phase {phase})"
+        )
+
+
+def plan_phases(loaded: LoadedSchedule) -> list[Phase]:
+    """The phase table; the same schedule and seed give the same table, always."""
+    s = loaded.schedule
+    nproc_default = loaded.nproc_override or s.launch.nproc
+    if s.schedule.phases is not None:
+        phases, step = [], 0
+        for i, p in enumerate(s.schedule.phases):
+            nproc = loaded.nproc_override or p.nproc or s.launch.nproc
+            phases.append(Phase(index=i, start_step=step, end_step=step + p.steps, layers=tuple(p.layers), nproc=nproc))
+            step += p.steps
+        return phases
+    sc = s.schedule
+    n, k = loaded.num_layers, sc.layers_per_phase
+    assert sc.total_steps and sc.interval and k
+    if k > n:
+        raise ScheduleError(f"{loaded.source}: schedule.layers_per_phase: expected at most the model's {n} layers, "
+                            f"got {k}")
+    count = -(-sc.total_steps // sc.interval)
+    if count > MAX_PHASES:
+        raise ScheduleError(f"{loaded.source}: schedule.interval: expected at most {MAX_PHASES:,} phases, got "
+                            f"total_steps / interval = {sc.total_steps:,} / {sc.interval:,} = {count:,} phases")
+    if count * k > MAX_PLANNED_LAYERS:
+        raise ScheduleError(f"{loaded.source}: schedule.layers_per_phase: expected at most {MAX_PLANNED_LAYERS:,} "
+                            f"layers over all phases, got {count:,} phases x {k:,}")
+    rng = random.Random(f"relayer-lisa-{s.run.seed}")
+    phases, step, i = [], 0, 0
+    while step < sc.total_steps:
+        if sc.strategy == "lisa":
+            layers = tuple(sorted(rng.sample(range(n), k)))
+        else:
+            walk = ((i * k + j) % n for j in range(k))
+            layers = tuple(sorted(walk if sc.strategy == "ascending" else (n - 1 - x for x in walk)))
+        end = min(step + sc.interval, sc.total_steps)
+        phases.append(Phase(index=i, start_step=step, end_step=end, layers=layers, nproc=nproc_default))
+        step, i = end, i + 1
+    return phases

@@ -1,0 +1,191 @@
+"""Reading a schedule file and checking it against the model, the data and the launch it names."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import shutil
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from launch.contract import is_template_path
+from orchestrator.errors import ScheduleError
+from orchestrator.modelcheck import (
+    check_weights, need_file, num_layers_of, path_is, path_kind, position_limit, read_model_config, resolve_path,
+)
+from orchestrator.plan import MAX_PHASES, check_batch, plan_phases
+from orchestrator.schedule import DataSection, LoadedSchedule, ModelSection, Schedule, format_validation
+from shard_tools.tokenizer import MAIN_FILES
+
+
+def _non_finite(raw: dict[str, Any]) -> list[tuple[str, float]]:
+    """(dotted key, value) of every inf and nan in a parsed schedule, however deep."""
+    found, todo = [], [("", raw)]
+    while todo:
+        key, value = todo.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            found.append((key, value))
+        elif isinstance(value, dict):
+            todo.extend((f"{key}.{k}" if key else str(k), v) for k, v in value.items())
+        elif isinstance(value, list):
+            todo.extend((f"{key}[{i}]", v) for i, v in enumerate(value))
+    return sorted(found)
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """A folder written by ``datasets``' save_to_disk (a Dataset or a DatasetDict)."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def tokenizer_of(model: ModelSection, base: Path) -> Path | None:
+    """The tokenizer directory: model.tokenizer, else model.path (None for an inline config)."""
+    path = model.tokenizer or model.path
+    return (base / path).resolve() if path else None
+
+
+def chat_template_of(data: DataSection, base: Path) -> str | None:
+    """data.chat_template for the phase spec: the template itself, or its file's absolute path."""
+    t = data.chat_template
+    return str((base / t).resolve()) if t is not None and is_template_path(t) else t
+
+
+def load_schedule(
+    path: str | Path, *, output_dir: str | Path | None = None, nproc: int | None = None,
+    overrides: tuple[str, ...] | list[str] = (),
+) -> LoadedSchedule:
+    """Reads and validates a schedule file, with ``--set KEY=VALUE`` overrides applied; raises
+    ScheduleError naming the file and key."""
+    source = resolve_path(Path.cwd(), str(path))
+    if path_kind(source) not in ("a file", "missing"):
+        raise ScheduleError(f"{path}: expected a schedule file, it {path_is(source)}")
+    try:
+        text = source.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ScheduleError(f"{path}: schedule file not found") from None
+    except OSError as e:
+        raise ScheduleError(f"{path}: cannot read the schedule file: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ScheduleError(f"{path}: expected a UTF-8 TOML file: {e.reason} at byte {e.start}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ScheduleError(f"{path}: TOML syntax error: {e}") from None
+    except RecursionError:
+        raise ScheduleError(f"{path}: TOML nested too deeply") from None
+    if overrides:
+        from orchestrator.overrides import apply_overrides
+
+        raw = apply_overrides(raw, overrides)
+    return validate_schedule(raw, source, output_dir=output_dir, nproc=nproc)
+
+
+def validate_schedule(
+    raw: dict[str, Any], source: Path, *, output_dir: str | Path | None = None, nproc: int | None = None
+) -> LoadedSchedule:
+    """Checks a parsed schedule against the model, the data and the launch it names; touches nothing."""
+    sched = _parse(raw, source, nproc)
+    base = source.parent
+    model_path, n_layers = _check_model(sched, base, source)
+    data_path = _check_inputs(sched, base, source)
+    loaded = LoadedSchedule(
+        source=source, schedule=sched, raw=raw, num_layers=n_layers, model_path=model_path, data_path=data_path,
+        output_dir=_output_dir(sched, base, source, output_dir), nproc_override=nproc,
+    )
+    for ph in plan_phases(loaded):
+        for layer in ph.layers:
+            if layer >= n_layers:
+                key = f"schedule.phases[{ph.index}].layers" if sched.schedule.phases else "schedule.layers_per_phase"
+                raise ScheduleError(f"{source}: {key}: layer {layer} is out of range: the model has {n_layers} "
+                                    f"layers (0..{n_layers - 1})")
+        check_batch(sched.data, ph.nproc, source, ph.index, nnodes=sched.launch.nnodes)
+    if sched.launch.launcher == "slurm" and shutil.which("srun") is None:
+        raise ScheduleError(f'{source}: launch.launcher: "slurm" starts each phase with srun, which is not on PATH')
+    return loaded
+
+
+def _parse(raw: dict[str, Any], source: Path, nproc: int | None) -> Schedule:
+    if nproc is not None and nproc < 1:
+        raise ScheduleError(f"--nproc: expected a positive integer, got {nproc}")
+    non_finite = _non_finite(raw)
+    if non_finite:
+        raise ScheduleError("\n".join(f"{source}: {key}: expected a finite number, got {v}" for key, v in non_finite))
+    listed = raw.get("schedule", {}).get("phases") if isinstance(raw.get("schedule"), dict) else None
+    if isinstance(listed, list) and len(listed) > MAX_PHASES:
+        raise ScheduleError(f"{source}: schedule.phases: expected at most {MAX_PHASES:,} phases, got {len(listed):,}")
+    try:
+        return Schedule.model_validate(raw)
+    except ValidationError as e:
+        raise ScheduleError(format_validation(e, source)) from None
+
+
+def _check_model(sched: Schedule, base: Path, source: Path) -> tuple[Path | None, int]:
+    """(the model folder, its layer count); the weights match config.json, seq_len fits the model."""
+    model_path = resolve_path(base, sched.model.path) if sched.model.path else None
+    config = read_model_config(sched.model, model_path, source)
+    n_layers = num_layers_of(config)
+    if n_layers is None:
+        where = f"model.path: {model_path / 'config.json'}" if model_path else "model.config"
+        raise ScheduleError(f"{source}: {where}: expected num_hidden_layers (or n_layer, num_layers), "
+                            "a positive integer")
+    if model_path is not None:
+        check_weights(sched.model, config, n_layers, model_path, source)
+    positions = position_limit(config)
+    if positions is not None and sched.data.seq_len > positions[1]:
+        raise ScheduleError(f"{source}: data.seq_len: expected at most the model's {positions[0]} = {positions[1]}, "
+                            f"got {sched.data.seq_len}")
+    return model_path, n_layers
+
+
+def _check_inputs(sched: Schedule, base: Path, source: Path) -> Path:
+    """The data file, tokenizer, template, reporting packages and hostfile exist; returns the data path."""
+    data_path = resolve_path(base, sched.data.path)
+    if not is_saved_dataset(data_path):
+        need_file(data_path, "data.path", "a data file or a datasets.save_to_disk folder", source)
+    _check_tokenizer(sched, base, source)
+    template = sched.data.chat_template
+    if template is not None and is_template_path(template):
+        need_file(resolve_path(base, template), "data.chat_template", "a Jinja template or a file holding one", source)
+    for extra in {"tensorboard", "wandb"} & set(sched.run.report_to):
+        if importlib.util.find_spec(extra) is None:
+            raise ScheduleError(f"{source}: run.report_to: {extra} needs the {extra} package, which is not installed "
+                                f"(pip install 'relayer[{extra}]')")
+    if sched.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ScheduleError(f"{source}: run.tensorboard: needs the tensorboard package, which is not installed "
+                            "(pip install 'relayer[tensorboard]')")
+    if sched.data.validation_path is not None:
+        validation = resolve_path(base, sched.data.validation_path)
+        if not is_saved_dataset(validation):
+            need_file(validation, "data.validation_path", "a data file or a datasets.save_to_disk folder", source)
+    if sched.data.eval_every and sched.data.validation_path is None:
+        raise ScheduleError(f"{source}: data.eval_every: needs data.validation_path, which is missing")
+    if sched.launch.hostfile is not None:
+        need_file(resolve_path(base, sched.launch.hostfile), "launch.hostfile", "a hostfile", source)
+    return data_path
+
+
+def _check_tokenizer(sched: Schedule, base: Path, source: Path) -> None:
+    if sched.data.format == "tokens":
+        return
+    tokenizer_path = tokenizer_of(sched.model, base)
+    key = "model.tokenizer" if sched.model.tokenizer else "model.tokenizer (default model.path)"
+    if tokenizer_path is None:
+        raise ScheduleError(f'{source}: {key}: data.format = "{sched.data.format}" needs a tokenizer, but '
+                            "there is none (model.config has no files)")
+    if not any((tokenizer_path / f).is_file() for f in MAIN_FILES):
+        raise ScheduleError(f'{source}: {key}: data.format = "{sched.data.format}" needs a tokenizer: expected '
+                            f"tokenizer.json or tokenizer_config.json in {tokenizer_path}")
+
+
+def _output_dir(sched: Schedule, base: Path, source: Path, output_dir: str | Path | None) -> Path:
+    out = resolve_path(Path.cwd(), str(output_dir)) if output_dir is not None else resolve_path(base, sched.run.output_dir)
+    key = "--output-dir" if output_dir is not None else f"{source}: run.output_dir"
+    # The nearest existing folder on the way must be a folder: the run directory is made there.
+    existing = out
+    while path_kind(existing) == "missing" and existing.parent != existing:
+        existing = existing.parent
+    if path_kind(existing) != "a directory":
+        raise ScheduleError(f"{key}: expected a directory, {existing} {path_is(existing)}")
+    return out
