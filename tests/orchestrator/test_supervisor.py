@@ -56,10 +56,14 @@ class Harness:
         self.stop: int | None = None
         self.aborted: list[list[Group]] = []
         self.observer = Recorder()
-        self.context = Context(run_dir=run_dir, grace=grace, groups=PhaseProcesses(run_dir, LaunchSection(), self.event),
+        self.context = Context(run_dir=run_dir, grace=grace, groups=PhaseProcesses(run_dir, LaunchSection(), self.event, self.no_spec),
                                pauser=Pauser(limit, self.event), event=self.event, stop_signal=lambda: self.stop,
                                abort=lambda pending: self.aborted.append(list(pending)), records=lambda _: {},
                                observer=self.observer)
+
+    @staticmethod
+    def no_spec(work, phase_dir):
+        raise AssertionError("the supervisor starts no phase; the runner does")
 
     def event(self, name: str, **fields) -> None:
         self.events.append((name, fields))
