@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from shard_tools.files import TMP_PREFIX
 from shard_tools.manifest import CheckpointError, list_checkpoints, needed_by, verify_checkpoint
 
 
@@ -25,7 +26,7 @@ def retain(run_dir: Path, keep_last: int, protect: set[Path], event: Callable[..
         return
     for ckpt in valid:
         if ckpt not in needed:
-            trash = ckpt.with_name(f".tmp-removing-{ckpt.name}")
+            trash = ckpt.with_name(f"{TMP_PREFIX}removing-{ckpt.name}")
             os.replace(ckpt, trash)
             shutil.rmtree(trash)
             event("checkpoint_removed", path=str(ckpt))
