@@ -63,7 +63,8 @@ def run(schedule: Path, output_dir: Path | None, nproc: int | None, force: bool,
 def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides: tuple[str, ...]) -> None:
     """Print the phase table of SCHEDULE and check the file, without starting anything."""
     from orchestrator.display import print_plan
-    from orchestrator.estimate import EstimateError, estimate_plan, format_bytes, size_option
+    from orchestrator.estimate import EstimateError, estimate_plan, size_option
+    from shard_tools.sizes import format_bytes
     from orchestrator.plan import plan_phases
     from orchestrator.validate import load_schedule
 

@@ -15,13 +15,14 @@ from rich.table import Table
 from rich.text import Text
 
 from orchestrator.errors import ScheduleError
-from orchestrator.estimate import PlanEstimate, format_bytes
+from orchestrator.estimate import PlanEstimate
 from orchestrator.groups import Group
 from orchestrator.journal import read_journal
 from orchestrator.pace import Pace, clock
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.supervisor import Observer, State
+from shard_tools.sizes import format_bytes
 
 # Off a terminal, lines are logs: never wrap them (rich would at 80 columns).
 console = Console(stderr=True, soft_wrap=True)

@@ -185,11 +185,3 @@ def size_option(text: str, option: str) -> int:
     if size is None:
         raise ScheduleError(f"{option}: expected a size such as 80GiB, 80GB or 141e9 (bytes), got {text!r}")
     return size
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shard_tools.files import describe, open_regular, regular_fault
+from shard_tools.sizes import format_bytes
 from shard_tools.manifest import (
     JOURNAL, CheckpointError, InputError, list_checkpoints, path_kind, read_manifest, step_of, stray_temporaries,
     verify_checkpoint,
@@ -224,12 +225,7 @@ def inspect_path(path: Path) -> dict[str, Any]:
 
 
 def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    unit = 0
-    while n >= 1024 and unit < 4:
-        n, unit = n / 1024, unit + 1
-    return f"{n:.0f} B" if unit == 0 else f"{n:.1f} {'KMGT'[unit - 1]}iB"
+    return "-" if n is None else format_bytes(n)
 
 
 def _or_unknown(value: Any) -> str:

@@ -1,5 +1,5 @@
 """Sizes as people write them (80GiB, 500MB, 141e9): ``orchestrator plan --device-memory`` and
-``shard-tools export --max-shard-size`` read them here. No torch."""
+``shard-tools export --max-shard-size`` read them here, and every command prints them here. No torch."""
 
 from __future__ import annotations
 
@@ -20,3 +20,12 @@ def parse_size(text: str | int) -> int | None:
         return None
     size = float(m.group(1)) * unit
     return int(size) if math.isfinite(size) and size >= 1 else None
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units: 512 B, 1.5 KiB ... 2.0 TiB (the largest unit)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -19,8 +19,9 @@ from transformers import (
 from orchestrator.cli import main
 from orchestrator.errors import ScheduleError
 from orchestrator.estimate import (
-    ACTIVATION_VALUES, EstimateError, ParamCount, format_bytes, param_count, phase_memory, size_option,
+    ACTIVATION_VALUES, EstimateError, ParamCount, param_count, phase_memory, size_option,
 )
+from shard_tools.sizes import format_bytes
 from tests.conftest import ROOT, SEQ, schedule_dict, write_schedule
 
 _SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
