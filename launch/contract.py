@@ -96,6 +96,26 @@ class OptimizerPart(_Spec):
     """The run's last global step, for the decay schedules."""
 
 
+class HandoverPart(_Spec):
+    """The device handover at one phase boundary (the schedule's ``launch.handover``): the
+    predecessor offers its state where it lies (``PhaseDir.offer``), its pre-warmed successor
+    copies it at its go and answers (``PhaseDir.answer``), and only then does the predecessor
+    write its checkpoint, from its own memory, while the successor trains."""
+
+    offer: bool = False
+    """At its end (a complete phase only) this phase offers its state, waits for the answer, then
+    writes its checkpoint and exits."""
+    take: bool = False
+    """This pre-warmed phase prepares without a host copy of the model and takes its predecessor's
+    state at its go; where it cannot, it answers "not taken" and reads the checkpoint instead."""
+    host: bool = False
+    """Also without a GPU: through a file in the predecessor's phase directory
+    (``launch.handover = "on"``). On CUDA the transport is CUDA IPC either way."""
+    peak_bytes: int = 0
+    """The overlap's planned peak on one device (both phases alive, ``orchestrator plan``); a
+    successor whose device has less memory in all does not take over. 0: not planned."""
+
+
 class PhaseSpec(_Spec):
     run_dir: str
     tensorboard: bool = False
@@ -131,6 +151,8 @@ class PhaseSpec(_Spec):
     """The worker stops itself when this process is gone (it may have been SIGKILLed)."""
     orchestrator_host: str | None = None
     """Where orchestrator_pid lives: ranks on other nodes cannot watch it (their launcher does)."""
+    handover: HandoverPart = HandoverPart()
+    """The device handover at this phase's start (``take``) and end (``offer``)."""
 
     @classmethod
     def read(cls, path: str | Path) -> PhaseSpec:
@@ -231,10 +253,13 @@ class PhaseDir:
         self.exits = self.path / "exit"
         """Forked ranks' exit codes, written by the fork server that reaped them."""
         self.errors = self.path / "errors"
+        self.handover = self.path / "handover"
+        """The phase's offers to its successor (``Offer``), their answers (``Answer``) and, for
+        the host transport, the offered bytes; all 0600."""
 
     def clear(self) -> None:
         """Removes what an earlier attempt at the phase left, before a new one starts."""
-        for stale in (self.pids, self.errors, self.exits):
+        for stale in (self.pids, self.errors, self.exits, self.handover):
             shutil.rmtree(stale, ignore_errors=True)
         self.records.unlink(missing_ok=True)
         self.stages.unlink(missing_ok=True)
@@ -278,9 +303,89 @@ class PhaseDir:
             return {}
         return records if isinstance(records, dict) else {}
 
+    # -- the handover (``HandoverPart``): written by the phase, its successor, the orchestrator
+    def offer_path(self, rank: int) -> Path:
+        return self.handover / f"offer-{rank_name(rank)}.json"
+
+    def answer_path(self, rank: int) -> Path:
+        return self.handover / f"answer-{rank_name(rank)}.json"
+
+    def blob_path(self, rank: int) -> Path:
+        """The host transport's bytes of rank N's offer."""
+        return self.handover / f"{rank_name(rank)}.bin"
+
+    def write_offer(self, rank: int, offer: Offer) -> None:
+        self.handover.mkdir(mode=0o700, exist_ok=True)
+        write_atomic(self.offer_path(rank), offer.model_dump_json(), mode=0o600, durable=False)
+
+    def read_offer(self, rank: int) -> Offer | None:
+        return _read(Offer, self.offer_path(rank))
+
+    def offered(self, nproc: int) -> bool:
+        """Every rank has made its offer (the orchestrator's cue for the successor's go)."""
+        return all(self.read_offer(r) is not None for r in range(nproc))
+
+    def write_answer(self, rank: int, answer: Answer) -> bool:
+        """Answers rank N's offer; False where it was answered already (the first answer stands)."""
+        self.handover.mkdir(mode=0o700, exist_ok=True)
+        path = self.answer_path(rank)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(answer.model_dump_json())
+        try:
+            os.link(tmp, path)  # never replaces: a late "not taken" cannot undo a "taken"
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def read_answer(self, rank: int) -> Answer | None:
+        return _read(Answer, self.answer_path(rank))
+
     def append_stage(self, name: str) -> None:
         with open(self.stages, "a") as f:
             f.write(json.dumps({"time": time.time(), "stage": name}) + "\n")
+
+
+class TensorRef(_Record):
+    """One tensor of an offer: a view into one of its shared blocks."""
+
+    name: str
+    block: int
+    dtype: str
+    """torch's name without "torch." (``bfloat16``)."""
+    shape: list[int]
+    stride: list[int]
+    offset: int
+    """Into the block, in elements."""
+
+
+class Offer(_Record):
+    """handover/offer-rank-N.json: what rank N of a finished phase offers its successor's rank N,
+    where it lies: its module's weights and buffers (``module/NAME``), the head's fp32 masters and
+    Adam moments (``master/``, ``exp_avg/``, ``exp_avg_sq/``) and its layers' fp32 masters."""
+
+    pid: int
+    device: str
+    """The device's UUID; "host" for the host transport."""
+    transport: Literal["cuda", "host"]
+    blocks: list[dict[str, Any]]
+    """Per shared block, what the transport needs to map it: CUDA IPC's fields (bytes in base64),
+    or the offset and size in the host transport's file."""
+    tensors: list[TensorRef]
+    carried: dict[str, Any]
+    """What a checkpoint's manifest and state file would tell the successor: the steps, the loss
+    scale, the checkpoint the predecessor is about to commit."""
+
+
+class Answer(_Record):
+    """handover/answer-rank-N.json: the successor's rank N has its copy (``taken``) or will read the
+    checkpoint instead; the orchestrator answers "not taken" for a successor that is gone."""
+
+    taken: bool
+    by: Literal["successor", "orchestrator"]
+    reason: str = ""
 
 
 def write_reason(path: Path, error: BaseException) -> None:
@@ -356,8 +461,10 @@ class Channel:
         return self.decode(data)
 
 
-GO = Channel(1024, frozenset({"restore"}))
+GO = Channel(4096, frozenset({"restore", "handover"}))
 """phase-NNNN/go: a pre-warmed phase's checkpoint to restore (or None: the base model), one record
-per rank, written once its predecessor's processes are gone."""
+per rank, written once its predecessor's processes are gone; or, with ``handover`` (the
+predecessor's phase directory), once every rank of the predecessor has made its offer: the
+checkpoint is then the one the predecessor commits after the answers."""
 FORK_REQUESTS = Channel(4096, frozenset({"spec", "nproc"}))
 """RUN_DIR/zygote.fifo: fork the ranks of the phase whose spec.json is at ``spec``."""

@@ -271,6 +271,11 @@ class LaunchSection(Section):
     pause_preparing_seconds: Annotated[float, Field(ge=0)] = 30.0
     """While a phase switches (from the finished phase's last step to the next one's first), the
     phases still preparing further ahead are paused (SIGSTOP), for at most this long; 0: never."""
+    handover: Literal["auto", "on", "off"] = "auto"
+    """How a finished phase's state reaches its pre-warmed successor: "auto" on the device (CUDA
+    IPC) where the successor runs on the same GPUs with the same process count and ZeRO stage 1
+    or 2 and the overlap fits, else through the checkpoint; "on" also without a GPU (through a
+    file: for testing the choreography on a CPU); "off" always through the checkpoint."""
 
     @field_validator("grace_seconds", "pause_preparing_seconds", mode="before")
     @classmethod
