@@ -12,14 +12,14 @@ import psutil
 import torch
 from torch import nn
 
-from launch import prepare, save, switch, train
+from launch import handover, prepare, save, switch, train
 from launch.contract import PhaseDir, PhaseSpec
 from launch.data import SampleOrder
 from launch.staging import Staging
+from launch.handover import Carried
 from launch.switch import Delta
 from launch.timeline import Timeline
 from shard_tools.checkpoint import PreparedFiles
-from shard_tools.manifest import Manifest
 
 PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint was written, run again to go on
 
@@ -62,11 +62,19 @@ class Phase:
         """Layer -> the checkpoint file its weights in the host model came from."""
         self.prepared: PreparedFiles | None = None
         """Rank 0's files of the next checkpoint, made ahead."""
+        self.refusal: str | None = "not pre-warmed"
+        """Why this phase will not take its predecessor's state over on the device
+        (``launch.handover``); None: it will, and ``model`` is a skeleton until then."""
         # -- switch
+        self.handover_from: str | None = None
+        """The predecessor's phase directory, where the go says it offers its state."""
         self.delta: Delta | None = None
         """The checkpoint whose changes the host model holds, and its manifest."""
-        self.restored: Manifest | None = None
-        """The manifest of the checkpoint restored from."""
+        self.carried: Carried | None = None
+        """The steps and loss scale carried on: from the restored checkpoint, or the offer."""
+        self.awaiting: Path | None = None
+        """The predecessor's checkpoint, not committed yet when this phase took over: its own
+        checkpoints wait for it."""
         self.head_state: dict | None = None
         """The head's optimizer state, mapped from its file, until it is on the device."""
         self.populating: prepare.Background | None = None
@@ -116,7 +124,8 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict,
             switch.assemble(phase)
             switch.restore(phase)
         done = train.train(phase, stop)
-        save.save(phase, phase_complete=done)
+        snap = handover.offer(phase) if done else None
+        save.save(phase, phase_complete=done, snap=snap)
         if phase.wandb is not None:
             phase.wandb.finish()
     except BaseException:

@@ -21,7 +21,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from launch import procs
+from launch import handover, procs
 from launch.contract import DATA_CACHE, PhaseSpec
 from launch.data import SampleOrder, load_examples, micro_batch, prepare as prepare_data
 from launch.ops import load_comm_ops, unlink_comm_buffers
@@ -31,7 +31,9 @@ from launch.train import token_loss
 from launch.zero_state import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DECAY
 from shard_tools.checkpoint import layer_weights
 from shard_tools.manifest import layer_sources
-from shard_tools.model import DTYPES, ModelSpec, build_base_model, detect_parts, head_param_names, layer_param_names
+from shard_tools.model import (
+    DTYPES, ModelSpec, build_base_model, build_skeleton, detect_parts, head_param_names, layer_param_names,
+)
 
 if TYPE_CHECKING:
     from launch.phase import Phase
@@ -43,6 +45,8 @@ def prepare(ph: Phase) -> None:
     if spec.prewarm:
         ph.timeline.add(background=procs.background(True))
     _start_group(ph)
+    ph.refusal = handover.refusal(ph) if spec.prewarm else "not pre-warmed"
+    ph.timeline.add(handover_refusal=ph.refusal)
     ph.stage("loading the model")
     # Nothing in training draws random numbers today, but a phase's stream must not depend on
     # how its process was started (seeded again after the warm-up, which draws its own);
@@ -91,12 +95,26 @@ def _start_group(ph: Phase) -> None:
 
 def _load_model(ph: Phase) -> None:
     spec, m = ph.spec, ph.spec.model
-    model = base_model(ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=spec.seed), ph.prebuilt)
+    model_spec = ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=spec.seed)
+    # Taking every weight from its predecessor, the phase needs only the model's structure.
+    model = build_skeleton(model_spec) if ph.refusal is None else base_model(model_spec, ph.prebuilt)
     model.config.use_cache = False
     ph.persistent, ph.layers_attr = detect_parts(model, m.persistent, m.layers)
     ph.head_names = head_param_names(model, ph.persistent)
     ph.body_names = [n for i in spec.layers for n in layer_param_names(model, ph.layers_attr, i)]
     ph.model = model
+
+
+def host_model(ph: Phase) -> None:
+    """A phase that prepared to take its predecessor's state but did not (``launch.handover``):
+    the host model as a phase without a handover has it, built now."""
+    spec, m = ph.spec, ph.spec.model
+    model = base_model(ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=spec.seed), ph.prebuilt)
+    model.config.use_cache = False
+    if m.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ph.model, ph.trained, ph.refusal = model, {}, "not taken"
+    overlay(ph, layer_weights(ph.preloaded, mapped=True))
 
 
 def _load_data(ph: Phase) -> None:
@@ -111,12 +129,17 @@ def _load_data(ph: Phase) -> None:
     ph.order = SampleOrder(len(ph.examples), spec.seed, spec.data.shuffle)
     preload = Path(spec.preload) if spec.preload else (Path(spec.restore) if spec.restore else None)
     ph.preloaded = layer_sources(ph.run_dir, preload) if preload else {}
-    overlay(ph, layer_weights(ph.preloaded, mapped=True))
+    if ph.refusal is None:
+        handover.preload_layers(ph)
+    else:
+        overlay(ph, layer_weights(ph.preloaded, mapped=True))
 
 
 def _prepare_host_side(ph: Phase) -> None:
     ph.prepared = prepare_files(ph)
     ph.timeline.mark("t_files_prepared")
+    if ph.refusal is None:
+        return  # no host weights: they come from the predecessor's device at the go
     if ph.staging is not None and ph.spec.zero_stage < 3:
         with ph.timeline.span("t_register_start", "t_registered"):
             registered = ph.staging.register_module(ph.model)

@@ -7,6 +7,7 @@ import importlib.metadata
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,38 +23,93 @@ from launch.zero_state import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DEC
 from shard_tools.checkpoint import (
     BODY_OPTIM, HEAD, LAYERS, OPTIM_KEYS, STATE, PreparedFiles, flatten_optim_state, write_checkpoint,
 )
-from shard_tools.manifest import CheckpointError, Manifest
+from shard_tools.manifest import MANIFEST, CheckpointError, Manifest
 
 if TYPE_CHECKING:
     from launch.phase import Phase
 
 
-def save(ph: Phase, phase_complete: bool) -> Path | None:
+@dataclass
+class Snapshot:
+    """A finished phase's state gathered on its device, full tensors on every rank: what it offers
+    its successor (``launch.handover``) and, once answered, writes from its own memory."""
+
+    head: dict[str, dict[str, torch.Tensor]]
+    """The head's fp32 masters and Adam moments, {key: {name: tensor}}."""
+    layers: dict[str, torch.Tensor]
+    """The fp32 masters of the phase's layers."""
+    state: dict[str, torch.Tensor]
+    """The state file's tensors (``state_tensors``)."""
+    head_step: int
+    body_step: int
+
+
+def snapshot(ph: Phase) -> Snapshot:
+    """The phase-end state on the device, on every rank (collectives)."""
+    zero_state.relink(ph.engine)
+    head = zero_state.get_state(ph.head, on_device=True)
+    layers = zero_state.get_masters(ph.body, on_device=True)
+    head_step, body_step = _steps(ph)
+    return Snapshot(head=head, layers=layers, state=state_tensors(ph), head_step=head_step, body_step=body_step)
+
+
+def save(ph: Phase, phase_complete: bool, snap: Snapshot | None = None) -> Path | None:
     """Gathers full tensors on every rank (collectives); rank 0 copies them into its prepared
-    files (so on a GPU the copy from the device is the write) and commits the checkpoint."""
+    files (so on a GPU the copy from the device is the write) and commits the checkpoint. With
+    ``snap`` (handed over): rank 0 writes it, durably (off the switch's critical path now), and
+    no collective is left; the other ranks have nothing to do."""
     t0 = time.time()
     writer = ph.rank == 0
     faults0, cache0 = _page_faults(), _dirty_page_cache() if writer else {}
-    files, head_step, body_step = _gather(ph, phase_complete, writer)
+    if snap is not None:
+        files = _files_of(ph, snap) if writer else {}
+        head_step, body_step = snap.head_step, snap.body_step
+    else:
+        files, head_step, body_step = _gather(ph, phase_complete, writer)
     t_gathered = time.time()
     # Why a gather was slow: pages that had to be faulted in again (cleaned by writeback since
     # they were prepared), and how much of the page cache was dirty or under writeback.
     gather_faults = _page_faults() - faults0
     if not writer:
-        torch.distributed.barrier()
+        if snap is None:
+            torch.distributed.barrier()
         return None
     prepared, ph.prepared = ph.prepared, None
+    _await_predecessor(ph)
     # A phase end is made durable by the orchestrator, after the next phase has its go.
     path, timing = write_checkpoint(ph.run_dir, _manifest(ph, phase_complete, head_step, body_step), files,
-                                    file_metadata(ph), durable=not phase_complete, prepared=prepared,
+                                    file_metadata(ph), durable=not phase_complete or snap is not None,
+                                    prepared=prepared,
                                     on_file_written=lambda name: faults.point("checkpoint.file_written", name=name))
     ph.timeline.append("checkpoints", {
         "step": ph.step, "gather_seconds": t_gathered - t0, "write_seconds": time.time() - t_gathered,
         "prepared": prepared is not None, **{f"{k}_seconds": v for k, v in timing.items()},
         "gather_page_faults": gather_faults, **cache0})
-    torch.distributed.barrier()
+    if snap is None:
+        torch.distributed.barrier()
     ph.timeline.mark("t_saved")
     return path
+
+
+def _await_predecessor(ph: Phase) -> None:
+    """A phase that took over its predecessor's state commits nothing before the predecessor's own
+    checkpoint is committed: its checkpoints compose the predecessor's layers from there. Should
+    the predecessor die first, the orchestrator stops this process."""
+    if ph.awaiting is None:
+        return
+    while not (ph.awaiting / MANIFEST).exists():
+        time.sleep(0.005)
+    ph.awaiting = None
+
+
+def _files_of(ph: Phase, snap: Snapshot) -> dict:
+    """The checkpoint's files from a snapshot on the device, copied into the prepared files."""
+    views = ph.prepared.views if ph.prepared is not None else {}
+    head_views, layer_views = views.get(HEAD, {}), views.get(LAYERS, {})
+    head = {k: {n: zero_state.to_host(t, t.shape, head_views.get(f"{k}/{n}"), ph.staging) for n, t in by_name.items()}
+            for k, by_name in snap.head.items()}
+    layers = {n: zero_state.to_host(t, t.shape, layer_views.get(n), ph.staging) for n, t in snap.layers.items()}
+    return {HEAD: flatten_optim_state(head), LAYERS: layers, STATE: snap.state}
 
 
 def _gather(ph: Phase, phase_complete: bool, writer: bool) -> tuple[dict, int, int]:
@@ -63,7 +119,6 @@ def _gather(ph: Phase, phase_complete: bool, writer: bool) -> tuple[dict, int, i
     gather = {"keep": writer, "staging": ph.staging}
     zero_state.relink(ph.engine)
     head = zero_state.get_state(ph.head, into=views.get(HEAD), **gather)
-    steps = zero_state.group_steps(ph.engine)
     into_layers = views.get(LAYERS, {})
     if phase_complete:
         layers, body = zero_state.get_masters(ph.body, into=into_layers, **gather), {}
@@ -71,13 +126,20 @@ def _gather(ph: Phase, phase_complete: bool, writer: bool) -> tuple[dict, int, i
         body = zero_state.get_state(ph.body, into={f"master/{n}": t for n, t in into_layers.items()}, **gather)
         layers = body.pop("master", {})
     state = state_tensors(ph)
-    by_role = dict(zip(ph.roles, range(len(ph.roles))))
-    head_step = max(steps.get(by_role.get(r, -1), 0) for r in (HEAD_DECAY, HEAD_NO_DECAY))
-    body_step = max((steps.get(by_role.get(r, -1), 0) for r in (BODY_DECAY, BODY_NO_DECAY)), default=0)
+    head_step, body_step = _steps(ph)
     files = {HEAD: flatten_optim_state(head), LAYERS: layers, STATE: state} if writer else {}
     if writer and not phase_complete:
         files[BODY_OPTIM] = flatten_optim_state(body)
     return files, head_step, body_step
+
+
+def _steps(ph: Phase) -> tuple[int, int]:
+    """The head's and the body's optimizer steps."""
+    steps = zero_state.group_steps(ph.engine)
+    by_role = dict(zip(ph.roles, range(len(ph.roles))))
+    head_step = max(steps.get(by_role.get(r, -1), 0) for r in (HEAD_DECAY, HEAD_NO_DECAY))
+    body_step = max((steps.get(by_role.get(r, -1), 0) for r in (BODY_DECAY, BODY_NO_DECAY)), default=0)
+    return head_step, body_step
 
 
 def _manifest(ph: Phase, phase_complete: bool, head_step: int, body_step: int) -> Manifest:

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from launch import procs, zero_state
-from launch.prepare import Background, build_engine, memory_now, overlay
+from launch import handover, procs, zero_state
+from launch.handover import Carried
+from launch.prepare import Background, build_engine, host_model, memory_now, overlay
 from launch.scaler import restore_scaler
 from launch.zero_state import HEAD_DECAY, HEAD_NO_DECAY
 from shard_tools.checkpoint import BODY_OPTIM, HEAD, STATE, layer_weights, load_tensors, optim_state, populate_pages
@@ -37,7 +38,8 @@ def await_go(ph: Phase) -> None:
     expected = checkpoints_dir(ph.run_dir) / step_dir_name(ph.spec.start_step)
 
     def read_early() -> None:
-        if ph.delta is None and (expected / MANIFEST).exists():
+        # Not where the phase takes its predecessor's state over: it has no host model to read into.
+        if ph.refusal is not None and ph.delta is None and (expected / MANIFEST).exists():
             _foreground(ph)  # this process is next: on the critical path from here
             read_delta(ph, expected, early=True)
 
@@ -45,6 +47,7 @@ def await_go(ph: Phase) -> None:
     ph.timeline.mark("t_go")
     _foreground(ph)
     ph.restore_path = go["restore"]
+    ph.handover_from = go["handover"]
 
 
 def _foreground(ph: Phase) -> None:
@@ -74,17 +77,28 @@ def read_delta(ph: Phase, restore: Path, early: bool = False) -> None:
             raise
         return  # read again at the go, which names only a checkpoint the orchestrator checked
     ph.populating = Background(populate_pages, [t for k in zero_state.MOMENTS for t in ph.head_state[k].values()])
-    ph.preloaded, ph.restored, ph.delta = sources, manifest, Delta(restore, manifest)
+    ph.preloaded, ph.delta = sources, Delta(restore, manifest)
+    ph.carried = Carried(head_step=manifest.head_step, body_step=manifest.body_step, phase=manifest.phase,
+                         phase_complete=manifest.phase_complete, scaler=None)
     if early:
         ph.timeline.add(t_early_read_start=t0, t_early_read_end=time.time(), t_early_read_layers=t_layers)
 
 
 def assemble(ph: Phase) -> None:
-    """Reads what the predecessor changed (its layers and the head), unless read already, and
-    builds the engine."""
+    """Takes the predecessor's state over on the device (``launch.handover``), or reads what it
+    changed (its layers and the head) unless read already; builds the engine."""
     ph.stage("building the engine")
     ph.timeline.add(memory_start=memory_now())
     restore = Path(ph.restore_path) if ph.restore_path else None
+    if ph.handover_from is not None:
+        ph.awaiting = restore  # this phase's checkpoints wait for the predecessor's
+        if handover.take(ph, Path(ph.handover_from)):
+            ph.timeline.mark("t_delta_loaded")
+            build_engine(ph)
+            return
+        _await_commit(restore)
+    if ph.refusal is None:  # prepared to take over, but the go names a checkpoint only
+        host_model(ph)
     if restore is not None:
         if ph.delta is not None and (ph.delta.path != restore or _manifest_now(restore) != ph.delta.manifest):
             raise RuntimeError(f"the go names {restore}, but {ph.delta.path} was read before it")
@@ -94,13 +108,20 @@ def assemble(ph: Phase) -> None:
     build_engine(ph)
 
 
+def _await_commit(ckpt: Path) -> None:
+    """Until the predecessor, which made an offer not taken, has committed its checkpoint (should
+    it die first, the orchestrator stops this process)."""
+    while not (ckpt / MANIFEST).exists():
+        time.sleep(0.005)
+
+
 def _manifest_now(ckpt: Path) -> Manifest:
     return Manifest.from_json((ckpt / MANIFEST).read_text(), ckpt)
 
 
 def restore(ph: Phase) -> None:
     """Head optimizer state carries on; body state too only when resuming inside its phase."""
-    m = ph.restored
+    m = ph.carried
     if m is None:
         return
     ckpt = Path(ph.restore_path)
@@ -124,7 +145,8 @@ def restore(ph: Phase) -> None:
         zero_state.set_state(fresh, {"master": body_masters}, with_moments=False, staging=ph.staging)
     zero_state.refresh_lp(ph.engine)
     # The loss scale carries across phases like the head's state does.
-    restore_scaler(getattr(ph.engine.optimizer, "loss_scaler", None), load_tensors(ckpt / STATE))
+    restore_scaler(getattr(ph.engine.optimizer, "loss_scaler", None),
+                   m.scaler if m.scaler is not None else load_tensors(ckpt / STATE))
     if same_phase:
         _restore_rng(ph, ckpt)
     ph.head_state = None  # on the device now; the mapping of the head file can go

@@ -69,7 +69,7 @@ def group_steps(engine) -> dict[int, int]:
 KEYS = ("master", *MOMENTS)
 
 
-def _to_host(t: torch.Tensor, shape: torch.Size, out: torch.Tensor | None, staging: Staging | None) -> torch.Tensor:
+def to_host(t: torch.Tensor, shape: torch.Size, out: torch.Tensor | None, staging: Staging | None) -> torch.Tensor:
     """The fp32 full tensor on the host: copied into ``out`` where given (a prepared checkpoint
     file's view, so the copy from the device is the write), else a host tensor of its own."""
     t = t.detach().float().view(shape)
@@ -91,32 +91,39 @@ def full_shapes(named: list[tuple[str, nn.Parameter]]) -> dict[str, tuple[int, .
 
 
 def get_state(named: list[tuple[str, nn.Parameter]], into: dict[str, torch.Tensor] | None = None,
-              keep: bool = True, staging: Staging | None = None) -> dict[str, dict[str, torch.Tensor]]:
+              keep: bool = True, staging: Staging | None = None,
+              on_device: bool = False) -> dict[str, dict[str, torch.Tensor]]:
     """Full fp32 master weights and moments on the host, {key: {name: tensor}}. Collective: all
     ranks, same order. ``into``: host tensors by "key/name" to copy into; ``keep=False``: gather
-    only, for ranks that write nothing (the result is empty)."""
+    only, for ranks that write nothing (the result is empty); ``on_device``: left where the
+    gather put them (on every rank: a phase's offer to its successor, ``launch.handover``)."""
     into = into or {}
     out: dict[str, dict[str, torch.Tensor]] = {
         "master": get_masters(named, {n[len("master/"):]: t for n, t in into.items() if n.startswith("master/")}, keep,
-                              staging),
+                              staging, on_device),
         "exp_avg": {}, "exp_avg_sq": {}}
     for name, p in named:
         for key in MOMENTS:
             full = safe_get_full_optimizer_state(p, key)
             if keep:
-                out[key][name] = _to_host(full, _shape(p), into.get(f"{key}/{name}"), staging)
+                out[key][name] = _kept(full, p, into.get(f"{key}/{name}"), staging, on_device)
     return out if keep else {}
 
 
 def get_masters(named: list[tuple[str, nn.Parameter]], into: dict[str, torch.Tensor] | None = None,
-                keep: bool = True, staging: Staging | None = None) -> dict[str, torch.Tensor]:
+                keep: bool = True, staging: Staging | None = None, on_device: bool = False) -> dict[str, torch.Tensor]:
     into = into or {}
     out = {}
     for n, p in named:
         full = safe_get_full_fp32_param(p)
         if keep:
-            out[n] = _to_host(full, _shape(p), into.get(n), staging)
+            out[n] = _kept(full, p, into.get(n), staging, on_device)
     return out
+
+
+def _kept(full: torch.Tensor, p: nn.Parameter, out: torch.Tensor | None, staging: Staging | None,
+          on_device: bool) -> torch.Tensor:
+    return full.detach().float().view(_shape(p)) if on_device else to_host(full, _shape(p), out, staging)
 
 
 def set_state(named: list[tuple[str, nn.Parameter]], state: dict[str, dict[str, torch.Tensor]], with_moments: bool,
@@ -124,6 +131,8 @@ def set_state(named: list[tuple[str, nn.Parameter]], state: dict[str, dict[str, 
     """Writes master weights (and moments) into the partitions. Collective: all ranks, same order."""
     for name, p in named:
         def put(t: torch.Tensor) -> torch.Tensor:
+            if t.device == p.device:  # taken over on the device (``launch.handover``)
+                return t
             return staging.to_device(t) if staging is not None and p.device.type == "cuda" else t.to(p.device)
 
         safe_set_full_fp32_param(p, put(state["master"][name]))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from launch.contract import FORK_REQUESTS, GO, RANK, PhaseDir, PhaseSpec, RunDir, read_reasons
+from launch.contract import FORK_REQUESTS, GO, RANK, Answer, PhaseDir, PhaseSpec, RunDir, read_reasons
 from orchestrator import procs
 from orchestrator.schedule import LaunchSection, Phase
 from shard_tools.files import write_atomic
@@ -91,6 +91,10 @@ class Group:
     preload: Path | None = None
     """A pre-warmed group's weights as of this checkpoint, read before its go."""
     prewarmed: bool = False
+    offers: bool = False
+    """At its end it offers its state to its successor (``launch.handover``) before it writes."""
+    takes: bool = False
+    """Pre-warmed to take its predecessor's state over at its go (``launch.handover``)."""
     pids: set[int] = field(default_factory=set)
     records: dict = field(default_factory=dict)
     end: Path | None = None
@@ -131,6 +135,8 @@ class PhaseProcesses:
             go_fd = os.open(files.go, os.O_RDWR | os.O_NONBLOCK)
             spec = spec.changed(prewarm=True, restore=None, go_fifo=str(files.go),
                                 preload=str(work.restore) if work.restore else None)
+        else:  # started now, it has no predecessor alive to take from
+            spec = spec.changed(handover=spec.handover.model_dump() | {"take": False})
         write_atomic(files.spec, spec.model_dump_json(indent=1))
         zygote = self.fork_server(files.spec)
         if zygote is not None:
@@ -143,7 +149,8 @@ class PhaseProcesses:
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
         return Group(work=work, phase_dir=files.path, proc=proc, log_path=files.log, t_start=time.time(),
                      go_fd=go_fd, world=ph.nproc * self.launch.nnodes, port=spec.master_port,
-                     preload=work.restore if prewarm else None)
+                     preload=work.restore if prewarm else None, offers=spec.handover.offer,
+                     takes=spec.handover.take)
 
     def fork_server(self, spec_path: Path) -> subprocess.Popen | None:
         """The run's fork server (``launch.zygote``), started on first use, for one-node local runs
@@ -200,14 +207,24 @@ class PhaseProcesses:
         reasons = PhaseDir(group.phase_dir).error_reasons()
         return f"its processes ended {exit_text(rc)}", group.log_path, reasons
 
-    def go(self, group: Group, restore: Path | None) -> None:
-        """Tells a pre-warmed group its checkpoint; called only once its predecessor is gone."""
-        record = GO.encode(restore=str(restore) if restore else None)
+    def go(self, group: Group, restore: Path | None, handover: Path | None = None) -> None:
+        """Tells a pre-warmed group its checkpoint; called only once its predecessor is gone, or,
+        with ``handover`` (the predecessor's phase directory), once it has made its offers."""
+        record = GO.encode(restore=str(restore) if restore else None, handover=str(handover) if handover else None)
         # The records wait in the pipe for ranks still preparing; the FIFO stays open until the
         # group is gone, since a pipe's data goes with its last open descriptor.
         for _ in range(group.world):
             os.write(group.go_fd, record)
         group.t_start = time.time()
+
+    def decline(self, group: Group, reason: str) -> None:
+        """Answers "not taken" to every rank of ``group`` still waiting for its successor's answer
+        (the successor is gone, or not one to take over): it writes its checkpoint as without."""
+        files = PhaseDir(group.phase_dir)
+        answer = Answer(taken=False, by="orchestrator", reason=reason)
+        ranks = [r for r in range(group.world) if files.write_answer(r, answer)]
+        if ranks:
+            self.event("handover_declined", phase=group.work.phase.index, ranks=ranks, reason=reason)
 
     def close_go(self, group: Group) -> None:
         if group.go_fd is not None:

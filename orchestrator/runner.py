@@ -27,8 +27,8 @@ from orchestrator.rundir import SCHEDULE_COPY, RunLock, create_run_dir, read_cop
 from orchestrator.phasespec import phase_spec
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import LoadedSchedule
-from orchestrator.supervisor import Context, Observer, Supervisor
-from shard_tools.manifest import make_durable, remove_stray_temporaries
+from orchestrator.supervisor import Context, Observer, State, Supervisor
+from shard_tools.manifest import checkpoints_dir, make_durable, remove_stray_temporaries, step_dir_name
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -135,17 +135,21 @@ class Runner:
         first = True
         pending: list[Group] = []  # pre-warmed groups of the next phases, in order
         finished: Group | None = None
+        handing: Supervisor | None = None  # a finished phase, alive, offering its state (launch.handover)
         while True:
-            ckpt, manifest = restore_point(self.run_dir, self.verified, self._event)
-            work = next_work(self.phases, ckpt, manifest)
-            if first:
-                if fresh:
-                    self._event("run_started", phases=len(self.phases), total_steps=self.phases[-1].end_step,
-                                pid=os.getpid())
-                else:
-                    self._event("resumed", step=manifest.global_step if manifest else 0,
-                                checkpoint=str(ckpt) if ckpt else None, pid=os.getpid())
-                first = False
+            if handing is not None:
+                work = self._successor_work(handing)
+            else:
+                ckpt, manifest = restore_point(self.run_dir, self.verified, self._event)
+                work = next_work(self.phases, ckpt, manifest)
+                if first:
+                    self._event_start(fresh, manifest.global_step if manifest else 0, ckpt)
+                    first = False
+            if handing is not None and (work is None or self.stop_signal is not None
+                                        or not self._takes(pending, work)):
+                finished = self._release(handing, "stopped" if self.stop_signal is not None else
+                                         "the next phase is not pre-warmed to take it")
+                handing = None
             if work is None:
                 self._abort(pending)
                 self._after_switch(finished, None)
@@ -157,7 +161,7 @@ class Runner:
                 self._after_switch(finished, None)
                 self._event("preempted", step=work.start_step, signal=self.stop_signal)
                 raise Preempted(f"stopped by signal {self.stop_signal} before phase {work.phase.index}; run again to resume")
-            current = self._take(pending, work)
+            current = self._take(pending, work, handing)
             self._after_switch(finished, current)
             # With a switch to keep quiet, the phases further ahead start once it is over (a start
             # would slow it as much as a preparation does).
@@ -165,11 +169,39 @@ class Runner:
             if not defer:
                 self._prewarm_ahead(pending, work)
             try:
-                self._supervise(current, pending, ahead=defer)
+                supervisor = self._supervise(current, pending, ahead=defer, predecessor=handing)
             except BaseException:
                 self._abort(pending)  # already done, unless this process itself failed
                 raise
-            finished = current
+            handing = supervisor if supervisor.state is State.HANDING_OVER else None
+            finished = None if handing is not None else current
+
+    def _event_start(self, fresh: bool, step: int, ckpt: Path | None) -> None:
+        if fresh:
+            self._event("run_started", phases=len(self.phases), total_steps=self.phases[-1].end_step, pid=os.getpid())
+        else:
+            self._event("resumed", step=step, checkpoint=str(ckpt) if ckpt else None, pid=os.getpid())
+
+    def _successor_work(self, handing: Supervisor) -> Work | None:
+        """The work after a phase that is handing its state over: the next phase, from the
+        checkpoint the finished one is about to commit."""
+        done = handing.phase
+        nxt = next((p for p in self.phases if p.start_step == done.end_step), None)
+        end = checkpoints_dir(self.run_dir) / step_dir_name(done.end_step)
+        return None if nxt is None else Work(nxt, done.end_step, end)
+
+    def _takes(self, pending: list[Group], work: Work) -> bool:
+        """Whether the first pre-warmed group is the one for ``work``, alive, and prepared to take
+        its predecessor's state over."""
+        first = pending[0] if pending else None
+        return (first is not None and first.takes and first.work.phase == work.phase
+                and first.work.start_step == work.start_step and first.proc.poll() is None)
+
+    def _release(self, handing: Supervisor, reason: str) -> Group:
+        """A finished phase whose offer nobody takes: it writes its checkpoint, and is done."""
+        handing.finish(reason)
+        self.verified.add(handing.group.end)
+        return handing.group
 
     def _final_model(self) -> None:
         step = self.phases[-1].end_step
@@ -204,15 +236,16 @@ class Runner:
         protect = {g.preload for g in (current, *self.live_pending) if g is not None and g.preload}
         retain(self.run_dir, self.loaded.schedule.checkpoint.keep_last, protect, self._event)
 
-    def _take(self, pending: list[Group], work: Work) -> Group:
+    def _take(self, pending: list[Group], work: Work, handing: Supervisor | None = None) -> Group:
         """The group to run ``work``: the first pre-warmed one when it was made for it, else a new one
-        (and then the others, made for a future that did not come, go too)."""
+        (and then the others, made for a future that did not come, go too). With ``handing`` (the
+        finished phase offering its state), that group's go names it."""
         if pending:
             first = pending[0]
             fits = first.work.phase == work.phase and first.work.start_step == work.start_step
             if fits and first.proc.poll() is None:
                 pending.pop(0)
-                self.groups.go(first, work.restore)
+                self.groups.go(first, work.restore, handing.group.phase_dir if handing is not None else None)
                 first.work = work
                 first.prewarmed = True
                 return first
@@ -240,12 +273,22 @@ class Runner:
             self._event("prewarm_started", phase=nxt.index)
             last = nxt
 
-    def _supervise(self, group: Group, pending: list[Group], ahead: bool = False) -> None:
-        """Waits for a phase's group until all of it is gone (``orchestrator.supervisor``); with
-        ``ahead``, starts the phases further ahead once the switch into it is over."""
+    def _supervise(self, group: Group, pending: list[Group], ahead: bool = False,
+                   predecessor: Supervisor | None = None) -> Supervisor:
+        """Waits for a phase's group until all of it is gone, or until it hands its state over
+        (``orchestrator.supervisor``); with ``ahead``, starts the phases further ahead once the
+        switch into it is over. ``predecessor``: the phase that handed its state over to it."""
         later = (lambda: self._prewarm_ahead(pending, group.work)) if ahead else None
-        Supervisor(self.supervision, group, pending, later).run()
-        self.verified.add(group.end)
+
+        def predecessor_done(done: Group) -> None:
+            self.verified.add(done.end)
+            self._after_switch(done, group)
+
+        supervisor = Supervisor(self.supervision, group, pending, later, predecessor, predecessor_done)
+        supervisor.run()
+        if supervisor.state is not State.HANDING_OVER:
+            self.verified.add(group.end)
+        return supervisor
 
 
 def run_schedule(loaded: LoadedSchedule, **kw) -> None:

@@ -1,8 +1,9 @@
 """One phase's group, from its start until all of it is gone, as a small state machine:
 
     STARTING ─> SWITCHING ─> TRAINING ─> ENDING      (STARTING ─> TRAINING where no switch is kept quiet)
-    SWITCHING, TRAINING, ENDING ─(a stop signal)─> STOPPING
-    any of those four ─(the group ended; a stop's grace is up)─> REAPING ─> DONE | FAILED | PREEMPTED
+    TRAINING, ENDING ─(every rank offered its state: launch.handover)─> HANDING_OVER
+    SWITCHING, TRAINING, ENDING, HANDING_OVER ─(a stop signal)─> STOPPING
+    any of those five ─(the group ended; a stop's grace is up)─> REAPING ─> DONE | FAILED | PREEMPTED
 
 SWITCHING lasts until the phase's first step is done (or ``launch.pause_preparing_seconds`` are
 up): the pre-warmed phases after the next stay paused (``orchestrator.quiet``), and the phases
@@ -10,6 +11,14 @@ further ahead start only then. ENDING is from the phase's last step on: the succ
 next are paused for the coming switch. STOPPING forwards the orchestrator's stop signal to every
 rank, which finishes its step and writes a checkpoint, for ``launch.grace_seconds`` at most.
 REAPING makes sure no process of the group is left; the result is judged after it.
+
+HANDING_OVER (``launch.handover``): every rank has offered its state to the successor, and the
+group, alive, is handed to the runner, which gives the successor its go; the successor's
+supervisor follows it on (``predecessor``) while its own phase trains: once the group is gone it
+is reaped and judged, and only then, its checkpoint committed, is the phase done. Should it fail,
+the successor is SIGKILLed at once (its checkpoints would compose the lost layers) and the run
+stops as for any failed phase. Where the successor ends first, whoever has not answered the
+offer gets "not taken" from the orchestrator, so that the checkpoint is written anyway.
 
 Who follows along (the progress display) is an ``Observer``: it hears every state, the phase's
 stages and every line of metrics.jsonl, which the supervisor reads once for itself and for it.
@@ -43,6 +52,7 @@ class State(Enum):
     SWITCHING = "switching"
     TRAINING = "training"
     ENDING = "ending"
+    HANDING_OVER = "handing_over"
     STOPPING = "stopping"
     REAPING = "reaping"
     DONE = "done"
@@ -53,8 +63,9 @@ class State(Enum):
 NEXT: dict[State, frozenset[State]] = {
     State.STARTING: frozenset({State.SWITCHING, State.TRAINING}),
     State.SWITCHING: frozenset({State.TRAINING, State.STOPPING, State.REAPING}),
-    State.TRAINING: frozenset({State.ENDING, State.STOPPING, State.REAPING}),
-    State.ENDING: frozenset({State.STOPPING, State.REAPING}),
+    State.TRAINING: frozenset({State.ENDING, State.HANDING_OVER, State.STOPPING, State.REAPING}),
+    State.ENDING: frozenset({State.HANDING_OVER, State.STOPPING, State.REAPING}),
+    State.HANDING_OVER: frozenset({State.STOPPING, State.REAPING}),
     State.STOPPING: frozenset({State.REAPING}),
     State.REAPING: frozenset({State.DONE, State.FAILED, State.PREEMPTED}),
 }
@@ -105,11 +116,15 @@ def verdict(rc: int, end_whole: Callable[[], bool], stopped: bool) -> State:
 class Supervisor:
     """Supervises one group; ``pending`` are the pre-warmed groups of the next phases, in order,
     which go down with a phase that failed or stopped. ``ahead`` starts the phases further ahead
-    once the switch into this one is over (None: they were started already)."""
+    once the switch into this one is over (None: they were started already). ``predecessor``:
+    the supervisor of the phase that handed its state over to this one, still alive;
+    ``predecessor_done`` is told once that phase is done."""
 
     def __init__(self, context: Context, group: Group, pending: list[Group],
-                 ahead: Callable[[], None] | None = None):
+                 ahead: Callable[[], None] | None = None, predecessor: Supervisor | None = None,
+                 predecessor_done: Callable[[Group], None] = lambda group: None):
         self.ctx, self.group, self.pending, self.ahead = context, group, pending, ahead
+        self.predecessor, self.predecessor_done = predecessor, predecessor_done
         self.work, self.phase = group.work, group.work.phase
         self.run_dir = context.run_dir
         self._records = context.records
@@ -125,21 +140,76 @@ class Supervisor:
         self.rc: int | None = None
         self.killed: list[int] = []
         self.pids: set[int] = set()
+        self.handed_over = False
+        """It offered its state, and the successor's go followed."""
 
     def run(self) -> None:
-        """Returns once the phase is done (``group.end`` and ``group.records`` set); raises
+        """Returns once the phase is done (``group.end`` and ``group.records`` set) or hands its
+        state over (HANDING_OVER: alive, for the successor's supervisor to follow on); raises
         Preempted or PhaseFailed (journaled) otherwise."""
         self._start()
         try:
             while self._watch():
                 time.sleep(POLL_SECONDS)
+            if self.state is State.HANDING_OVER and self.group.proc.poll() is None:
+                return
+        except BaseException:
+            self._reap()
+            raise
+        self.conclude()
+
+    def conclude(self) -> None:
+        """Once the group ended (or is to be stopped): its predecessor first, then the last of
+        its lines, every process gone, the verdict."""
+        try:
+            self._finish_predecessor()
             self._drain()
         finally:
             self._reap()
         self._settle()
 
+    def finish(self, reason: str) -> None:
+        """A group HANDING_OVER whose successor will not take its state: answered "not taken", it
+        writes its checkpoint; followed until it is gone (a stop's grace at most), then concluded."""
+        self.ctx.groups.decline(self.group, reason)
+        while self._watch():
+            time.sleep(POLL_SECONDS)
+        self.conclude()
+
+    def _follow_predecessor(self) -> None:
+        """One look at the predecessor: once gone, it is concluded (and so done, or raised)."""
+        pred = self.predecessor
+        if pred is None or pred._watch():
+            return
+        self.predecessor = None
+        try:
+            pred.conclude()
+        except BaseException:
+            self._kill_now()
+            raise
+        self.predecessor_done(pred.group)
+
+    def _finish_predecessor(self) -> None:
+        """This group ended while its predecessor lives: it gets "not taken" from whoever did not
+        answer, and is followed to its end."""
+        pred, self.predecessor = self.predecessor, None
+        if pred is None:
+            return
+        try:
+            pred.finish("the successor ended before it answered")
+        except BaseException:
+            self._kill_now()
+            raise
+        self.predecessor_done(pred.group)
+
+    def _kill_now(self) -> None:
+        """The predecessor failed: this group's checkpoints would compose layers that are lost."""
+        procs.signal_all(procs.recorded(self.group.phase_dir, RANK), signal.SIGKILL)
+        self.ctx.event("successor_stopped", phase=self.phase.index, reason="its predecessor failed")
+
     def _enter(self, state: State) -> None:
         assert state in NEXT[self.state], f"{self.state} -> {state}"
+        self.handed_over = self.handed_over or state is State.HANDING_OVER
         self.state = state
         self.ctx.observer.on_state(state, self.group)
 
@@ -155,8 +225,13 @@ class Supervisor:
 
     def _watch(self) -> bool:
         """One look at the group: False once it is to be reaped (it ended, or a stop's grace is up)."""
+        self._follow_predecessor()
         if self.group.proc.poll() is not None:
             return False
+        if self.handed_over:  # it writes its checkpoint; only a stop's grace bounds that
+            if self.ctx.stop_signal() is not None and self.state is not State.STOPPING:
+                self._stop()
+            return self._stopping() if self.state is State.STOPPING else True
         self._read()
         if self.state is State.SWITCHING:
             self._switching()
@@ -165,12 +240,18 @@ class Supervisor:
         self.ctx.pauser.stop_new_ranks()
         if self.state is State.TRAINING:
             self._training()
+        if self.state in (State.TRAINING, State.ENDING) and self.group.offers and \
+                PhaseDir(self.group.phase_dir).offered(self.group.world):
+            self._enter(State.HANDING_OVER)
+            return False
         if self.ctx.stop_signal() is not None and self.state is not State.STOPPING:
             self._stop()
         return self._stopping() if self.state is State.STOPPING else True
 
     def _read(self) -> None:
         """The phase's new stages and metrics to the observer; the last step it has logged."""
+        if self.handed_over:
+            return  # what follows is the successor's, which its own supervisor reads
         for stage in self.stages.new():
             self.ctx.observer.on_stage(stage)
         for m in self.metrics.new():
@@ -226,7 +307,8 @@ class Supervisor:
             proc.kill()
         self.rc = self.ctx.groups.wait(proc, grace)
         self.ctx.groups.close_go(group)
-        self.ctx.pauser.resume("its_turn", self.pending[:1])
+        if not self.handed_over:  # the successor runs already, and manages the pauses
+            self.ctx.pauser.resume("its_turn", self.pending[:1])
 
     def _settle(self) -> None:
         """REAPING -> DONE, FAILED or PREEMPTED."""

@@ -60,6 +60,34 @@ def build_base_model(spec: ModelSpec) -> nn.Module:
     return model.to(dtype)
 
 
+def build_skeleton(spec: ModelSpec) -> nn.Module:
+    """The base model's structure with its parameters on the meta device (no weight read, none
+    initialised) and its buffers real: for a phase that takes every weight from its predecessor
+    (``launch.handover``), so that it holds no host copy of the model while it waits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if spec.path is not None:
+        config_json = Path(spec.path) / "config.json"
+        _known_model_type(json.loads(config_json.read_text()).get("model_type"), f"model.path: {config_json}")
+        config = AutoConfig.from_pretrained(spec.path)
+    else:
+        cfg = dict(spec.config or {})
+        _known_model_type(cfg.get("model_type"), "model.config")
+        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # what accelerate's init_empty_weights does
+    try:
+        return AutoModelForCausalLM.from_config(config, dtype=DTYPES[spec.dtype])
+    finally:
+        nn.Module.register_parameter = register
+
+
 def _known_model_type(model_type: Any, where: str) -> None:
     from transformers import CONFIG_MAPPING
 
