@@ -57,13 +57,16 @@ def run(schedule: Path, output_dir: Path | None, nproc: int | None, force: bool,
 @schedule_arg
 @click.option("--nproc", type=int, help="Processes for every phase.")
 @click.option("--device-memory", metavar="SIZE",
-              help="Memory of one device (80GiB, 80GB, 141e9): adds each phase's estimated memory per process "
-                   "and warns where a phase will not fit.")
+              help="Memory of one device (80GiB, 80GB, 141e9): adds each phase's estimated memory per process, "
+                   "warns where a phase will not fit, and shows a switch whose handover would not fit as going "
+                   "through the checkpoint.")
 @set_option
 def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides: tuple[str, ...]) -> None:
-    """Print the phase table of SCHEDULE and check the file, without starting anything."""
+    """Print the phase table of SCHEDULE, how each switch hands over, and check the file, without
+    starting anything."""
     from orchestrator.display import print_plan
     from orchestrator.estimate import EstimateError, estimate_plan, size_option
+    from orchestrator.handover import plan_switches
     from shard_tools.sizes import format_bytes
     from orchestrator.plan import plan_phases
     from orchestrator.validate import load_schedule
@@ -74,17 +77,20 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
     loaded = load_schedule(schedule, nproc=nproc, overrides=overrides)
     phases = plan_phases(loaded)
     data = check_data(loaded)
+    try:
+        estimate, failure = estimate_plan(loaded, phases), None
+    except EstimateError as e:
+        estimate, failure = None, e
+    switches = plan_switches(loaded, phases, estimate, device)
     if device is None:
-        print_plan(loaded, phases)
+        print_plan(loaded, phases, switches)
         _echo_data_line(data)
         return
-    try:
-        estimate = estimate_plan(loaded, phases)
-    except EstimateError as e:
-        print_plan(loaded, phases)
-        click.echo(f"orchestrator: warning: no memory estimate: {e}", err=True)
+    if estimate is None:
+        print_plan(loaded, phases, switches)
+        click.echo(f"orchestrator: warning: no memory estimate: {failure}", err=True)
         return
-    print_plan(loaded, phases, estimate, device)
+    print_plan(loaded, phases, switches, estimate, device)
     _echo_data_line(data)
     if estimate.unsized:
         click.echo(f"orchestrator: warning: the estimate counts nothing for model.persistent "

@@ -17,6 +17,7 @@ from rich.text import Text
 from orchestrator.errors import ScheduleError
 from orchestrator.estimate import PlanEstimate
 from orchestrator.groups import Group
+from orchestrator.handover import Switch
 from orchestrator.journal import read_journal
 from orchestrator.pace import Pace, clock
 from orchestrator.plan import plan_phases
@@ -28,8 +29,10 @@ from shard_tools.sizes import format_bytes
 console = Console(stderr=True, soft_wrap=True)
 
 
-def print_plan(loaded: LoadedSchedule, phases: list[Phase], estimate: PlanEstimate | None = None,
-               device_memory: int | None = None) -> None:
+def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switch],
+               estimate: PlanEstimate | None = None, device_memory: int | None = None) -> None:
+    """The phase table (with ``estimate``, each phase's memory per process), the run's settings,
+    and how its ``switches`` hand over."""
     s = loaded.schedule
     table = Table(title=f"{loaded.source.name}: {len(phases)} phases, {phases[-1].end_step} steps, "
                         f"model of {loaded.num_layers} layers")
@@ -50,10 +53,43 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], estimate: PlanEstima
     out.print(table)
     out.print(f"ZeRO stage {s.deepspeed.zero_stage}, {s.model.dtype}, launcher {s.launch.launcher}, "
               f"batch {s.data.batch_size} (micro {s.data.micro_batch_size}), run directory {loaded.output_dir}")
+    for line in switch_lines(switches, host=s.launch.handover == "on"):
+        out.print(line, markup=False, highlight=False)
     if estimate:
         device = f", device {format_bytes(device_memory)}" if device_memory is not None else ""
         out.print(f"estimated device memory per process: {estimate.count.total:,} parameters, activations without "
                   f"gradient checkpointing; CUDA context, buffers and logits not counted{device}")
+
+
+def switch_lines(switches: list[Switch], *, host: bool = False) -> list[str]:
+    """A line per outcome: the switches that hand over on the device at one overlap peak, or that
+    go through the checkpoint for one reason; in the order of their first switch."""
+    groups: dict[tuple[str | None, int | None], list[int]] = {}
+    for sw in switches:
+        groups.setdefault((sw.reason, sw.peak if sw.reason is None else None), []).append(sw.after)
+    lines = []
+    for (reason, peak), after in groups.items():
+        where = f"switch{'es' if len(after) > 1 else ''} after phase{'s' if len(after) > 1 else ''} {_indices(after)}"
+        if reason is not None:
+            lines.append(f"{where}: through the checkpoint: {reason}")
+            continue
+        how = "on the device (through a file without a GPU)" if host else "on the device"
+        size = f"overlap peak {format_bytes(peak)} per device" if peak is not None else "overlap peak not estimated"
+        lines.append(f"{where}: hand{'' if len(after) > 1 else 's'} over {how}, {size}")
+    return lines
+
+
+def _indices(numbers: list[int], most: int = 10) -> str:
+    """Ascending numbers as runs (0-3, 5, 7-9), at most ``most`` of them named."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and runs[-1][1] == n - 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    named = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs[:most])
+    rest = sum(b - a + 1 for a, b in runs[most:])
+    return named + (f" and {rest:,} more" if rest else "")
 
 
 class Display(Observer):

@@ -9,6 +9,20 @@ Per process, for one phase of a model with P parameters of which T train (head +
     gradients    T x dtype bytes; partitioned under ZeRO >= 2
     activations  micro_batch x seq_len x hidden x layers x ACTIVATION_VALUES x dtype bytes
 
+At a switch that hands the state over on the device (``launch.handover``, orchestrator/handover.py),
+the finished phase P and its successor S are both alive on one device for a while. The overlap's
+peak, per process:
+
+    P's total + offered + offered + S's total
+    offered      head x 12 bytes (fp32 masters, exp_avg, exp_avg_sq of the whole head, gathered: not
+                 ZeRO's partition) + P's layers x per_layer x 4 bytes (their fp32 masters)
+
+P holds its whole phase's memory and, beside it, the copies it gathered to offer; S has copied the
+same bytes into its own memory before it answers and before P lets go of anything, and S's own
+phase memory counts whole because its engine is built right after. The successor's worker compares
+this number (``HandoverPart.peak_bytes``) with its device's memory and reads the checkpoint instead
+where it does not fit.
+
 Not counted: the CUDA context and allocator slack, DeepSpeed's reduce/all-gather buckets, the
 layers ZeRO-3 gathers while they run, and the logits (micro_batch x seq_len x vocab, in fp32 for
 the loss), which matter with large vocabularies. Treat the total as a lower bound with a margin.
@@ -31,6 +45,7 @@ from shard_tools.sizes import parse_size
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ADAM_BYTES = 12
+MASTER_BYTES = 4
 # Values a transformer layer keeps for backward per token per hidden unit, without gradient
 # checkpointing: 34 bytes per token per hidden unit in 16-bit in Korthikanti et al. 2022
 # ("Reducing Activation Recomputation in Large Transformer Models", table 2), without the
@@ -152,6 +167,17 @@ def phase_memory(count: ParamCount, trainable: int, *, dtype: str, zero_stage: i
     )
 
 
+def offered_bytes(count: ParamCount, head: int, layers: int) -> int:
+    """What one process of a finished phase gathers for its successor: the ``head`` parameters' fp32
+    masters and Adam moments in full, and the fp32 masters of its ``layers`` body layers."""
+    return head * ADAM_BYTES + layers * count.per_layer * MASTER_BYTES
+
+
+def overlap_peak(before: PhaseMemory, after: PhaseMemory, offered: int) -> int:
+    """Bytes on one device while a phase hands over to its successor: both phases whole, the offer and its copy."""
+    return before.total + offered + offered + after.total
+
+
 def model_config(loaded: LoadedSchedule) -> dict[str, Any]:
     if loaded.schedule.model.config is not None:
         return loaded.schedule.model.config
@@ -165,10 +191,14 @@ class PlanEstimate:
     count: ParamCount
     unsized: list[str]
     """model.persistent entries that are not a head module the formula knows: counted as 0."""
+    overlaps: list[int]
+    """Per switch (phase i to i + 1, so one fewer than phases), the overlap's peak on one device
+    were it to hand over on the device (``overlap_peak``), whether or not it will."""
 
 
 def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
-    """Per phase, the memory one of its processes needs; raises EstimateError for an unknown family."""
+    """Per phase, the memory one of its processes needs, and per switch the handover's overlap peak;
+    raises EstimateError for an unknown family."""
     s = loaded.schedule
     count = param_count(model_config(loaded))
     persistent = s.model.persistent if s.model.persistent is not None else list(count.head)
@@ -176,7 +206,10 @@ def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
     out = [phase_memory(count, head + len(ph.layers) * count.per_layer, dtype=s.model.dtype,
                         zero_stage=s.deepspeed.zero_stage, world=ph.nproc * s.launch.nnodes,
                         micro_batch=s.data.micro_batch_size, seq_len=s.data.seq_len) for ph in phases]
-    return PlanEstimate(phases=out, count=count, unsized=[p for p in persistent if p not in count.head])
+    overlaps = [overlap_peak(out[i], out[i + 1], offered_bytes(count, head, len(phases[i].layers)))
+                for i in range(len(phases) - 1)]
+    return PlanEstimate(phases=out, count=count, unsized=[p for p in persistent if p not in count.head],
+                        overlaps=overlaps)
 
 
 def size_option(text: str, option: str) -> int:

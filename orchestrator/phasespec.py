@@ -13,7 +13,9 @@ from pathlib import Path
 
 from launch.contract import DataPart, ModelPart, OptimizerPart, PhaseSpec
 from orchestrator.datastep import data_spec
+from orchestrator.estimate import EstimateError, PlanEstimate, estimate_plan
 from orchestrator.groups import Work
+from orchestrator.handover import handover_part
 from orchestrator.plan import check_batch
 from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.validate import tokenizer_of
@@ -40,7 +42,26 @@ def phase_spec(loaded: LoadedSchedule, phases: list[Phase], work: Work, phase_di
         every_steps=s.checkpoint.every_steps, launcher=s.launch.launcher, nproc=ph.nproc, nnodes=s.launch.nnodes,
         hostfile=str((loaded.source.parent / s.launch.hostfile).resolve()) if s.launch.hostfile else None,
         master_port=free_port(), orchestrator_pid=os.getpid(), orchestrator_host=socket.gethostname(),
+        handover=handover_part(loaded, phases, ph.index, _estimate(loaded, phases)),
     )
+
+
+_estimated: tuple[LoadedSchedule, PlanEstimate | None] | None = None
+"""The run's schedule and its estimate: phase_spec runs for every phase (and again for a phase
+started over), the estimate once per run."""
+
+
+def _estimate(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate | None:
+    """The memory estimate of ``loaded``'s run (``phases`` are its phases); None for a model it
+    cannot size, whose handovers then plan no peak (``HandoverPart.peak_bytes`` 0)."""
+    global _estimated
+    if _estimated is None or _estimated[0] is not loaded:
+        try:
+            estimate = estimate_plan(loaded, phases)
+        except EstimateError:
+            estimate = None
+        _estimated = (loaded, estimate)
+    return _estimated[1]
 
 
 def _model_part(loaded: LoadedSchedule) -> ModelPart:

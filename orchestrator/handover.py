@@ -1,0 +1,85 @@
+"""Which phase switches hand the state over on the device, decided from the schedule alone.
+
+At the switch from phase i to i + 1 a device handover lets the finished phase offer its state where
+it lies and its pre-warmed successor copy it, so the successor trains while the predecessor writes
+its checkpoint (``launch.contract.HandoverPart``). It needs both phases alive at once on the same
+devices, rank for rank; where the schedule rules that out, the switch goes through the checkpoint
+as it always did. The rules, in the order ``boundary_reason`` names them:
+
+- ``launch.handover = "off"``;
+- ``launch.prewarm = false``: no successor is alive to take anything;
+- a launcher other than "local": only the fork server starts both phases on this node, and more
+  than one node needs another launcher (schedule.py), so this also rules out ``launch.nnodes > 1``;
+- different process counts: rank N hands to rank N;
+- ZeRO stage 3: no process holds the whole head.
+
+The worker decides the rest at run time, from what it sees: no GPU (unless ``"on"``, which hands
+over through a file), another GPU than its predecessor's, a device with less memory than the
+overlap's planned peak (``orchestrator.estimate.overlap_peak``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from launch.contract import HandoverPart
+from orchestrator.estimate import PlanEstimate
+from orchestrator.schedule import LoadedSchedule, Phase
+from shard_tools.sizes import format_bytes
+
+
+def boundary_reason(loaded: LoadedSchedule, phases: list[Phase], index: int) -> str | None:
+    """Why the switch from phase ``index`` to the next goes through the checkpoint; None where it
+    hands over on the device."""
+    s, before, after = loaded.schedule, phases[index], phases[index + 1]
+    launch = s.launch
+    if launch.handover == "off":
+        return 'launch.handover = "off"'
+    if not launch.prewarm:
+        return "launch.prewarm = false: no successor is alive to take the state"
+    if launch.launcher != "local":
+        return f'launch.launcher = "{launch.launcher}": only "local" starts both phases on this node'
+    if before.nproc != after.nproc:
+        return f"phase {before.index} runs {before.nproc} processes, phase {after.index} {after.nproc}"
+    if s.deepspeed.zero_stage == 3:
+        return "deepspeed.zero_stage = 3: no process holds the whole head"
+    return None
+
+
+def handover_part(loaded: LoadedSchedule, phases: list[Phase], index: int,
+                  estimate: PlanEstimate | None) -> HandoverPart:
+    """Phase ``index``'s part of the handovers at its two switches: it offers at its end where the
+    next switch hands over, and takes at its start where the previous one does. ``peak_bytes`` is
+    the overlap's planned peak at the switch it takes at (0 where it takes nothing or ``estimate``
+    is None: the model could not be sized)."""
+    offer = index + 1 < len(phases) and boundary_reason(loaded, phases, index) is None
+    take = index > 0 and boundary_reason(loaded, phases, index - 1) is None
+    peak = estimate.overlaps[index - 1] if take and estimate is not None else 0
+    return HandoverPart(offer=offer, take=take, host=loaded.schedule.launch.handover == "on", peak_bytes=peak)
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One switch as ``orchestrator plan`` shows it."""
+
+    after: int
+    """The index of the phase that ends."""
+    reason: str | None
+    """Why it goes through the checkpoint; None: it hands over on the device."""
+    peak: int | None
+    """The overlap's planned peak on one device; None where the model could not be sized."""
+
+
+def plan_switches(loaded: LoadedSchedule, phases: list[Phase], estimate: PlanEstimate | None,
+                  device_memory: int | None = None) -> list[Switch]:
+    """Every switch of the run; with ``device_memory`` (plan's --device-memory), one whose overlap
+    would not fit falls back, as the worker's own check against its device will make it."""
+    out = []
+    for i in range(len(phases) - 1):
+        peak = estimate.overlaps[i] if estimate is not None else None
+        reason = boundary_reason(loaded, phases, i)
+        if reason is None and None not in (peak, device_memory) and peak > device_memory:
+            reason = (f"overlap peak {format_bytes(peak)} per device, more than --device-memory "
+                      f"{format_bytes(device_memory)}")
+        out.append(Switch(after=i, reason=reason, peak=peak))
+    return out
