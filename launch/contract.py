@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
-from shard_tools.files import write_atomic
+from shard_tools.files import write_atomic, write_new
 
 
 DATA_CACHE = "data-cache"
@@ -97,23 +97,16 @@ class OptimizerPart(_Spec):
 
 
 class HandoverPart(_Spec):
-    """The device handover at one phase boundary (the schedule's ``launch.handover``): the
-    predecessor offers its state where it lies (``PhaseDir.offer``), its pre-warmed successor
-    copies it at its go and answers (``PhaseDir.answer``), and only then does the predecessor
-    write its checkpoint, from its own memory, while the successor trains."""
+    """The device handover at a phase's boundaries (``launch.handover``, ``launch.handover`` the module)."""
 
     offer: bool = False
-    """At its end (a complete phase only) this phase offers its state, waits for the answer, then
-    writes its checkpoint and exits."""
+    """At its end (complete) it offers its state, waits for the answer, then writes its checkpoint."""
     take: bool = False
-    """This pre-warmed phase prepares without a host copy of the model and takes its predecessor's
-    state at its go; where it cannot, it answers "not taken" and reads the checkpoint instead."""
+    """Pre-warmed without a host copy of the model, it takes its predecessor's state at its go."""
     host: bool = False
-    """Also without a GPU: through a file in the predecessor's phase directory
-    (``launch.handover = "on"``). On CUDA the transport is CUDA IPC either way."""
+    """Also without a GPU, through a file (``launch.handover = "on"``); on CUDA: CUDA IPC."""
     peak_bytes: int = 0
-    """The overlap's planned peak on one device (both phases alive, ``orchestrator plan``); a
-    successor whose device has less memory in all does not take over. 0: not planned."""
+    """The overlap's planned peak on one device; a smaller device does not take over. 0: not planned."""
 
 
 class PhaseSpec(_Spec):
@@ -328,17 +321,7 @@ class PhaseDir:
     def write_answer(self, rank: int, answer: Answer) -> bool:
         """Answers rank N's offer; False where it was answered already (the first answer stands)."""
         self.handover.mkdir(mode=0o700, exist_ok=True)
-        path = self.answer_path(rank)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            f.write(answer.model_dump_json())
-        try:
-            os.link(tmp, path)  # never replaces: a late "not taken" cannot undo a "taken"
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            tmp.unlink(missing_ok=True)
+        return write_new(self.answer_path(rank), answer.model_dump_json(), mode=0o600)
 
     def read_answer(self, rank: int) -> Answer | None:
         return _read(Answer, self.answer_path(rank))
@@ -349,30 +332,27 @@ class PhaseDir:
 
 
 class TensorRef(_Record):
-    """One tensor of an offer: a view into one of its shared blocks."""
+    """One tensor of an offer: a view into one of its blocks (``dtype`` as in ``torch.bfloat16``,
+    ``offset`` in elements)."""
 
     name: str
     block: int
     dtype: str
-    """torch's name without "torch." (``bfloat16``)."""
     shape: list[int]
     stride: list[int]
     offset: int
-    """Into the block, in elements."""
 
 
 class Offer(_Record):
-    """handover/offer-rank-N.json: what rank N of a finished phase offers its successor's rank N,
-    where it lies: its module's weights and buffers (``module/NAME``), the head's fp32 masters and
-    Adam moments (``master/``, ``exp_avg/``, ``exp_avg_sq/``) and its layers' fp32 masters."""
+    """handover/offer-rank-N.json: rank N's state for the successor's rank N, where it lies: weights
+    and buffers (``module/``, ``buffer/``), fp32 ``master/``, ``exp_avg/``, ``exp_avg_sq/``."""
 
     pid: int
     device: str
     """The device's UUID; "host" for the host transport."""
     transport: Literal["cuda", "host"]
     blocks: list[dict[str, Any]]
-    """Per shared block, what the transport needs to map it: CUDA IPC's fields (bytes in base64),
-    or the offset and size in the host transport's file."""
+    """Per shared block, how to map it: CUDA IPC's fields (bytes in base64), or offset and size."""
     tensors: list[TensorRef]
     carried: dict[str, Any]
     """What a checkpoint's manifest and state file would tell the successor: the steps, the loss

@@ -41,30 +41,27 @@ class Phase:
         self.device: torch.device = torch.device("cpu")
         """Where this rank trains."""
         self.staging: Staging | None = None
-        """On CUDA: pinned host buffers for fast uploads of the weights and the head's state."""
+        """On CUDA: pinned host buffers for fast copies of the weights and the head's state."""
         self.model: nn.Module | None = None
         """The host model: base weights with every layer's newest trained weights put in."""
         self.persistent: list[str] = []
-        """The model's parts outside its layers (embeddings, final norm, LM head): the head."""
         self.layers_attr = ""
-        """Where the model keeps its layers (``model.layers``)."""
+        """The model's parts outside its layers (embeddings, final norm, LM head: the head), and
+        where it keeps its layers (``model.layers``)."""
         self.head_names: list[str] = []
         self.body_names: list[str] = []
         """The parameter names of the head (trained in every phase) and of this phase's layers."""
         self.trained: dict[str, torch.Tensor] = {}
-        """fp32 weights of the trainable parameters, to set the fp32 masters exactly after the engine is
-        built (the module itself may hold them in bf16)."""
+        """fp32 weights of the trainable parameters, for their fp32 masters (the module may be bf16)."""
         self.examples = self.validation = None
-        """The training rows, and the validation rows when the data has a validation path."""
         self.order: SampleOrder | None = None
-        """Which rows each step takes."""
+        """The training rows, the validation rows (with a validation path), which rows each step takes."""
         self.preloaded: dict = {}
         """Layer -> the checkpoint file its weights in the host model came from."""
         self.prepared: PreparedFiles | None = None
         """Rank 0's files of the next checkpoint, made ahead."""
         self.refusal: str | None = "not pre-warmed"
-        """Why this phase will not take its predecessor's state over on the device
-        (``launch.handover``); None: it will, and ``model`` is a skeleton until then."""
+        """Why it will not take its predecessor's state (``launch.handover``); None: ``model`` is a skeleton."""
         # -- switch
         self.handover_from: str | None = None
         """The predecessor's phase directory, where the go says it offers its state."""
@@ -73,8 +70,7 @@ class Phase:
         self.carried: Carried | None = None
         """The steps and loss scale carried on: from the restored checkpoint, or the offer."""
         self.awaiting: Path | None = None
-        """The predecessor's checkpoint, not committed yet when this phase took over: its own
-        checkpoints wait for it."""
+        """The predecessor's checkpoint, not yet committed at the go: this phase's own wait for it."""
         self.head_state: dict | None = None
         """The head's optimizer state, mapped from its file, until it is on the device."""
         self.populating: prepare.Background | None = None
@@ -82,19 +78,17 @@ class Phase:
         self.roles: list[int] = []
         """The role (``zero_state.HEAD_DECAY``...) of each of the optimizer's param groups."""
         self.ds_config: dict = {}
-        """The DeepSpeed config the engine was built with."""
         self.gas = 1
-        """Gradient accumulation steps."""
+        """The DeepSpeed config the engine was built with, and its gradient accumulation steps."""
         self.engine = None
-        """The DeepSpeed engine."""
         self.head: list[tuple[str, nn.Parameter]] = []
         self.body: list[tuple[str, nn.Parameter]] = []
-        """The engine's parameters of the head and of this phase's layers, by name."""
+        """The DeepSpeed engine, and its parameters of the head and of this phase's layers, by name."""
         # -- train
         self.step = spec.start_step
-        """The global step: steps done so far."""
         self.tb = self.wandb = None
-        """TensorBoard's writer and the Weights & Biases run, once the first metric is logged to them."""
+        """The global step (steps done so far); TensorBoard's writer and the Weights & Biases run,
+        once the first metric is logged to them."""
 
     def stage(self, name: str) -> None:
         """What this phase is doing before its first step, for the progress display (rank 0)."""

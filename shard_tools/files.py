@@ -109,3 +109,18 @@ def write_atomic(path: Path, data: str | bytes, mode: int = 0o640, durable: bool
         raise
     if durable:
         fsync_path(path.parent)
+
+
+def write_new(path: Path, data: str, mode: int = 0o600) -> bool:
+    """Writes ``path`` whole where no file is there yet; False where one is (it stays as it was):
+    the first of several writers wins, and a reader never sees a torn file."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
+        f.write(data)
+    try:
+        os.link(tmp, path)  # never replaces
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
