@@ -39,11 +39,11 @@ class Phase:
         """The checkpoint to restore from: the spec's, or the one the go names (pre-warmed)."""
         # -- prepare
         self.device: torch.device = torch.device("cpu")
-        """Where this rank trains."""
         self.staging: Staging | None = None
-        """On CUDA: pinned host buffers for fast copies of the weights and the head's state."""
+        """Where this rank trains; on CUDA, pinned host buffers for fast copies to and from it."""
         self.model: nn.Module | None = None
-        """The host model: base weights with every layer's newest trained weights put in."""
+        """The host model: base weights with every layer's newest trained weights put in (or a
+        skeleton, see ``refusal``)."""
         self.persistent: list[str] = []
         self.layers_attr = ""
         """The model's parts outside its layers (embeddings, final norm, LM head: the head), and
