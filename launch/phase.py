@@ -42,8 +42,7 @@ class Phase:
         self.staging: Staging | None = None
         """Where this rank trains; on CUDA, pinned host buffers for fast copies to and from it."""
         self.model: nn.Module | None = None
-        """The host model: base weights with every layer's newest trained weights put in (or a
-        skeleton, see ``refusal``)."""
+        """The host model: base weights, every layer's newest trained ones in (or see ``refusal``)."""
         self.persistent: list[str] = []
         self.layers_attr = ""
         """The model's parts outside its layers (embeddings, final norm, LM head: the head), and
