@@ -68,36 +68,39 @@ def read_history(run_dir: Path) -> History:
 def replay(events: list[dict[str, Any]]) -> list[PhaseRow]:
     """Phase rows from journal events (as ``read_journal`` returns them), in phase order."""
     phases: dict[int, PhaseRow] = {}
-    # The phase_done this orchestrator saw last, while the next phase's process may still start
-    # from it; None after a (re)start of the orchestrator and once a process has started.
-    last_done: dict | None = None
-    after_resume = False
-    attempt: tuple[dict, dict | None] | None = None
+    # Per phase, its last phase_started and phase_done with the go of the orchestrator (counted
+    # from 1 at each run_started or resumed) that journaled it: a switch is measured within one
+    # go only. With a handover the next phase starts before its predecessor's phase_done.
+    started: dict[int, tuple[int, dict]] = {}
+    done: dict[int, tuple[int, dict]] = {}
+    go, after_resume = 0, False
     for e in events:
         kind = e["event"]
         if kind in ("run_started", "resumed"):
-            last_done, after_resume = None, kind == "resumed"
+            go, after_resume = go + 1, kind == "resumed"
         elif kind == "phase_started":
             row = phases.setdefault(e["phase"], PhaseRow(e["phase"], e["start_step"], e["end_step"], e["layers"]))
             row.start_step = min(row.start_step, e["start_step"])
             row.end_step, row.layers, row.nproc = e["end_step"], e["layers"], e.get("nproc")
             row.status, row.attempts, row.resumed = "started", row.attempts + 1, after_resume
-            attempt, last_done, after_resume = (e, last_done), None, False
+            started[e["phase"]], after_resume = (go, e), False
         elif kind == "phase_done":
             row = phases.setdefault(e["phase"], PhaseRow(e["phase"], e["step"], e["step"], e["layers"]))
             row.status, row.end_step, row.records = "done", e["step"], e.get("records") or {}
             row.seconds = _finite(e.get("seconds"))
-            row.switch_seconds = switch_overhead(*attempt, e) if attempt is not None else None
-            last_done, attempt = e, None
+            done[e["phase"]] = (go, e)
+            start, before = started.get(e["phase"]), done.get(e["phase"] - 1)
+            same_go = start is not None and before is not None and start[0] == before[0] == go
+            row.switch_seconds = switch_overhead(start[1], before[1], e) if same_go else None
         elif kind in ("phase_failed", "preempted") and e.get("phase") in phases:
             phases[e["phase"]].status = "failed" if kind == "phase_failed" else "preempted"
     return [phases[i] for i in sorted(phases)]
 
 
-def switch_overhead(started: dict, before: dict | None, done: dict) -> float | None:
+def switch_overhead(started: dict, before: dict, done: dict) -> float | None:
     """Seconds the switch into ``done``'s phase cost, if the process that finished it (``started``)
     started where ``before``, the previous phase's phase_done in the same go, ended; else None."""
-    if before is None or before["phase"] != done["phase"] - 1 or started["start_step"] != before["step"]:
+    if before["phase"] != done["phase"] - 1 or started["start_step"] != before["step"]:
         return None
     prev, rec = before.get("records") or {}, done.get("records") or {}
     times = [_finite(t) for t in (prev.get("t_last_step_end"), rec.get("t_first_step_end"),
