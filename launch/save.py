@@ -199,10 +199,19 @@ def prepare_files(ph: Phase) -> PreparedFiles | None:
 
 def versions() -> dict[str, str]:
     return {
-        "relayer": importlib.metadata.version("relayer"), "torch": torch.__version__,
+        "relayer": relayer_version(), "torch": torch.__version__,
         "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
         "safetensors": safetensors.__version__, "python": platform.python_version(),
     }
+
+
+def relayer_version() -> str:
+    """The installed package's version; "source" where the packages run from a source tree that
+    was not installed (PYTHONPATH), as on a machine lent for a benchmark."""
+    try:
+        return importlib.metadata.version("relayer")
+    except importlib.metadata.PackageNotFoundError:
+        return "source"
 
 
 def _page_faults() -> int:
