@@ -66,16 +66,18 @@ def waiting_since(phase: dict, stages: list[dict]) -> float | None:
 
 
 def relayer_details(phases: list[dict], journal: list[dict], stages: dict[int, list[dict]], host, trace,
-                    bare_uss: int | None) -> list[dict]:
+                    bare: dict | None) -> list[dict]:
     """Per switch: readiness at the go, the handover's path, the overlap's device peak; per phase
-    (into ``phases``): the host USS peak while it waited for its go, and that above a bare process."""
+    (into ``phases``): the host USS and RSS peaks while it waited for its go, and those above a
+    bare process's (``HostWatch`` says why both)."""
     gos = go_times(journal)
     for p in phases:
         k = p["phase"]
         since, go = waiting_since(p, stages.get(k, [])), gos.get(k)
         peak = host.peak(k, since, go) if host is not None and since and go and go > since else None
-        p["waiting_uss_peak"] = peak
-        p["waiting_uss_over_bare"] = peak - bare_uss if peak is not None and bare_uss else None
+        for key in ("uss", "rss"):
+            p[f"waiting_{key}_peak"] = peak[key] if peak else None
+            p[f"waiting_{key}_over_bare"] = peak[key] - bare[key] if peak and bare else None
     out = []
     for a, b in zip(phases, phases[1:]):
         go = gos.get(b["phase"])
@@ -177,10 +179,10 @@ def memory_rows(result: dict, names: list[str]) -> list[str]:
     cuda = result["device"] == "cuda"
     unit = "MB allocated / reserved (torch)" if cuda else "MB RSS of the phase's process"
     relayer = "relayer" in result["ways"]
-    extra = ["relayer waiting USS", "above bare"] if relayer else []
+    extra = ["relayer waiting USS / RSS", "above bare USS / RSS"] if relayer else []
     lines = ["", f"Memory per phase ({unit}): at phase start / after the engine is built / peak"
-             + ("; relayer's host USS (MB) while waiting for its go, and that above a bare phase process" if relayer
-                else "") + ":", "",
+             + ("; relayer's host USS / RSS (MB) while waiting for its go, and those above a bare phase process's"
+                if relayer else "") + ":", "",
              "| phase | layers | " + " | ".join(f"{n} start | {n} engine | {n} peak" for n in names)
              + "".join(f" | {c}" for c in extra) + " |",
              "| ---: | ---: |" + " ---: | ---: | ---: |" * len(names) + " ---: |" * len(extra)]
@@ -191,12 +193,15 @@ def memory_rows(result: dict, names: list[str]) -> list[str]:
             cells += [fmt_mem(p["memory_start"]), fmt_mem(p["memory_engine"]), fmt_mem(p["memory_peak"])]
         if relayer:
             p = result["ways"]["relayer"]["phases"][k]
-            cells += [fmt_mem(p.get("waiting_uss_peak")), fmt_mem(p.get("waiting_uss_over_bare"))]
+            cells += [f"{fmt_mem(p.get('waiting_uss_peak'))} / {fmt_mem(p.get('waiting_rss_peak'))}",
+                      f"{fmt_mem(p.get('waiting_uss_over_bare'))} / {fmt_mem(p.get('waiting_rss_over_bare'))}"]
         lines.append(f"| {k} | {','.join(map(str, ph['layers']))} | " + " | ".join(cells) + " |")
     bare = result.get("bare_process")
     if bare:
         lines.append(f"\nA bare phase process (imports torch, deepspeed, transformers; CUDA initialised: "
-                     f"{bare.get('cuda')}): USS {bare['uss'] / 1e6:.0f} MB, RSS {bare['rss'] / 1e6:.0f} MB.")
+                     f"{bare.get('cuda')}): USS {bare['uss'] / 1e6:.0f} MB, RSS {bare['rss'] / 1e6:.0f} MB. A phase "
+                     "forked from relayer's fork server shares its imports copy-on-write: its USS leaves them out "
+                     "(and can be below the bare one), its RSS counts them.")
     return lines
 
 
@@ -293,17 +298,19 @@ def compare_row(result: dict) -> str:
     paths = sorted({x.get("handover") or "-" for x in sw})
     peaks = [x["device_peak"] for x in sw if x.get("device_peak")]
     waiting = [p["waiting_uss_over_bare"] for p in w["phases"] if p.get("waiting_uss_over_bare") is not None]
+    waiting_rss = [p["waiting_rss_over_bare"] for p in w["phases"] if p.get("waiting_rss_over_bare") is not None]
     return (f"| {result['name']} | {s['name']} | {s.get('nproc', 1)} | {s.get('handover') or 'auto'} "
             f"| {fmt(w.get('overhead_median_seconds'))} ({fmt(w.get('overhead_max_seconds'))}) "
             f"| {w['steady_step_seconds']:.4f} | {sum(ready)}/{len(ready)} | {', '.join(paths)} "
-            f"| {fmt(max(peaks) / 1e9 if peaks else None)} | {fmt(max(waiting) / 1e9 if waiting else None)} |")
+            f"| {fmt(max(peaks) / 1e9 if peaks else None)} | {fmt(max(waiting) / 1e9 if waiting else None)} "
+            f"/ {fmt(max(waiting_rss) / 1e9 if waiting_rss else None)} |")
 
 
 def compare(folders: list[Path]) -> str:
     """One line per results folder: relayer's switches, steady step, readiness, path, peaks; and
     each inprocess way's growth per switch where there is one."""
     lines = ["| run | shape | nproc | handover | switch median (max) s | steady step s | ready at go "
-             "| path | overlap peak GB | waiting USS above bare, max GB |",
+             "| path | overlap peak GB | waiting above bare, max GB (USS / RSS) |",
              "| --- | --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: |"]
     results = []
     for f in folders:

@@ -149,18 +149,19 @@ class DeviceTrace(_Poller):
 
 
 class HostWatch(_Poller):
-    """The USS (pages no other process shares, ``memory_full_info``) of every rank of every phase.
+    """The USS (pages no other process shares, ``memory_full_info``) and RSS of every rank of every phase.
 
-    USS, not RSS: forked phases share the fork server's imported modules and base weights
-    copy-on-write, and only what a phase holds alone is its cost."""
+    USS is what a phase holds alone: forked phases share the fork server's imported modules and
+    base weights copy-on-write, so a forked phase's USS can be below a bare process's (which
+    imported everything itself); its RSS counts those shared pages too. The two bound its cost."""
 
     interval = 0.2
 
     def __init__(self, run_dir: Path):
         super().__init__("host-watch")
         self.run_dir = run_dir
-        self.samples: dict[int, list[tuple[float, int, int]]] = {}
-        """Per phase: (time, rank, USS bytes)."""
+        self.samples: dict[int, list[tuple[float, int, int, int]]] = {}
+        """Per phase: (time, rank, USS bytes, RSS bytes)."""
         self.procs: dict[tuple[int, int], psutil.Process] = {}
 
     def look(self) -> None:
@@ -171,14 +172,15 @@ class HostWatch(_Poller):
                 proc = self.procs.get((phase, rank))
                 if proc is None or proc.pid != rec["pid"]:
                     proc = self.procs[(phase, rank)] = psutil.Process(rec["pid"])
-                uss = proc.memory_full_info().uss
+                mem = proc.memory_full_info()
             except (OSError, ValueError, KeyError, psutil.Error):
                 continue  # not written whole yet, or the process is gone
-            self.samples.setdefault(phase, []).append((time.time(), rank, uss))
+            self.samples.setdefault(phase, []).append((time.time(), rank, mem.uss, mem.rss))
 
-    def peak(self, phase: int, t0: float, t1: float) -> int | None:
-        inside = [u for t, _, u in self.samples.get(phase, []) if t0 <= t <= t1]
-        return max(inside) if inside else None
+    def peak(self, phase: int, t0: float, t1: float) -> dict | None:
+        """The largest USS and RSS of any of the phase's ranks between t0 and t1."""
+        inside = [(u, r) for t, _, u, r in self.samples.get(phase, []) if t0 <= t <= t1]
+        return {"uss": max(u for u, _ in inside), "rss": max(r for _, r in inside)} if inside else None
 
 
 def start_all(watchers: list[_Poller]) -> None:

@@ -24,23 +24,28 @@
 # 20 s (the results, each run's log and its records: journal, records.json, stages.jsonl, worker
 # logs; no checkpoints), so a command cut off at its limit still brings back what finished.
 # $OUT gets 3 files: results.tgz, summary.md, handover.log (everything printed).
-# Extra arguments go to every switch.py (e.g. --phases 6 to shorten all runs).
+# Extra arguments go to every switch.py (e.g. --phases 6 to shorten all runs). On a CPU, for
+# trying the script itself: OUT=/tmp/o HB_SMALL=tiny HB_BIG=tiny DS_ACCELERATOR=cpu bash
+# benchmarks/run_handover.sh --phases 3 --steps 3   (the shapes' names stay in the runs' names).
 set -uo pipefail
 : "${OUT:?set OUT to the folder the results go to}"
 T0=$(date +%s)
-S=/tmp/hb
+S=${HB_SCRATCH:-/tmp/hb}
 mkdir -p "$S/results" "$S/logs"
 exec > >(tee "$OUT/handover.log") 2>&1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD DS_ACCELERATOR=cuda PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=index,name,uuid,memory.total --format=csv,noheader
+SMALL=${HB_SMALL:-1.1b} BIG=${HB_BIG:-7b} PY=${PYTHON:-python3}
+if [ -d .whl ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD DS_ACCELERATOR=${DS_ACCELERATOR:-cuda} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=index,name,uuid,memory.total --format=csv,noheader 2>/dev/null
 free -g | head -2; df -h /tmp | tail -1; nproc
 
 say() { echo "[run_handover $(( $(date +%s) - T0 )) s] $*"; }
 
 pack() {  # everything small that a reader of the results may want, in one file
     (cd "$S" && find results logs work -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.png' \
-        -o -name '*.log' -o -name '*.toml' \) -size -8M -not -path '*/checkpoints/*' -not -path '*/m-*' 2>/dev/null \
+        -o -name '*.log' -o -name '*.toml' \) -not -name train.jsonl -size -8M -not -path '*/checkpoints/*' -not -path '*/m-*' 2>/dev/null \
         | tar -czf "$OUT/.results.tgz" -T - 2>/dev/null) && mv -f "$OUT/.results.tgz" "$OUT/results.tgz"
 }
 
@@ -49,7 +54,7 @@ switch() {
     local name=$1 gpus=$2
     shift 2
     say "start $name on GPU(s) $gpus: $*"
-    CUDA_VISIBLE_DEVICES=$gpus python3 benchmarks/switch.py --results-dir "$S/results" --out "$name" \
+    CUDA_VISIBLE_DEVICES=$gpus $PY benchmarks/switch.py --results-dir "$S/results" --out "$name" \
         --work "$S/work/$name" --timeout 300 "$@" "${EXTRA[@]}" > "$S/logs/$name.log" 2>&1
     say "end $name: rc $? ($(tail -1 "$S/logs/$name.log"))"
     rm -rf "$S/work/$name/relayer/run/checkpoints" "$S/work/$name/inprocess" "$S/work/$name/naive"/model-*  # disk
@@ -61,30 +66,30 @@ PACKER=$!
 trap 'kill $PACKER 2>/dev/null; pack' EXIT
 
 say "1. the models"
-CUDA_VISIBLE_DEVICES=0 python3 benchmarks/switch.py --shape 1.1b --prepare-only --model-dir "$S/m-1.1b" \
-    --bare-json "$S/results/bare.json" > "$S/logs/make-1.1b.log" 2>&1 &
+CUDA_VISIBLE_DEVICES=0 $PY benchmarks/switch.py --shape $SMALL --prepare-only --model-dir "$S/m-small" \
+    --bare-json "$S/results/bare.json" > "$S/logs/make-small.log" 2>&1 &
 M1=$!
-CUDA_VISIBLE_DEVICES=1 python3 benchmarks/switch.py --shape 7b --prepare-only --model-dir "$S/m-7b" \
-    > "$S/logs/make-7b.log" 2>&1 &
+CUDA_VISIBLE_DEVICES=1 $PY benchmarks/switch.py --shape $BIG --prepare-only --model-dir "$S/m-big" \
+    > "$S/logs/make-big.log" 2>&1 &
 M7=$!
 wait $M1; say "1.1B model: rc $?"
 wait $M7; say "7B model: rc $?"
 COMMON=(--ways a --bare-json "$S/results/bare.json")
 
 say "2. 1.1B auto / off on GPU 0, 7B auto + in-process on GPU 1"
-(switch 1.1b-1gpu-auto 0 --shape 1.1b --model-dir "$S/m-1.1b" "${COMMON[@]}" --handover auto
- switch 1.1b-1gpu-off 0 --shape 1.1b --model-dir "$S/m-1.1b" "${COMMON[@]}" --handover off) &
+(switch 1.1b-1gpu-auto 0 --shape $SMALL --model-dir "$S/m-small" "${COMMON[@]}" --handover auto
+ switch 1.1b-1gpu-off 0 --shape $SMALL --model-dir "$S/m-small" "${COMMON[@]}" --handover off) &
 G0=$!
-switch 7b-1gpu-auto 1 --shape 7b --model-dir "$S/m-7b" --bare-json "$S/results/bare.json" --ways a,b \
+switch 7b-1gpu-auto 1 --shape $BIG --model-dir "$S/m-big" --bare-json "$S/results/bare.json" --ways a,b \
     --handover auto &
 G1=$!
 wait $G0 $G1
 
 say "3. 1.1B on 2 GPUs, auto"
-switch 1.1b-2gpu-auto 0,1 --shape 1.1b --model-dir "$S/m-1.1b" "${COMMON[@]}" --nproc 2 --handover auto
+switch 1.1b-2gpu-auto 0,1 --shape $SMALL --model-dir "$S/m-small" "${COMMON[@]}" --nproc 2 --handover auto
 
 say "4. summary"
-python3 benchmarks/_switch_report.py compare "$S/results/summary.md" "$S"/results/*/ && cp "$S/results/summary.md" "$OUT/"
+$PY benchmarks/_switch_report.py compare "$S/results/summary.md" "$S"/results/*/ && cp "$S/results/summary.md" "$OUT/"
 cat "$S/results/summary.md"
-for d in "$S"/results/*/; do python3 benchmarks/breakdown.py "$d" > /dev/null 2>&1; done
+for d in "$S"/results/*/; do $PY benchmarks/breakdown.py "$d" > /dev/null 2>&1; done
 say "done"

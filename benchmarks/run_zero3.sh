@@ -32,7 +32,7 @@ free -g | head -2; df -h /tmp | tail -1; nproc
 
 pack() {
     (cd "$S" && find results logs work -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.png' \
-        -o -name '*.log' -o -name '*.toml' \) -size -8M -not -path '*/checkpoints/*' 2>/dev/null \
+        -o -name '*.log' -o -name '*.toml' \) -not -name train.jsonl -size -8M -not -path '*/checkpoints/*' 2>/dev/null \
         | tar -czf "$OUT/.results.tgz" -T - 2>/dev/null) && mv -f "$OUT/.results.tgz" "$OUT/results.tgz"
 }
 (while sleep 20; do pack; free -g | sed -n 2p > "$S/logs/free-$(( $(date +%s) - T0 )).log"; done) &

@@ -256,7 +256,7 @@ def relayer_command() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-c", "from orchestrator.cli import main; main()"]
 
 
-def run_relayer(setup: dict, work: Path, devices: Devices | None, timeout: float, bare_uss: int | None = None) -> dict:
+def run_relayer(setup: dict, work: Path, devices: Devices | None, timeout: float, bare: dict | None = None) -> dict:
     d = work / "relayer"
     d.mkdir()
     sched = d / "schedule.toml"
@@ -277,7 +277,7 @@ def run_relayer(setup: dict, work: Path, devices: Devices | None, timeout: float
     stages = {k: read_jsonl(run / "phases" / f"phase-{k:04d}" / "stages.jsonl") for k in range(len(phases))}
     trace = watchers[2] if devices else None
     out = {"wall_seconds": wall, "phases": phases, "steps": read_jsonl(run / "metrics.jsonl"), "journal": journal,
-           "switch_details": relayer_details(phases, journal, stages, host, trace, bare_uss),
+           "switch_details": relayer_details(phases, journal, stages, host, trace, bare),
            "plan_estimate": plan_estimate(sched)}
     if devices:
         out["device_before"] = before
@@ -477,8 +477,7 @@ def run_ways(letters: list[str], setup: dict, work: Path, devices: Devices | Non
     for letter in letters:
         way = WAYS[letter]
         print(f"[switch] way {letter} ({way}) ...", flush=True)
-        bare = result.get("bare_process") or {}
-        w = RUNNERS[way](setup, work, devices, args.timeout, bare_uss=bare.get("uss"))
+        w = RUNNERS[way](setup, work, devices, args.timeout, bare=result.get("bare_process"))
         if "plan_estimate" in w:
             result["plan_estimate"] = w.pop("plan_estimate")
         w.update(summarise(w))

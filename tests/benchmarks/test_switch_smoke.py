@@ -38,7 +38,9 @@ def check_relayer(result: dict) -> None:
         assert s["successor_prewarmed"] and isinstance(s["go_sent"], numbers.Real)
         assert isinstance(s["ready_at_go"], bool) and s["late_seconds"] >= 0
     for p in w["phases"][1:]:
-        assert p["waiting_uss_peak"] is None or p["waiting_uss_over_bare"] == p["waiting_uss_peak"] - bare["uss"]
+        for key in ("uss", "rss"):
+            peak = p[f"waiting_{key}_peak"]
+            assert peak is None or p[f"waiting_{key}_over_bare"] == peak - bare[key]
     assert result["plan_estimate"]["phase_max"] > 0
 
 
