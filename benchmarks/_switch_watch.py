@@ -35,7 +35,7 @@ class Devices:
             elif names[i].isdigit():
                 handles.append(nv.nvmlDeviceGetHandleByIndex(int(names[i])))
             else:
-                handles.append(nv.nvmlDeviceGetHandleByUUID(names[i]))
+                handles.append(nv.nvmlDeviceGetHandleByUUID(names[i].encode()))  # a C string in pynvml
         self.handles = handles
 
     def used(self) -> list[int]:

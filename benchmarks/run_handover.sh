@@ -38,6 +38,11 @@ if [ -d .whl ]; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD DS_ACCELERATOR=${DS_ACCELERATOR:-cuda} PYTHONUNBUFFERED=1
+# CUDA numbers the GPUs as NVML does (switch.py samples the GPU it names through NVML), and the
+# two GPUs are those the machine shows this command (all of them unless it set CUDA_VISIBLE_DEVICES).
+export CUDA_DEVICE_ORDER=PCI_BUS_ID
+IFS=, read -r -a GPU <<< "${CUDA_VISIBLE_DEVICES:-0,1}"
+echo "GPUs: ${GPU[0]} and ${GPU[1]}"
 nvidia-smi --query-gpu=index,name,uuid,memory.total --format=csv,noheader 2>/dev/null
 free -g | head -2; df -h /tmp | tail -1; nproc
 
@@ -66,10 +71,10 @@ PACKER=$!
 trap 'kill $PACKER 2>/dev/null; pack' EXIT
 
 say "1. the models"
-CUDA_VISIBLE_DEVICES=0 $PY benchmarks/switch.py --shape $SMALL --prepare-only --model-dir "$S/m-small" \
+CUDA_VISIBLE_DEVICES=${GPU[0]} $PY benchmarks/switch.py --shape $SMALL --prepare-only --model-dir "$S/m-small" \
     --bare-json "$S/results/bare.json" > "$S/logs/make-small.log" 2>&1 &
 M1=$!
-CUDA_VISIBLE_DEVICES=1 $PY benchmarks/switch.py --shape $BIG --prepare-only --model-dir "$S/m-big" \
+CUDA_VISIBLE_DEVICES=${GPU[1]} $PY benchmarks/switch.py --shape $BIG --prepare-only --model-dir "$S/m-big" \
     > "$S/logs/make-big.log" 2>&1 &
 M7=$!
 wait $M1; say "1.1B model: rc $?"
@@ -77,16 +82,16 @@ wait $M7; say "7B model: rc $?"
 COMMON=(--ways a --bare-json "$S/results/bare.json")
 
 say "2. 1.1B auto / off on GPU 0, 7B auto + in-process on GPU 1"
-(switch 1.1b-1gpu-auto 0 --shape $SMALL --model-dir "$S/m-small" "${COMMON[@]}" --handover auto
- switch 1.1b-1gpu-off 0 --shape $SMALL --model-dir "$S/m-small" "${COMMON[@]}" --handover off) &
+(switch 1.1b-1gpu-auto "${GPU[0]}" --shape $SMALL --model-dir "$S/m-small" "${COMMON[@]}" --handover auto
+ switch 1.1b-1gpu-off "${GPU[0]}" --shape $SMALL --model-dir "$S/m-small" "${COMMON[@]}" --handover off) &
 G0=$!
-switch 7b-1gpu-auto 1 --shape $BIG --model-dir "$S/m-big" --bare-json "$S/results/bare.json" --ways a,b \
+switch 7b-1gpu-auto "${GPU[1]}" --shape $BIG --model-dir "$S/m-big" --bare-json "$S/results/bare.json" --ways a,b \
     --handover auto &
 G1=$!
 wait $G0 $G1
 
 say "3. 1.1B on 2 GPUs, auto"
-switch 1.1b-2gpu-auto 0,1 --shape $SMALL --model-dir "$S/m-small" "${COMMON[@]}" --nproc 2 --handover auto
+switch 1.1b-2gpu-auto "${GPU[0]},${GPU[1]}" --shape $SMALL --model-dir "$S/m-small" "${COMMON[@]}" --nproc 2 --handover auto
 
 say "4. summary"
 $PY benchmarks/_switch_report.py compare "$S/results/summary.md" "$S"/results/*/ && cp "$S/results/summary.md" "$OUT/"

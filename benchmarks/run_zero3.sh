@@ -27,6 +27,8 @@ mkdir -p "$S/results" "$S/logs"
 exec > >(tee "$OUT/zero3.log") 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD DS_ACCELERATOR=cuda PYTHONUNBUFFERED=1
+export CUDA_DEVICE_ORDER=PCI_BUS_ID  # CUDA numbers the GPUs as NVML does (switch.py samples through NVML)
+IFS=, read -r -a GPU <<< "${CUDA_VISIBLE_DEVICES:-0,1}"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 free -g | head -2; df -h /tmp | tail -1; nproc
 
@@ -40,10 +42,10 @@ PACKER=$!
 trap 'kill $PACKER 2>/dev/null; pack' EXIT
 
 echo "[run_zero3 $(( $(date +%s) - T0 )) s] the 30B model on GPU 0"
-CUDA_VISIBLE_DEVICES=0 python3 benchmarks/switch.py --shape 30b --prepare-only \
+CUDA_VISIBLE_DEVICES=${GPU[0]} python3 benchmarks/switch.py --shape 30b --prepare-only \
     --model-dir "$S/m-30b" --bare-json "$S/results/bare.json" --timeout 400 2>&1 | tee "$S/logs/make-30b.log"
 echo "[run_zero3 $(( $(date +%s) - T0 )) s] relayer, ZeRO-3 on 2 GPUs"
-CUDA_VISIBLE_DEVICES=0,1 python3 benchmarks/switch.py --shape 30b --zero-stage 3 --nproc 2 --ways a \
+CUDA_VISIBLE_DEVICES=${GPU[0]},${GPU[1]} python3 benchmarks/switch.py --shape 30b --zero-stage 3 --nproc 2 --ways a \
     --model-dir "$S/m-30b" --bare-json "$S/results/bare.json" --prewarm-depth 1 --phases 3 --steps 5 \
     --results-dir "$S/results" --out 30b-2gpu-zero3 --work "$S/work/30b" --timeout 480 "$@" 2>&1 \
     | tee "$S/logs/30b-2gpu-zero3.log"
