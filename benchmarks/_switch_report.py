@@ -81,9 +81,13 @@ def relayer_details(phases: list[dict], journal: list[dict], stages: dict[int, l
     out = []
     for a, b in zip(phases, phases[1:]):
         go = gos.get(b["phase"])
+        # The worker's handover records: the successor's path and reason, the predecessor's answer.
         d = {"from": a["phase"], "to": b["phase"], "go_sent": go, "successor_prewarmed": go is not None,
-             "handover": b.get("handover"), "handover_reason": b.get("handover_reason", b.get("reason")),
-             "t_offered": a.get("t_offered"), "t_taken": b.get("t_taken")}
+             "handover": b.get("handover"), "handover_reason": b.get("handover_reason"),
+             "predecessor_answer": a.get("handover_answer"), "predecessor_taken": a.get("handover_taken"),
+             "t_offered": a.get("t_offered"), "t_answered": a.get("t_answered"), "t_taken": b.get("t_taken")}
+        if d["t_offered"] and d["t_taken"]:
+            d["offer_to_taken_seconds"] = d["t_taken"] - d["t_offered"]
         if go is not None and b.get("t_prepared"):
             late = b["t_prepared"] - go
             d["ready_at_go"] = late <= READY_SLACK
@@ -159,7 +163,7 @@ def way_rows(result: dict, names: list[str]) -> list[str]:
 
 def switch_rows(result: dict, names: list[str]) -> list[str]:
     relayer = result["ways"].get("relayer")
-    cols = ["ready at go (late s)", "path (reason)", "device peak MB"] if relayer else []
+    cols = ["ready at go (late s)", "path (offer -> taken s; reason)", "device peak MB (fullest GPU)"] if relayer else []
     lines = ["", "Switch overhead (s)" + (", and relayer's successor at its go:" if relayer else ":"), "",
              "| switch | " + " | ".join(names + [f"relayer {c}" for c in cols]) + " |",
              "| --- |" + " ---: |" * (len(names) + len(cols))]
@@ -169,7 +173,9 @@ def switch_rows(result: dict, names: list[str]) -> list[str]:
             d = relayer["switches"][i]
             ready = d.get("ready_at_go")
             cells += ["-" if ready is None else f"{'yes' if ready else 'NO'} ({d.get('late_seconds', 0):.2f})",
-                      f"{d.get('handover') or '-'}" + (f" ({d['handover_reason']})" if d.get("handover_reason") else ""),
+                      f"{d.get('handover') or '-'}" + (f" ({d['offer_to_taken_seconds']:.3f})"
+                                                       if d.get("offer_to_taken_seconds") is not None else "")
+                      + (f" ({d['handover_reason']})" if d.get("handover_reason") else ""),
                       fmt(d["device_peak"] / 1e6 if d.get("device_peak") else None, ".0f")]
         lines.append(f"| {i} -> {i + 1} | " + " | ".join(cells) + " |")
     return lines
@@ -229,7 +235,7 @@ def device_rows(result: dict, names: list[str]) -> list[str]:
     relayer = result["ways"].get("relayer")
     if plan and relayer:
         peaks = [s["device_peak"] for s in relayer["switches"] if s.get("device_peak")]
-        lines.append(f"\nOverlap peak (NVML, max over the switch windows, all the run's GPUs): "
+        lines.append(f"\nOverlap peak (NVML, max over the switch windows, the fullest of the run's GPUs): "
                      f"{fmt(max(peaks) / 1e6 if peaks else None, '.0f')} MB; the plan's overlap estimate: "
                      f"{plan.get('overlap_text') or '-'}; the plan's largest phase: "
                      f"{fmt(plan['phase_max'] / 1e6 if plan.get('phase_max') else None, '.0f')} MB a process.")

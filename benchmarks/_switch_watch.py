@@ -5,7 +5,7 @@ device context that would count in what it measures.
 - ``Devices``: the NVML handles of the GPUs a run uses (``CUDA_VISIBLE_DEVICES`` respected, since
   NVML numbers the devices physically and two runs may share one machine, one GPU each).
 - ``JournalWatch``: the devices sampled as soon as the journal says a phase's processes are gone.
-- ``DeviceTrace``: the devices' used memory every 20 ms, for the overlap's peak at each switch.
+- ``DeviceTrace``: the fullest device's used memory every 20 ms, for the overlap's peak at each switch.
 - ``HostWatch``: the USS of every rank of every phase every 0.2 s, for a waiting phase's host memory.
 """
 
@@ -126,14 +126,15 @@ class JournalWatch(_Poller):
 
 
 class DeviceTrace(_Poller):
-    """The run's devices' used memory (NVML, summed over them) every 20 ms: (time, bytes)."""
+    """The used memory (NVML) of the run's fullest device every 20 ms: (time, bytes). The fullest,
+    not the sum: the plan's overlap estimate is for one device, as what must fit is."""
 
     def __init__(self, devices: Devices):
         super().__init__("device-trace")
         self.devices, self.trace = devices, []
 
     def look(self) -> None:
-        self.trace.append((time.time(), sum(self.devices.used())))
+        self.trace.append((time.time(), max(self.devices.used())))
 
     def peak(self, t0: float, t1: float) -> int | None:
         inside = [u for t, u in self.trace if t0 <= t <= t1]
