@@ -3,13 +3,14 @@
     python benchmarks/_baselines.py make-model SETUP.json            # the base HF model dir
     python benchmarks/_baselines.py inprocess SETUP.json             # (b): all phases, one process
     python benchmarks/_baselines.py naive SETUP.json PHASE           # (c): one phase, one process
+    python benchmarks/_baselines.py bare OUT.json                    # a bare phase process's memory
 
 SETUP.json is written by ``switch.py`` (model, data, batch, optimizer, phases, where to write).
 Each mode needs RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for one process, as
 relayer's "local" launcher sets them. Per phase it writes WAY_DIR/records-NNNN.json with the same
 fields as relayer's phase records, and a line a step to WAY_DIR/metrics.jsonl.
 
-(b) is what users do today: one model object, and per phase freeze all but head + layer, a fresh
+(b) is what users do today: one model object, and per phase freeze all but head + layers, a fresh
 AdamW, ``deepspeed.initialize``, train, ``engine.destroy()``, ``gc.collect()``,
 ``torch.cuda.empty_cache()`` (DeepSpeed issue #6729: the old optimizer's memory stays).
 (c) is the naive restart: a fresh process per phase that loads the whole model from the previous
@@ -53,15 +54,33 @@ def make_model(setup: dict) -> None:
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     torch.manual_seed(setup["seed"])
     # Random init of 1.1B parameters takes many seconds on the CPU and about one on the GPU; this
-    # process exits before any way starts, so its device memory is back by then.
+    # process exits before any way starts, so its device memory is back by then. Made in the
+    # run's dtype directly: a 30B model in fp32 (130 GB) would not fit one H200, and its bf16
+    # copy is what is written (safetensors, 13.5 GB at 7B, 65 GB at 30B).
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.to(getattr(torch, setup["dtype"])).save_pretrained(setup["model_dir"])
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, setup["dtype"]))
+    model.save_pretrained(setup["model_dir"], max_shard_size="5GB")
 
 
-def head_and_layer(name: str, layer: int) -> bool:
+def bare(out: Path) -> None:
+    """A phase process with nothing of its own yet: the imports, and CUDA initialised where there
+    is a device. Its USS is what every phase process pays; a waiting phase's USS above it is what
+    that phase holds (its model, its data, its buffers)."""
+    import deepspeed  # noqa: F401
+    import torch
+    import transformers  # noqa: F401
+
+    cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu"
+    if cuda:
+        torch.cuda.init()
+        torch.empty(1, device="cuda")  # the context itself, as a phase makes it
+    mem = psutil.Process().memory_full_info()
+    write_json(out, {"uss": mem.uss, "rss": mem.rss, "cuda": cuda})
+
+
+def head_and_layers(name: str, layers: list[int]) -> bool:
     head = ("model.embed_tokens.", "lm_head.", "model.norm.")
-    return name.startswith(head) or name.startswith(f"model.layers.{layer}.")
+    return name.startswith(head) or name.startswith(tuple(f"model.layers.{i}." for i in layers))
 
 
 def deepspeed_config(setup: dict, trainable_numel: int) -> dict:
@@ -104,12 +123,12 @@ class Trainer:
         self.examples = load_examples(prepare(data, None, way_dir))
         self.order = SampleOrder(len(self.examples), setup["seed"], True)
 
-    def build(self, model, layer: int):
+    def build(self, model, layers: list[int]):
         import deepspeed
         import torch
 
         for name, p in model.named_parameters():
-            p.requires_grad_(head_and_layer(name, layer))
+            p.requires_grad_(head_and_layers(name, layers))
             p.grad = None
         trainable = [p for p in model.parameters() if p.requires_grad]
         s = self.setup
@@ -193,7 +212,7 @@ def run_inprocess(setup: dict) -> None:
                    "memory_start": memory_now(), "device_name": trainer.device_name()}
         if model is None:
             model = load_model(setup["model_dir"], setup["dtype"])
-        engine = trainer.build(model, phase["layers"][0])
+        engine = trainer.build(model, phase["layers"])
         records["memory_engine"] = memory_now()
         trainer.train(engine, k, step, phase["steps"], records)
         step += phase["steps"]
@@ -221,7 +240,7 @@ def run_naive(setup: dict, k: int) -> None:
     records["device_name"] = trainer.device_name()
     source = setup["model_dir"] if k == 0 else str(way_dir / f"model-{k - 1:04d}")
     model = load_model(source, setup["dtype"])
-    engine = trainer.build(model, phase["layers"][0])
+    engine = trainer.build(model, phase["layers"])
     records["memory_engine"] = memory_now()
     start = sum(p["steps"] for p in setup["phases"][:k])
     trainer.train(engine, k, start, phase["steps"], records)
@@ -234,9 +253,12 @@ def run_naive(setup: dict, k: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 3 or argv[1] not in ("make-model", "inprocess", "naive"):
+    if len(argv) < 3 or argv[1] not in ("make-model", "inprocess", "naive", "bare"):
         print(__doc__, file=sys.stderr)
         return 2
+    if argv[1] == "bare":
+        bare(Path(argv[2]))
+        return 0
     setup = json.loads(Path(argv[2]).read_text())
     if argv[1] == "make-model":
         make_model(setup)

@@ -1,29 +1,44 @@
 """What a layer switch costs: relayer against the two ways people switch today, side by side.
 
-    DS_ACCELERATOR=cpu .venv/bin/python benchmarks/switch.py --tiny          # ~85 s of CPU time
-    python benchmarks/switch.py --phases 8 --steps 20                        # H200 shape (CUDA default)
-    python benchmarks/switch.py --tiny --ways a,c --results-dir /tmp          # a subset, into a folder
+    DS_ACCELERATOR=cpu .venv/bin/python benchmarks/switch.py --shape tiny     # ~85 s of CPU time
+    python benchmarks/switch.py --shape 1.1b --phases 8 --steps 20             # CUDA
+    python benchmarks/switch.py --shape 7b --ways a,b --model-dir /tmp/m7b     # the model made once, reused
+    python benchmarks/switch.py --shape 1.1b --ways a --nproc 2 --handover off # relayer on 2 GPUs, today's path
+    python benchmarks/switch.py --shape tiny --ways a,c --results-dir /tmp     # a subset, into a folder
 
-One model shape, one schedule (phase k trains the head and body layer k mod L), three ways:
+One model shape, one schedule, three ways. Phase k trains the head and the two body layers
+(2k mod L, 2k+1 mod L): issue #18's "2 layers a phase" as a fixed walk rather than a seeded LISA
+sample, so that every way and every run trains the same layers and the sums of a walk are easy
+to read.
 
-  a  relayer    ``orchestrator run`` on a generated schedule: a fresh process per phase
+  a  relayer    ``orchestrator run`` on a generated schedule: a fresh process group per phase,
+                ``--nproc`` processes (``launch.nproc``), ``--handover`` (``launch.handover``)
   b  inprocess  one process; per phase a fresh engine on the same model, then engine.destroy(),
                 gc.collect(), torch.cuda.empty_cache() (DeepSpeed issue #6729)
   c  naive      a fresh process per phase that loads the whole model with from_pretrained and
                 writes it all back with save_pretrained
 
-All three start from the same generated HF model dir (random init), read the same seeded random
-token rows in the same order, and use the same batch, ZeRO stage, dtype (bf16 on CUDA, fp32 on
-the CPU), client torch AdamW and bucket sizes. Per switch k -> k+1 the overhead is
-(end of the first step of phase k+1) - (end of the last step of phase k) - (median steady step).
-Memory at each phase start and after the engine is built is torch's allocated / reserved on
-CUDA and the process RSS on the CPU. On CUDA, NVML (``pynvml``, package nvidia-ml-py) also
-records the memory used on the device by anything once each relayer / naive phase is gone; this
+b and c run one process and ZeRO-1/2 only: with ``--nproc`` > 1 or ``--zero-stage 3`` they are
+left out (results.json's ``notes`` says so). All ways start from the same generated HF model dir
+(random init, bf16 on CUDA; ``--model-dir`` reuses one), read the same seeded random token rows in
+the same order, and use the same per-process batch (the global batch is it times ``--nproc``),
+ZeRO stage, dtype (bf16 on CUDA, fp32 on the CPU), client torch AdamW and bucket sizes. Per
+switch k -> k+1 the overhead is (end of the first step of phase k+1) - (end of the last step of
+phase k) - (median steady step: steps 2..K of each phase).
+
+For relayer it also records, per switch, whether the successor was ready at its go (its
+``t_prepared`` against the journal's ``phase_started``, written just after the go), how the state
+came over (the worker's ``handover`` record, "device" or "checkpoint", and its reason, where the
+worker writes them) and the device memory's peak while both phases lived (NVML, every 20 ms);
+per phase, the host memory (USS) it held while it waited for its go, against a bare phase
+process (imports torch, deepspeed, transformers and initialises CUDA; measured once, or read
+from ``--bare-json``); and the plan's memory estimate (``orchestrator.estimate``). On CUDA, NVML
+also records the memory used on the run's devices once each relayer / naive phase is gone; this
 process never touches CUDA itself, so it holds no context that would count.
 
 Writes table.md, switch.png and results.json into <--results-dir>/<--out>/ (by default
-benchmarks/results/DATE-DEVICE[-tiny]/), refreshed after each way; the scratch folder (models,
-runs, checkpoints) is removed at the end unless --work names it.
+benchmarks/results/DATE-DEVICE-SHAPE/), refreshed after each way; the scratch folder (runs,
+checkpoints; the model unless --model-dir) is removed at the end unless --work names it.
 """
 
 from __future__ import annotations
@@ -38,36 +53,52 @@ import random
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import deque
 from pathlib import Path
 
+import psutil
+
+from _switch_report import WAYS, plot, relayer_details, summarise, table
+from _switch_watch import DeviceTrace, Devices, HostWatch, JournalWatch, finish_all, leftovers, read_jsonl, start_all
+
 ROOT = Path(__file__).resolve().parent.parent
 BASELINES = Path(__file__).resolve().parent / "_baselines.py"
 RESULTS = Path(__file__).resolve().parent / "results"
-WAYS = {"a": "relayer", "b": "inprocess", "c": "naive"}
+LAYERS_PER_PHASE = 2
 
+LLAMA = {"model_type": "llama", "max_position_embeddings": 2048}
 SHAPES = {
     # All three ways take ~85 s of CPU time, nearly all of it imports in 10 fresh processes.
     "tiny": {
-        "model": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "model": {**LLAMA, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
                   "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
                   "max_position_embeddings": 64},
         "seq_len": 32, "batch_size": 8, "micro_batch_size": 4, "phases": 4, "steps": 3,
     },
-    # TinyLlama-1.1B's shape: the one the +1.35 GB-per-switch leak was measured on.
-    "h200": {
-        "model": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
-                  "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000,
-                  "max_position_embeddings": 2048},
+    # TinyLlama-1.1B's shape: the one the +1.35 GB-per-switch leak was measured on (~0.09 s a step on an H200).
+    "1.1b": {
+        "model": {**LLAMA, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+                  "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000},
         "seq_len": 512, "batch_size": 4, "micro_batch_size": 4, "phases": 8, "steps": 20,
     },
+    # Llama-2-7B (~0.17 s a step on an H200; 13.5 GB of bf16 weights).
+    "7b": {
+        "model": {**LLAMA, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000},
+        "seq_len": 512, "batch_size": 4, "micro_batch_size": 4, "phases": 8, "steps": 20,
+    },
+    # LLaMA-30B/33B (32.5B parameters, 65 GB of bf16 weights): for ZeRO-3 on 2 GPUs.
+    "30b": {
+        "model": {**LLAMA, "hidden_size": 6656, "intermediate_size": 17920, "num_hidden_layers": 60,
+                  "num_attention_heads": 52, "num_key_value_heads": 52, "vocab_size": 32000},
+        "seq_len": 512, "batch_size": 4, "micro_batch_size": 4, "phases": 4, "steps": 5,
+    },
 }
+SHAPES["h200"] = SHAPES["1.1b"]  # the name results before 2026-12-01 used
 
 
 class BenchmarkError(RuntimeError):
@@ -100,7 +131,7 @@ def cuda_available(nv) -> bool:
         return False
 
 
-def hardware(nv) -> dict:
+def hardware(devices: Devices | None) -> dict:
     cpu = platform.processor() or platform.machine()
     try:
         for line in open("/proc/cpuinfo"):
@@ -110,11 +141,11 @@ def hardware(nv) -> dict:
     except OSError:
         pass
     out = {"cpu": cpu, "cpu_count": os.cpu_count()}
-    if nv is not None:
-        h = nv.nvmlDeviceGetHandleByIndex(0)
-        name = nv.nvmlDeviceGetName(h)
-        out["gpu_nvml"] = name.decode() if isinstance(name, bytes) else name
-        out["gpu_memory_total"] = nv.nvmlDeviceGetMemoryInfo(h).total
+    out["memory_total"] = psutil.virtual_memory().total
+    if devices is not None:
+        out["gpus"] = devices.describe()
+        out["gpu_nvml"] = out["gpus"][0]["name"]
+        out["gpu_memory_total"] = out["gpus"][0]["memory_total"]
     return out
 
 
@@ -164,7 +195,8 @@ def toml_value(v) -> str:
 def write_schedule(path: Path, setup: dict) -> None:
     """relayer's schedule for the shared setup (the GPU machine has no tomli_w, hence by hand)."""
     sections = {
-        "run": {"output_dir": "run", "seed": setup["seed"]},
+        # No final HF model: it is no part of a switch, and at 30B it is 65 GB of writing.
+        "run": {"output_dir": "run", "seed": setup["seed"], "final_model": False},
         "model": {"path": setup["model_dir"], "dtype": setup["dtype"]},
         "data": {"path": setup["data_path"], "format": "tokens", "seq_len": setup["seq_len"],
                  "batch_size": setup["batch_size"], "micro_batch_size": setup["micro_batch_size"], "shuffle": True},
@@ -173,8 +205,9 @@ def write_schedule(path: Path, setup: dict) -> None:
         "lr_schedule": {"kind": "constant"},
         "schedule": {"phases": setup["phases"]},
         "deepspeed": {"zero_stage": setup["zero_stage"]},
-        "launch": {"launcher": "local", "nproc": 1,  # relayer's defaults unless given
-                   **{k: setup[k] for k in ("prewarm_depth", "pause_preparing_seconds") if setup[k] is not None}},
+        "launch": {"launcher": "local", "nproc": setup["nproc"],  # relayer's defaults unless given
+                   **{k: setup[k] for k in ("prewarm_depth", "pause_preparing_seconds", "handover")
+                      if setup[k] is not None}},
         "checkpoint": {"every_steps": 0, "keep_last": 2},
     }
     text = "".join(f"[{name}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in body.items()) + "\n"
@@ -216,100 +249,71 @@ def run_logged(argv: list[str], log: Path, what: str, timeout: float, env: dict)
     return time.time() - t0, proc.pid
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-# -- device-level check (CUDA) -----------------------------------------------------------------
-def device_sample(nv, note: dict) -> dict:
-    h = nv.nvmlDeviceGetHandleByIndex(0)
-    procs = [{"pid": p.pid, "used": p.usedGpuMemory} for p in nv.nvmlDeviceGetComputeRunningProcesses(h)]
-    return {"time": time.time(), "used": nv.nvmlDeviceGetMemoryInfo(h).used, "processes": procs, **note}
-
-
-class JournalWatch(threading.Thread):
-    """Samples the device as soon as the journal says a phase's processes are all gone.
-
-    The orchestrator journals phase_done only after reaping the phase; the next phase needs
-    seconds of imports before it makes a CUDA context, so a 20 ms poll lands in that gap.
-    """
-
-    def __init__(self, nv, run_dir: Path):
-        super().__init__(daemon=True, name="journal-watch")
-        self.nv, self.run_dir, self.samples = nv, run_dir, []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        offset = 0
-        journal = self.run_dir / "journal.jsonl"
-        while not self.stop.is_set():
-            if journal.exists():
-                with open(journal) as f:
-                    f.seek(offset)
-                    chunk = f.read()
-                done = chunk.rfind("\n") + 1
-                offset += len(chunk[:done].encode())
-                for line in chunk[:done].splitlines():
-                    e = json.loads(line)
-                    if e["event"] == "phase_done":
-                        s = device_sample(self.nv, {"after_phase": e["phase"]})
-                        s["phase_pids"] = phase_pids(self.run_dir / "phases" / f"phase-{e['phase']:04d}")
-                        self.samples.append(s)
-            time.sleep(0.02)
-
-
-def phase_pids(phase_dir: Path) -> list[int]:
-    # The local launcher execs the worker, so "launcher" and "rank-0" can name the same pid.
-    return sorted({json.loads(p.read_text())["pid"] for p in (phase_dir / "pids").glob("*.json")})
-
-
-def leftovers(sample: dict, pids: list[int]) -> list[dict]:
-    return [p for p in sample["processes"] if p["pid"] in pids]
-
-
 # -- the three ways ----------------------------------------------------------------------------
-def run_relayer(setup: dict, work: Path, nv, timeout: float) -> dict:
+def relayer_command() -> list[str]:
+    exe = Path(sys.executable).parent / "orchestrator"
+    # The GPU machine has the package on PYTHONPATH but no console script.
+    return [str(exe)] if exe.exists() else [sys.executable, "-c", "from orchestrator.cli import main; main()"]
+
+
+def run_relayer(setup: dict, work: Path, devices: Devices | None, timeout: float, bare: dict | None = None) -> dict:
     d = work / "relayer"
     d.mkdir()
     sched = d / "schedule.toml"
     write_schedule(sched, setup)
-    exe = Path(sys.executable).parent / "orchestrator"
-    # The GPU machine has the package on PYTHONPATH but no console script.
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "from orchestrator.cli import main; main()"]
-    watch = JournalWatch(nv, d / "run") if nv else None
-    before = device_sample(nv, {"before": True}) if nv else None
-    if watch:
-        watch.start()
-    try:
-        wall, _ = run_logged(cmd + ["run", str(sched)], d / "orchestrator.log", "a (relayer)", timeout,
-                          child_env(nv is not None))
-    finally:
-        if watch:
-            watch.stop.set()
-            watch.join()
     run = d / "run"
+    host = HostWatch(run)
+    watchers = [host] + ([JournalWatch(devices, run), DeviceTrace(devices)] if devices else [])
+    before = devices.sample({"before": True}) if devices else None
+    start_all(watchers)
+    try:
+        wall, _ = run_logged(relayer_command() + ["run", str(sched)], d / "orchestrator.log", "a (relayer)", timeout,
+                             child_env(devices is not None))
+    finally:
+        finish_all(watchers)
     journal = read_jsonl(run / "journal.jsonl")
     records = {e["phase"]: e["records"] for e in journal if e["event"] == "phase_done"}
     phases = [{"phase": k, "layers": p["layers"], **records[k]} for k, p in enumerate(setup["phases"])]
-    out = {"wall_seconds": wall, "phases": phases, "steps": read_jsonl(run / "metrics.jsonl"), "journal": journal}
-    if nv:
+    stages = {k: read_jsonl(run / "phases" / f"phase-{k:04d}" / "stages.jsonl") for k in range(len(phases))}
+    trace = watchers[2] if devices else None
+    out = {"wall_seconds": wall, "phases": phases, "steps": read_jsonl(run / "metrics.jsonl"), "journal": journal,
+           "switch_details": relayer_details(phases, journal, stages, host, trace, bare),
+           "plan_estimate": plan_estimate(sched)}
+    if devices:
         out["device_before"] = before
-        out["device_between_phases"] = [{**s, "leftover": leftovers(s, s["phase_pids"])} for s in watch.samples]
+        out["device_between_phases"] = [{**s, "leftover": leftovers(s, s["phase_pids"])} for s in watchers[1].samples]
+        out["device_trace"] = trace.coarse()
     return out
 
 
-def run_inprocess(setup: dict, work: Path, nv, timeout: float) -> dict:
+def plan_estimate(sched: Path) -> dict:
+    """relayer's memory estimate for the schedule: per phase a process, and the overlap of two
+    phases at a switch where ``orchestrator.estimate`` gives one (``PlanEstimate.overlaps``)."""
+    try:
+        from orchestrator.estimate import estimate_plan
+        from orchestrator.plan import plan_phases
+        from orchestrator.validate import load_schedule
+
+        loaded = load_schedule(sched)
+        est = estimate_plan(loaded, plan_phases(loaded))
+    except Exception as e:  # noqa: BLE001 - the estimate is a comparison, never a reason to fail the run
+        return {"error": f"{type(e).__name__}: {e}"}
+    overlaps = getattr(est, "overlaps", None)
+    return {"phases": [m.total for m in est.phases], "phase_max": max(m.total for m in est.phases),
+            "overlaps": json.loads(json.dumps(overlaps, default=lambda o: getattr(o, "__dict__", repr(o)))),
+            "overlap_text": None if overlaps is None else str(overlaps)[:200]}
+
+
+def run_inprocess(setup: dict, work: Path, devices: Devices | None, timeout: float, **_) -> dict:
     d = work / "inprocess"
     d.mkdir()
     wall, _ = run_logged([sys.executable, str(BASELINES), "inprocess", setup["setup_path"]], d / "worker.log",
-                      "b (inprocess)", timeout, child_env(nv is not None))
+                      "b (inprocess)", timeout, child_env(devices is not None))
     phases = [json.loads((d / f"records-{k:04d}.json").read_text()) for k in range(len(setup["phases"]))]
     return {"wall_seconds": wall, "phases": phases, "steps": read_jsonl(d / "metrics.jsonl")}
 
 
-def run_naive(setup: dict, work: Path, nv, timeout: float) -> dict:
+def run_naive(setup: dict, work: Path, devices: Devices | None, timeout: float, **_) -> dict:
     d = work / "naive"
     d.mkdir()
     t0 = time.time()
@@ -317,173 +321,20 @@ def run_naive(setup: dict, work: Path, nv, timeout: float) -> dict:
     for k in range(len(setup["phases"])):
         argv = [sys.executable, str(BASELINES), "naive", setup["setup_path"], str(k)]
         _, pid = run_logged(argv, d / f"worker-{k:04d}.log", f"c (naive) phase {k}", timeout,
-                            child_env(nv is not None))
-        if nv:
-            sample = device_sample(nv, {"after_phase": k, "phase_pids": [pid]})
+                            child_env(devices is not None))
+        if devices:
+            sample = devices.sample({"after_phase": k, "phase_pids": [pid]})
             between.append({**sample, "leftover": leftovers(sample, [pid])})
         # Only the newest saved model is read again; dropping older ones keeps the H200 disk use flat.
         shutil.rmtree(d / f"model-{k - 1:04d}", ignore_errors=True)
     phases = [json.loads((d / f"records-{k:04d}.json").read_text()) for k in range(len(setup["phases"]))]
     out = {"wall_seconds": time.time() - t0, "phases": phases, "steps": read_jsonl(d / "metrics.jsonl")}
-    if nv:
+    if devices:
         out["device_between_phases"] = between
     return out
 
 
 RUNNERS = {"relayer": run_relayer, "inprocess": run_inprocess, "naive": run_naive}
-
-
-# -- summary -----------------------------------------------------------------------------------
-def summarise(way: dict) -> dict:
-    """Steady step, per-switch overhead and the first step's time, from records and metrics."""
-    phases, steps = way["phases"], way["steps"]
-    first_step = {}
-    for s in steps:
-        first_step.setdefault(s["phase"], s["step_seconds"])
-    seen, steady = set(), []
-    for s in steps:
-        if s["phase"] in seen:
-            steady.append(s["step_seconds"])
-        seen.add(s["phase"])
-    steady_s = statistics.median(steady or [s["step_seconds"] for s in steps])
-    switches = []
-    for prev, nxt in zip(phases, phases[1:]):
-        gap = nxt["t_first_step_end"] - prev["t_last_step_end"]
-        switches.append({"from": prev["phase"], "to": nxt["phase"], "gap_seconds": gap,
-                         "overhead_seconds": gap - steady_s})
-    for p in phases:
-        p["first_step_seconds"] = first_step.get(p["phase"])
-    overheads = [s["overhead_seconds"] for s in switches]
-    return {"steady_step_seconds": steady_s, "switches": switches,
-            "overhead_mean_seconds": statistics.mean(overheads) if overheads else None}
-
-
-def mem_main(m: dict) -> float:
-    """The one number per memory sample that the plot and table lead with."""
-    return m["allocated"] if "allocated" in m else m["rss"]
-
-
-def fmt_mem(m: dict | float | None) -> str:
-    if m is None:
-        return "-"
-    if isinstance(m, (int, float)):
-        return f"{m / 1e6:.0f}"
-    if "allocated" in m:
-        return f"{m['allocated'] / 1e6:.0f} / {m['reserved'] / 1e6:.0f}"
-    return f"{m['rss'] / 1e6:.0f}"
-
-
-def fmt_load(load) -> str:
-    return "-" if load is None else ", ".join(f"{x:.1f}" for x in load)
-
-
-def table(result: dict) -> str:
-    ways = result["ways"]
-    names = [n for n in WAYS.values() if n in ways]
-    cuda = result["device"] == "cuda"
-    unit = "MB allocated / reserved (torch)" if cuda else "MB RSS of the phase's process"
-    s = result["shape"]
-    lines = [
-        f"# Layer switch: {', '.join(names)} ({result['name']})", "",
-        f"- date: {result['date']}",
-        f"- hardware: {result['hardware'].get('gpu') or result['hardware'].get('gpu_nvml') or 'no GPU'}; CPU {result['hardware']['cpu']} "
-        f"({result['hardware']['cpu_count']} cores); load average (1, 5, 15 min) at start "
-        f"{fmt_load(result['load_average']['start'])}, at end {fmt_load(result['load_average'].get('end'))}",
-        f"- {result['seconds_total']:.0f} s in all (making the base model, then the ways one after another)",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items()),
-        f"- shape: Llama hidden {s['model']['hidden_size']}, {s['model']['num_hidden_layers']} layers, "
-        f"intermediate {s['model']['intermediate_size']}, {s['model']['num_attention_heads']} heads "
-        f"({s['model']['num_key_value_heads']} kv), vocab {s['model']['vocab_size']}; {s['dtype']}, "
-        f"ZeRO-{s['zero_stage']}, batch {s['batch_size']} (micro {s['micro_batch_size']}) x {s['seq_len']} tokens; "
-        f"{len(s['phases'])} phases x {s['phases'][0]['steps']} steps, one body layer a phase",
-        f"- overhead = end of phase k+1's first step - end of phase k's last step - one steady step "
-        f"(median of all but each phase's first step); memory in {unit}"
-        + ("" if cuda else " (peak: RSS at the phase's end)"),
-        "- inprocess keeps one model object, so its weights count in its phase starts from phase 1 on;"
-        " only relayer carries the head's optimizer state across phases (the others start it afresh)",
-        "", "| way | steady step (s) | mean switch overhead (s) | total wall (s) |", "| --- | ---: | ---: | ---: |",
-    ]
-    for n in names:
-        w = ways[n]
-        ov = w["overhead_mean_seconds"]
-        lines.append(f"| {n} | {w['steady_step_seconds']:.3f} | {'-' if ov is None else f'{ov:.2f}'} | "
-                     f"{w['wall_seconds']:.1f} |")
-    lines += ["", "Switch overhead (s):", "", "| switch | " + " | ".join(names) + " |",
-              "| --- |" + " ---: |" * len(names)]
-    for i in range(len(s["phases"]) - 1):
-        cells = [f"{ways[n]['switches'][i]['overhead_seconds']:.2f}" for n in names]
-        lines.append(f"| {i} -> {i + 1} | " + " | ".join(cells) + " |")
-    lines += ["", f"Memory per phase ({unit}): at phase start / after the engine is built / peak:", "",
-              "| phase | layer | " + " | ".join(f"{n} start | {n} engine | {n} peak" for n in names) + " |",
-              "| ---: | ---: |" + " ---: | ---: | ---: |" * len(names)]
-    for k, ph in enumerate(s["phases"]):
-        cells = []
-        for n in names:
-            p = ways[n]["phases"][k]
-            cells += [fmt_mem(p["memory_start"]), fmt_mem(p["memory_engine"]), fmt_mem(p["memory_peak"])]
-        lines.append(f"| {k} | {ph['layers'][0]} | " + " | ".join(cells) + " |")
-    checks = [(n, ways[n]["device_between_phases"]) for n in names if "device_between_phases" in ways[n]]
-    if checks:
-        lines += ["", "Device memory used by anything (NVML) once each phase's processes are gone: MB used, "
-                      "compute processes on the device (a pre-started successor counts), and how many of them "
-                      "belong to the finished phase (must be 0):", "",
-                  "| after phase | " + " | ".join(n for n, _ in checks) + " |", "| ---: |" + " ---: |" * len(checks)]
-        for k in range(len(s["phases"])):
-            cells = []
-            for _, samples in checks:
-                hit = [x for x in samples if x["after_phase"] == k]
-                cells.append(f"{hit[0]['used'] / 1e6:.0f} MB, {len(hit[0]['processes'])} procs, "
-                             f"{len(hit[0].get('leftover', []))} left" if hit else "-")
-            lines.append(f"| {k} | " + " | ".join(cells) + " |")
-        before = ways.get("relayer", {}).get("device_before")
-        if before:
-            lines.append(f"\nBefore relayer's run: {before['used'] / 1e6:.0f} MB used, "
-                         f"{len(before['processes'])} compute processes.")
-    return "\n".join(lines) + "\n"
-
-
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ways = result["ways"]
-    names = [n for n in WAYS.values() if n in ways]
-    cuda = result["device"] == "cuda"
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for i, key in enumerate(("memory_start", "memory_engine")):
-        ax = axes[i]
-        for n in names:
-            ph = ways[n]["phases"]
-            line, = ax.plot([p["phase"] for p in ph], [mem_main(p[key]) / 1e6 for p in ph], marker="o",
-                            label=n + (" allocated" if cuda else ""))
-            if cuda:
-                ax.plot([p["phase"] for p in ph], [p[key]["reserved"] / 1e6 for p in ph], ls="--",
-                        color=line.get_color(), label=f"{n} reserved")
-        ax.set_title("memory at phase start" if key == "memory_start" else "memory after engine build")
-        ax.set_xticks(range(len(result["shape"]["phases"])))
-        ax.set_xlabel("phase")
-        ax.set_ylabel("MB (torch, device)" if cuda else "MB (process RSS)")
-        ax.legend(fontsize=8)
-    ax = axes[2]
-    width = 0.8 / len(names)
-    for j, n in enumerate(names):
-        sw = ways[n]["switches"]
-        ax.bar([s["from"] + (j - (len(names) - 1) / 2) * width for s in sw], [s["overhead_seconds"] for s in sw],
-               width=width, label=n)
-    ax.axhline(0, color="black", lw=0.5)
-    ax.set_title("switch overhead (beyond one steady step)")
-    switches = range(len(result["shape"]["phases"]) - 1)
-    ax.set_xticks(list(switches), [f"{k}->{k + 1}" for k in switches])
-    ax.set_xlabel("switch")
-    ax.set_ylabel("seconds")
-    ax.legend(fontsize=8)
-    hw = result["hardware"].get("gpu") or result["hardware"]["cpu"]
-    fig.suptitle(f"{result['name']}: {hw}, {result['shape']['dtype']}, ZeRO-{result['shape']['zero_stage']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -495,16 +346,25 @@ def write_atomic(path: Path, data: str | bytes) -> None:
 # -- entry -------------------------------------------------------------------------------------
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tiny", action="store_true", help="the CPU-sized shape (default without CUDA)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="model and batch (default: tiny without CUDA, else 1.1b)")
+    ap.add_argument("--tiny", action="store_true", help="the same as --shape tiny")
     ap.add_argument("--phases", type=int, help="phases (default: the shape's)")
     ap.add_argument("--steps", type=int, help="optimizer steps a phase (default: the shape's)")
     ap.add_argument("--ways", default="a,b,c", help="which ways, of a (relayer), b (inprocess), c (naive)")
-    ap.add_argument("--out", help="the results folder's name (default: date, device and shape)")
+    ap.add_argument("--nproc", type=int, default=1, help="relayer's processes (GPUs) a phase; b and c need 1")
+    ap.add_argument("--handover", choices=("auto", "on", "off"), help="relayer's [launch] handover (default: relayer's)")
+    ap.add_argument("--model-dir", type=Path,
+                    help="the generated model: reused where it holds this shape, else made there (and kept)")
+    ap.add_argument("--bare-json", type=Path, help="the bare phase process's memory: read from here, else measured "
+                                                   "and written here")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="make the model in --model-dir (and measure into --bare-json), then stop")
+    ap.add_argument("--out", help="the results folder's name (default: date, device, shape, processes)")
     ap.add_argument("--results-dir", type=Path, default=RESULTS,
                     help="where that folder goes (default: benchmarks/results)")
     ap.add_argument("--work", type=Path, help="scratch folder (default: a new temporary one, removed at the end)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds any one process may run")
-    ap.add_argument("--zero-stage", type=int, default=2, choices=(1, 2))
+    ap.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prewarm-depth", type=int, help="relayer's [launch] prewarm_depth (default: relayer's)")
     ap.add_argument("--pause-preparing-seconds", type=float,
@@ -513,7 +373,97 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     bad = [w for w in args.ways.split(",") if w not in WAYS]
     if bad or not args.ways:
         ap.error(f"--ways: expected a comma-separated subset of a,b,c, got {args.ways!r}")
+    if args.nproc < 1:
+        ap.error(f"--nproc: expected at least 1, got {args.nproc}")
+    if args.prepare_only and args.model_dir is None:
+        ap.error("--prepare-only: needs --model-dir (where the model is made)")
+    if args.tiny and args.shape not in (None, "tiny"):
+        ap.error(f"--tiny and --shape {args.shape}: give one")
     return args
+
+
+def chosen_ways(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The ways to run, and a note for each one left out."""
+    letters, notes = args.ways.split(","), []
+    for letter in ("b", "c"):
+        why = ("one process only" if args.nproc > 1 else "ZeRO-1/2 only" if args.zero_stage == 3 else None)
+        if letter in letters and why:
+            letters.remove(letter)
+            notes.append(f"way {letter} ({WAYS[letter]}) left out: {why} (--nproc {args.nproc}, "
+                         f"--zero-stage {args.zero_stage})")
+    return letters, notes
+
+
+def make_setup(args: argparse.Namespace, shape: dict, work: Path, cuda: bool) -> dict:
+    n_phases, steps = args.phases or shape["phases"], args.steps or shape["steps"]
+    layers = shape["model"]["num_hidden_layers"]
+    walk = [sorted({(LAYERS_PER_PHASE * k + j) % layers for j in range(LAYERS_PER_PHASE)}) for k in range(n_phases)]
+    return {
+        "seed": args.seed, "model_config": shape["model"], "model_dir": str(args.model_dir or work / "model"),
+        "data_path": str(work / "train.jsonl"), "work_dir": str(work), "setup_path": str(work / "setup.json"),
+        "dtype": "bfloat16" if cuda else "float32", "zero_stage": args.zero_stage, "nproc": args.nproc,
+        "prewarm_depth": args.prewarm_depth, "pause_preparing_seconds": args.pause_preparing_seconds,
+        "handover": args.handover, "seq_len": shape["seq_len"],
+        # The shape's batch is a process's: the global batch grows with the processes, the work of each stays.
+        "batch_size": shape["batch_size"] * args.nproc, "micro_batch_size": shape["micro_batch_size"],
+        "lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "grad_clip": 1.0,
+        "phases": [{"steps": steps, "layers": w} for w in walk],
+    }
+
+
+def model_problem(model_dir: Path, setup: dict) -> str | None:
+    """Why a model dir that exists cannot be reused for this setup; None where it can."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"{model_dir / 'config.json'}: unreadable ({e})"
+    wrong = [f"{k} {config.get(k)!r} (expected {v!r})" for k, v in setup["model_config"].items() if config.get(k) != v]
+    dtype = config.get("dtype", config.get("torch_dtype"))
+    if dtype not in (None, setup["dtype"]):
+        wrong.append(f"dtype {dtype!r} (expected {setup['dtype']!r})")
+    return f"{model_dir}: holds another model: {', '.join(wrong)}" if wrong else None
+
+
+def prepare(args: argparse.Namespace, setup: dict, shape: dict, work: Path, cuda: bool) -> None:
+    """The data, and the model unless --model-dir holds it already."""
+    write_atomic(work / "setup.json", json.dumps(setup, indent=1))
+    rows = min(4096, setup["batch_size"] * len(setup["phases"]) * setup["phases"][0]["steps"])
+    write_tokens(Path(setup["data_path"]), rows, shape["seq_len"], shape["model"]["vocab_size"], args.seed)
+    model_dir = Path(setup["model_dir"])
+    if (model_dir / "config.json").exists():  # main has checked that it holds this shape
+        print(f"[switch] reusing the model in {model_dir}", flush=True)
+        return
+    print(f"[switch] making the base model in {model_dir}", flush=True)
+    t0 = time.time()
+    run_logged([sys.executable, str(BASELINES), "make-model", setup["setup_path"]], work / "make-model.log",
+               "make-model", args.timeout, child_env(cuda))
+    print(f"[switch] model made in {time.time() - t0:.1f} s", flush=True)
+
+
+def bare_process(args: argparse.Namespace, work: Path, cuda: bool) -> dict:
+    """What a phase process holds before it holds anything of its own (read from --bare-json if there)."""
+    if args.bare_json is not None and args.bare_json.exists():
+        return json.loads(args.bare_json.read_text())
+    path = args.bare_json or work / "bare.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    run_logged([sys.executable, str(BASELINES), "bare", str(path)], work / "bare.log", "the bare process",
+               args.timeout, child_env(cuda))
+    return json.loads(path.read_text())
+
+
+def new_result(name: str, date: dt.datetime, device: str, hw: dict, shape_name: str, shape: dict,
+               setup: dict, notes: list[str]) -> dict:
+    keys = ("dtype", "zero_stage", "nproc", "handover", "seq_len", "batch_size", "micro_batch_size", "lr", "phases",
+            "prewarm_depth", "pause_preparing_seconds")
+    return {
+        "name": name, "date": date.isoformat(timespec="seconds"), "device": device, "hardware": hw,
+        "versions": {**versions(), "relayer": relayer_source()}, "seconds_total": None,
+        # Other work on a shared machine shows in every timing; this says how busy it was.
+        "load_average": {"start": os.getloadavg()}, "notes": notes,
+        "shape": {"name": shape_name, **{k: setup[k] for k in keys}, "layers_per_phase": LAYERS_PER_PHASE,
+                  "model": shape["model"]},
+        "ways": {},
+    }
 
 
 def write_results(result: dict, out: Path) -> None:
@@ -522,68 +472,65 @@ def write_results(result: dict, out: Path) -> None:
     plot(result, out / "switch.png")
 
 
+def run_ways(letters: list[str], setup: dict, work: Path, devices: Devices | None, result: dict, out: Path,
+             args: argparse.Namespace, t_start: float) -> None:
+    for letter in letters:
+        way = WAYS[letter]
+        print(f"[switch] way {letter} ({way}) ...", flush=True)
+        w = RUNNERS[way](setup, work, devices, args.timeout, bare=result.get("bare_process"))
+        if "plan_estimate" in w:
+            result["plan_estimate"] = w.pop("plan_estimate")
+        w.update(summarise(w))
+        result["ways"][way] = w
+        gpu = [p["device_name"] for p in w["phases"] if p.get("device_name")]
+        if devices and gpu:
+            result["hardware"]["gpu"] = gpu[0]
+        result["seconds_total"] = time.time() - t_start
+        result["load_average"]["end"] = os.getloadavg()
+        # After every way, so a run cut short by a time limit still leaves what it measured.
+        write_results(result, out)
+        print(f"[switch] way {letter} ({way}): {w['wall_seconds']:.1f} s, steady step "
+              f"{w['steady_step_seconds']:.3f} s, switch overhead median {w['overhead_median_seconds'] or 0:.2f} s, "
+              f"max {w['overhead_max_seconds'] or 0:.2f} s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     t_start = time.time()
     nv = nvml()
     cuda = cuda_available(nv)
-    nv = nv if cuda else None
-    shape_name = "tiny" if args.tiny or not cuda else "h200"
-    shape = SHAPES[shape_name]
-    device = "cuda" if cuda else "cpu"
-    hw = hardware(nv)
+    devices = Devices(nv, args.nproc) if cuda and nv else None
+    shape_name = args.shape or ("tiny" if args.tiny or not cuda else "1.1b")
+    shape, device = SHAPES[shape_name], "cuda" if cuda else "cpu"
+    hw = hardware(devices)
     date = dt.datetime.now().astimezone()
     device_slug = hw.get("gpu_nvml", "cuda").lower().replace(" ", "-") if cuda else "cpu"
-    name = args.out or f"{date:%Y-%m-%d}-{device_slug}" + ("-tiny" if shape_name == "tiny" else "")
-    out = args.results_dir / name
-    out.mkdir(parents=True, exist_ok=True)
+    name = args.out or f"{date:%Y-%m-%d}-{device_slug}-{shape_name}-{args.nproc}proc"
     work = args.work or Path(tempfile.mkdtemp(prefix="relayer-switch-"))
     work.mkdir(parents=True, exist_ok=True)
-    n_phases, steps = args.phases or shape["phases"], args.steps or shape["steps"]
-    layers = shape["model"]["num_hidden_layers"]
-    setup = {
-        "seed": args.seed, "model_config": shape["model"], "model_dir": str(work / "model"),
-        "data_path": str(work / "train.jsonl"), "work_dir": str(work), "setup_path": str(work / "setup.json"),
-        "dtype": "bfloat16" if cuda else "float32", "zero_stage": args.zero_stage, "prewarm_depth": args.prewarm_depth,
-        "pause_preparing_seconds": args.pause_preparing_seconds,
-        "seq_len": shape["seq_len"], "batch_size": shape["batch_size"], "micro_batch_size": shape["micro_batch_size"],
-        "lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "grad_clip": 1.0,
-        "phases": [{"steps": steps, "layers": [k % layers]} for k in range(n_phases)],
-    }
-    result = {
-        "name": name, "date": date.isoformat(timespec="seconds"), "device": device, "hardware": hw,
-        "versions": {**versions(), "relayer": relayer_source()}, "seconds_total": None,
-        # Other work on a shared machine shows in every timing; this says how busy it was.
-        "load_average": {"start": os.getloadavg()},
-        "shape": {"name": shape_name, **{k: setup[k] for k in ("dtype", "zero_stage", "seq_len", "batch_size",
-                                                                 "micro_batch_size", "lr", "phases", "prewarm_depth",
-                                                                 "pause_preparing_seconds")},
-                  "model": shape["model"]},
-        "ways": {},
-    }
+    setup = make_setup(args, shape, work, cuda)
+    letters, notes = chosen_ways(args)
+    result = new_result(name, date, device, hw, shape_name, shape, setup, notes)
+    out = args.results_dir / name
+    if args.model_dir is not None and (args.model_dir / "config.json").exists():
+        problem = model_problem(args.model_dir, setup)
+        if problem:
+            print(f"switch.py: --model-dir {problem}", file=sys.stderr)
+            if args.work is None:
+                shutil.rmtree(work, ignore_errors=True)
+            return 2
     try:
-        write_atomic(work / "setup.json", json.dumps(setup, indent=1))
-        rows = min(4096, shape["batch_size"] * n_phases * steps)
-        write_tokens(Path(setup["data_path"]), rows, shape["seq_len"], shape["model"]["vocab_size"], args.seed)
-        print(f"[switch] {shape_name} shape on {device}; making the base model in {work}", flush=True)
-        run_logged([sys.executable, str(BASELINES), "make-model", setup["setup_path"]], work / "make-model.log",
-                   "make-model", args.timeout, child_env(cuda))
-        for letter in args.ways.split(","):
-            way = WAYS[letter]
-            print(f"[switch] way {letter} ({way}) ...", flush=True)
-            w = RUNNERS[way](setup, work, nv, args.timeout)
-            w.update(summarise(w))
-            result["ways"][way] = w
-            gpu = [p["device_name"] for p in w["phases"] if p.get("device_name")]
-            if cuda and gpu:
-                hw["gpu"] = gpu[0]
-            result["seconds_total"] = time.time() - t_start
-            result["load_average"]["end"] = os.getloadavg()
-            # After every way, so a run cut short by a time limit still leaves what it measured.
-            write_results(result, out)
-            print(f"[switch] way {letter} ({way}): {w['wall_seconds']:.1f} s, steady step "
-                  f"{w['steady_step_seconds']:.3f} s, mean switch overhead {w['overhead_mean_seconds'] or 0:.2f} s",
-                  flush=True)
+        prepare(args, setup, shape, work, cuda)
+        if args.prepare_only:
+            if args.bare_json:
+                bare_process(args, work, cuda)
+            return 0
+        out.mkdir(parents=True, exist_ok=True)
+        for n in notes:
+            print(f"[switch] {n}", flush=True)
+        if "a" in letters:
+            result["bare_process"] = bare_process(args, work, cuda)
+        run_ways(letters, setup, work, devices, result, out, args, t_start)
     except BenchmarkError as e:
         print(f"switch.py: {e}", file=sys.stderr)
         return 1

@@ -1,6 +1,8 @@
-"""``benchmarks/switch.py --tiny`` runs all three ways and writes a table, a PNG and numbers.
+"""``benchmarks/switch.py --tiny`` runs all three ways and writes a table, a PNG and numbers; with
+``--nproc 2`` relayer alone (the one-process ways are left out, and say so).
 
-About a minute on 2 idle CPU cores (four phase processes each for relayer and the naive way, one for inprocess).
+About a minute each on 2 idle CPU cores (four phase processes each for relayer and the naive way,
+one for inprocess).
 """
 
 from __future__ import annotations
@@ -21,14 +23,33 @@ WAYS = ("relayer", "inprocess", "naive")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def test_tiny_benchmark_writes_table_png_and_numbers(tmp_path: Path):
+def switch(tmp_path: Path, *args: str) -> dict:
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "switch.py"), "--tiny", "--results-dir",
-                        str(tmp_path), "--out", "tiny"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+                        str(tmp_path), "--out", "tiny", *args], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads((tmp_path / "tiny" / "results.json").read_text())
+
+
+def check_relayer(result: dict) -> None:
+    """Per switch: the go and the successor's readiness; per phase: its waiting memory (or None)."""
+    w, bare = result["ways"]["relayer"], result["bare_process"]
+    assert bare["uss"] > 0 and bare["cuda"] is False
+    for s in w["switches"]:
+        assert s["successor_prewarmed"] and isinstance(s["go_sent"], numbers.Real)
+        assert isinstance(s["ready_at_go"], bool) and s["late_seconds"] >= 0
+    for p in w["phases"][1:]:
+        for key in ("uss", "rss"):
+            peak = p[f"waiting_{key}_peak"]
+            assert peak is None or p[f"waiting_{key}_over_bare"] == peak - bare[key]
+    assert result["plan_estimate"]["phase_max"] > 0
+
+
+def test_tiny_benchmark_writes_table_png_and_numbers(tmp_path: Path):
+    result = switch(tmp_path)
     out = tmp_path / "tiny"
-    result = json.loads((out / "results.json").read_text())
     phases = result["shape"]["phases"]
-    assert len(phases) >= 2
+    assert len(phases) >= 2 and all(len(p["layers"]) == 2 for p in phases)
+    assert result["shape"]["nproc"] == 1 and not result["notes"]
     assert set(result["ways"]) == set(WAYS)
     for way in WAYS:
         w = result["ways"][way]
@@ -42,6 +63,7 @@ def test_tiny_benchmark_writes_table_png_and_numbers(tmp_path: Path):
         assert len(w["switches"]) == len(phases) - 1
         assert all(isinstance(s["overhead_seconds"], numbers.Real) for s in w["switches"])
         assert len(w["steps"]) == sum(p["steps"] for p in phases)
+    check_relayer(result)
     for key in ("torch", "deepspeed", "transformers", "python"):
         assert result["versions"][key]
     assert result["hardware"]["cpu"] and result["date"]
@@ -55,4 +77,14 @@ def test_tiny_benchmark_writes_table_png_and_numbers(tmp_path: Path):
     for k in range(len(phases) - 1):
         assert f"| {k} -> {k + 1} |" in table
     for k in range(len(phases)):
-        assert f"\n| {k} | {phases[k]['layers'][0]} |" in table
+        assert f"\n| {k} | {','.join(map(str, phases[k]['layers']))} |" in table
+
+
+def test_tiny_benchmark_on_two_processes_runs_relayer_alone(tmp_path: Path):
+    result = switch(tmp_path, "--nproc", "2", "--handover", "off")
+    assert result["shape"]["nproc"] == 2 and result["shape"]["handover"] == "off"
+    assert result["shape"]["batch_size"] == 2 * 8  # the shape's batch is a process's
+    assert set(result["ways"]) == {"relayer"}
+    assert [n.split(" ")[1] for n in result["notes"]] == ["b", "c"]
+    check_relayer(result)
+    assert len(result["ways"]["relayer"]["steps"]) == sum(p["steps"] for p in result["shape"]["phases"])
