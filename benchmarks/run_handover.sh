@@ -41,8 +41,10 @@ export PYTHONPATH=/tmp/site:$PWD DS_ACCELERATOR=${DS_ACCELERATOR:-cuda} PYTHONUN
 # CUDA numbers the GPUs as NVML does (switch.py samples the GPU it names through NVML), and the
 # two GPUs are those the machine shows this command (all of them unless it set CUDA_VISIBLE_DEVICES).
 export CUDA_DEVICE_ORDER=PCI_BUS_ID
-IFS=, read -r -a GPU <<< "${CUDA_VISIBLE_DEVICES:-0,1}"
-echo "GPUs: ${GPU[0]} and ${GPU[1]}"
+# One GPU (a machine of kind nvidia-h200): the same runs one after another on it, without step 3.
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+IFS=, read -r -a GPU <<< "${CUDA_VISIBLE_DEVICES:-$([ "$NGPU" = 1 ] && echo 0 || echo 0,1)}"
+echo "GPUs: ${GPU[*]}"
 nvidia-smi --query-gpu=index,name,uuid,memory.total --format=csv,noheader 2>/dev/null
 free -g | head -2; df -h /tmp | tail -1; nproc
 
@@ -70,10 +72,13 @@ EXTRA=("$@")
 PACKER=$!
 trap 'kill $PACKER 2>/dev/null; pack' EXIT
 
+ONE=$([ ${#GPU[@]} = 1 ] && echo 1 || echo 0)
+[ "$ONE" = 1 ] && GPU[1]=${GPU[0]}
 say "1. the models"
 CUDA_VISIBLE_DEVICES=${GPU[0]} $PY benchmarks/switch.py --shape $SMALL --prepare-only --model-dir "$S/m-small" \
     --bare-json "$S/results/bare.json" > "$S/logs/make-small.log" 2>&1 &
 M1=$!
+[ "$ONE" = 1 ] && wait $M1
 CUDA_VISIBLE_DEVICES=${GPU[1]} $PY benchmarks/switch.py --shape $BIG --prepare-only --model-dir "$S/m-big" \
     > "$S/logs/make-big.log" 2>&1 &
 M7=$!
@@ -85,13 +90,14 @@ say "2. 1.1B auto / off on GPU 0, 7B auto + in-process on GPU 1"
 (switch 1.1b-1gpu-auto "${GPU[0]}" --shape $SMALL --model-dir "$S/m-small" "${COMMON[@]}" --handover auto
  switch 1.1b-1gpu-off "${GPU[0]}" --shape $SMALL --model-dir "$S/m-small" "${COMMON[@]}" --handover off) &
 G0=$!
+[ "$ONE" = 1 ] && wait $G0
 switch 7b-1gpu-auto "${GPU[1]}" --shape $BIG --model-dir "$S/m-big" --bare-json "$S/results/bare.json" --ways a,b \
     --handover auto &
 G1=$!
 wait $G0 $G1
 
 say "3. 1.1B on 2 GPUs, auto"
-switch 1.1b-2gpu-auto "${GPU[0]},${GPU[1]}" --shape $SMALL --model-dir "$S/m-small" "${COMMON[@]}" --nproc 2 --handover auto
+[ "$ONE" = 1 ] || switch 1.1b-2gpu-auto "${GPU[0]},${GPU[1]}" --shape $SMALL --model-dir "$S/m-small" "${COMMON[@]}" --nproc 2 --handover auto
 
 say "4. summary"
 $PY benchmarks/_switch_report.py compare "$S/results/summary.md" "$S"/results/*/ && cp "$S/results/summary.md" "$OUT/"

@@ -56,8 +56,9 @@ def snapshot(ph: Phase) -> Snapshot:
 def save(ph: Phase, phase_complete: bool, snap: Snapshot | None = None) -> Path | None:
     """Gathers full tensors on every rank (collectives); rank 0 copies them into its prepared
     files (so on a GPU the copy from the device is the write) and commits the checkpoint. With
-    ``snap`` (handed over): rank 0 writes it, durably (off the switch's critical path now), and
-    no collective is left; the other ranks have nothing to do."""
+    ``snap`` (handed over): rank 0 writes it and no collective is left; the other ranks have
+    nothing to do. A phase end is made durable by the orchestrator (``orchestrator.commit``): an
+    fsync of GBs here stalled the orchestrator's own small ones behind it on the H200's host."""
     t0 = time.time()
     writer = ph.rank == 0
     faults0, cache0 = _page_faults(), _dirty_page_cache() if writer else {}
@@ -76,10 +77,8 @@ def save(ph: Phase, phase_complete: bool, snap: Snapshot | None = None) -> Path 
         return None
     prepared, ph.prepared = ph.prepared, None
     _await_predecessor(ph)
-    # A phase end is made durable by the orchestrator, after the next phase has its go.
     path, timing = write_checkpoint(ph.run_dir, _manifest(ph, phase_complete, head_step, body_step), files,
-                                    file_metadata(ph), durable=not phase_complete or snap is not None,
-                                    prepared=prepared,
+                                    file_metadata(ph), durable=not phase_complete, prepared=prepared,
                                     on_file_written=lambda name: faults.point("checkpoint.file_written", name=name))
     ph.timeline.append("checkpoints", {
         "step": ph.step, "gather_seconds": t_gathered - t0, "write_seconds": time.time() - t_gathered,

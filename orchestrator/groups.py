@@ -137,7 +137,9 @@ class PhaseProcesses:
                                 preload=str(work.restore) if work.restore else None)
         else:  # started now, it has no predecessor alive to take from
             spec = spec.changed(handover=spec.handover.model_dump() | {"take": False})
-        write_atomic(files.spec, spec.model_dump_json(indent=1))
+        # Not fsynced: only these processes read it, and an fsync here could wait seconds behind a
+        # finished phase's checkpoint being made durable (``orchestrator.commit``).
+        write_atomic(files.spec, spec.model_dump_json(indent=1), durable=False)
         zygote = self.fork_server(files.spec)
         if zygote is not None:
             os.write(self.zygote_fd, FORK_REQUESTS.encode(spec=str(files.spec), nproc=ph.nproc))

@@ -19,6 +19,7 @@ from orchestrator.datastep import adopt_data, stage_data
 from orchestrator.groups import Group, PhaseProcesses, Work
 from orchestrator.errors import PhaseFailed, Preempted, RelayerError
 from orchestrator.changes import check_same_schedule
+from orchestrator.commit import Committer
 from orchestrator.journal import Journal
 from orchestrator.quiet import Pauser
 from orchestrator.resume import next_work, restore_point, resume_point, set_aside_after
@@ -28,7 +29,7 @@ from orchestrator.phasespec import phase_spec
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import LoadedSchedule
 from orchestrator.supervisor import Context, Observer, State, Supervisor
-from shard_tools.manifest import checkpoints_dir, make_durable, remove_stray_temporaries, step_dir_name
+from shard_tools.manifest import checkpoints_dir, remove_stray_temporaries, step_dir_name
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -50,10 +51,12 @@ class Runner:
         self.groups = PhaseProcesses(self.run_dir, loaded.schedule.launch, self._event,
                                      lambda work, phase_dir: phase_spec(loaded, self.phases, work, phase_dir))
         self.pauser = Pauser(loaded.schedule.launch.pause_preparing_seconds, self._event)
+        self.committer = Committer(self._phase_done)
         self.supervision = Context(
             run_dir=self.run_dir, grace=loaded.schedule.launch.grace_seconds, groups=self.groups,
             pauser=self.pauser, event=self._event, stop_signal=lambda: self.stop_signal, abort=self._abort,
-            records=lambda phase_dir: PhaseDir(phase_dir).read_records(), observer=observer or Observer())
+            records=lambda phase_dir: PhaseDir(phase_dir).read_records(), observer=observer or Observer(),
+            tick=self.committer.poll)
 
     # -- entry ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -153,12 +156,14 @@ class Runner:
             if work is None:
                 self._abort(pending)
                 self._after_switch(finished, None)
+                self.committer.poll(block=True)
                 self._final_model()
                 self._event("run_done", step=self.phases[-1].end_step)
                 return
             if self.stop_signal is not None:
                 self._abort(pending)
                 self._after_switch(finished, None)
+                self.committer.poll(block=True)
                 self._event("preempted", step=work.start_step, signal=self.stop_signal)
                 raise Preempted(f"stopped by signal {self.stop_signal} before phase {work.phase.index}; run again to resume")
             current = self._take(pending, work, handing)
@@ -222,12 +227,15 @@ class Runner:
         self.groups.abort(pending)
 
     def _after_switch(self, finished: Group | None, current: Group | None) -> None:
-        """What can wait until the next phase has its go: the finished phase's device check (NVML
-        is slow to start) and retention (which must spare what ``current`` may still be loading)."""
-        if finished is None or finished.end is None:
-            return
+        """What can wait until the next phase has its go: making the finished phase's checkpoint
+        durable (in a thread, ``orchestrator.commit``), then journaling it done."""
+        if finished is not None and finished.end is not None:
+            self.committer.submit(finished, current)
+
+    def _phase_done(self, finished: Group, current: Group | None) -> None:
+        """A finished phase's checkpoint is durable: journaled done, the device check (NVML is slow
+        to start) and retention (which must spare what ``current`` may still be loading)."""
         ph = finished.work.phase
-        make_durable(finished.end)
         self._event("checkpoint_committed", step=ph.end_step, path=str(finished.end))
         self._event("phase_done", phase=ph.index, step=ph.end_step, layers=list(ph.layers), nproc=ph.nproc,
                     seconds=finished.records["t_gone"] - finished.t_start, records=finished.records)

@@ -103,6 +103,8 @@ class Context:
     records: Callable[[Path], dict]
     """The records a phase directory holds."""
     observer: Observer = field(default_factory=Observer)
+    tick: Callable[[], None] = lambda: None
+    """Called at every look: journals the phases whose checkpoints became durable meanwhile."""
 
 
 def verdict(rc: int, end_whole: Callable[[], bool], stopped: bool) -> State:
@@ -226,6 +228,7 @@ class Supervisor:
     def _watch(self) -> bool:
         """One look at the group: False once it is to be reaped (it ended, or a stop's grace is up)."""
         self._follow_predecessor()
+        self.ctx.tick()
         if self.group.proc.poll() is not None:
             return False
         if self.handed_over:  # it writes its checkpoint; only a stop's grace bounds that
