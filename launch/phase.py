@@ -57,7 +57,7 @@ class Phase:
         """The training rows, the validation rows (with a validation path), which rows each step takes."""
         self.preloaded: dict = {}
         """Layer -> the checkpoint file its weights in the host model came from."""
-        self.prepared: PreparedFiles | None = None
+        self.prepared: PreparedFiles | save.FilesLater | None = None
         """Rank 0's files of the next checkpoint, made ahead."""
         self.refusal: str | None = "not pre-warmed"
         """Why it will not take its predecessor's state (``launch.handover``); None: ``model`` is a skeleton."""
@@ -99,9 +99,11 @@ class Phase:
             PhaseDir(self.spec.phase_dir).write_records(self.timeline.as_records())
 
     def discard(self) -> None:
-        if self.prepared is not None:
-            self.prepared.discard()
-            self.prepared = None
+        prepared, self.prepared = self.prepared, None
+        if isinstance(prepared, save.FilesLater):
+            prepared = prepared.result()
+        if prepared is not None:
+            prepared.discard()
 
 
 def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,8 @@ def save(ph: Phase, phase_complete: bool, snap: Snapshot | None = None) -> Path 
     fsync of GBs here stalled the orchestrator's own small ones behind it on the H200's host."""
     t0 = time.time()
     writer = ph.rank == 0
+    if isinstance(ph.prepared, FilesLater):
+        ph.prepared = ph.prepared.result()
     faults0, cache0 = _page_faults(), _dirty_page_cache() if writer else {}
     if snap is not None:
         files = _files_of(ph, snap) if writer else {}
@@ -179,6 +182,28 @@ def state_tensors(ph: Phase) -> dict[str, torch.Tensor]:
 
 def file_metadata(ph: Phase) -> dict[str, dict[str, str]]:
     return {LAYERS: {"layers": ",".join(map(str, ph.spec.layers)), "layers_prefix": ph.layers_attr}}
+
+
+class FilesLater(threading.Thread):
+    """``prepare_files`` in a thread: a phase that took its predecessor's state over made none
+    while it waited (they grow with the model), and makes them once it trains, for its own end."""
+
+    def __init__(self, ph: Phase):
+        super().__init__(name="prepare-files", daemon=True)
+        self.ph, self.files, self.error = ph, None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.files = prepare_files(self.ph)
+        except BaseException as e:  # noqa: BLE001 - raised by result()
+            self.error = e
+
+    def result(self) -> PreparedFiles | None:
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.files
 
 
 def prepare_files(ph: Phase) -> PreparedFiles | None:

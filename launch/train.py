@@ -17,7 +17,7 @@ import torch
 from launch import faults, procs
 from launch.contract import lr_at
 from launch.data import micro_batch, rows, step_targets
-from launch.save import prepare_files, save
+from launch.save import FilesLater, prepare_files, save
 
 if TYPE_CHECKING:
     from launch.phase import Phase
@@ -100,6 +100,8 @@ def _step(ph: Phase, stop: dict, metrics: Path, step_times: list[float]) -> bool
         ph.timeline.add(nice=os.getpriority(os.PRIO_PROCESS, 0))  # the priority it trains at
         if ph.staging is not None:
             ph.staging.unregister_later()  # the host weights are on the device: unpinned off the switch
+        if ph.prepared is None and ph.rank == 0:
+            ph.prepared = FilesLater(ph)  # it took over, and so made none while it waited
     if ph.rank == 0:
         log(ph, metrics, {
             "time": time.time(), "step": ph.step, "phase": spec.phase, "layers": spec.layers,
