@@ -153,15 +153,38 @@ def test_report_measures_every_switch_handed_over(handed):
     assert all(isinstance(switches[k], float) for k in (1, 2)), switches
 
 
-def test_two_processes(tmp_path, tiny_model, tiny_data, device):
+@pytest.fixture(scope="module")
+def reference2(tmp_path_factory, tiny_model, tiny_data, device) -> Path:
+    """The three phases through the checkpoint, two processes each."""
     if device == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
-    kw = {"nproc": 2}
-    off = finished(tmp_path / "off", tiny_model, tiny_data, device, "off", **kw)
-    on = finished(tmp_path / "on", tiny_model, tiny_data, device, handing_over(device), **kw)
-    assert_same_checkpoints(off, on)
+    return finished(tmp_path_factory.mktemp("off2"), tiny_model, tiny_data, device, "off", nproc=2)
+
+
+def test_two_processes(tmp_path, tiny_model, tiny_data, device, reference2):
+    on = finished(tmp_path, tiny_model, tiny_data, device, handing_over(device), nproc=2)
+    assert_same_checkpoints(reference2, on)
     assert_handed_over(on, 3)
     assert_clean(on)
+
+
+def test_one_rank_not_taken(tmp_path, tiny_model, tiny_data, device, reference2):
+    """The successor's rank 1 dies while it copies, after rank 0 took its part: the predecessor's
+    rank 1 gets "not taken" from the orchestrator, its rank 0 writes the checkpoint all the same."""
+    how = handing_over(device)
+    r = run(tmp_path, tiny_model, tiny_data, device, how, nproc=2,
+            env=faults_env(kill_at={"point": "handover.copying", "rank": 1}))
+    assert r.returncode == 1 and "phase 1 " in r.stderr, r.stderr
+    run_dir = tmp_path / "run"
+    ev = events(run_dir)
+    assert [(e["phase"], e["ranks"]) for e in ev if e["event"] == "handover_declined"] == [(0, [1])]
+    assert [e["phase"] for e in ev if e["event"] == "phase_done"] == [0]
+    assert [e["phase"] for e in ev if e["event"] == "phase_failed"] == [1]
+    assert_clean(run_dir, files=False)
+    again = run(tmp_path, tiny_model, tiny_data, device, how, nproc=2)
+    assert again.returncode == 0, again.stderr
+    assert_same_checkpoints(reference2, run_dir)
+    assert_clean(run_dir)
 
 
 def test_layers_trained_since_the_preload_come_from_their_checkpoints(tmp_path, tiny_model, tiny_data, device):
