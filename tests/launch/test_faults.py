@@ -39,3 +39,20 @@ def test_points_do_nothing_unless_installed():
     r = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "exited"
+
+
+KILL_AT = """
+import os
+from launch import faults
+faults.point("handover.offered", rank=1)  # another rank: goes on
+faults.point("handover.copying", rank=0)  # another point: goes on
+print("alive", flush=True)
+faults.point("handover.offered", rank=0)
+print("not killed")
+"""
+
+
+def test_kill_at_matches_the_point_and_its_context():
+    r = subprocess.run([sys.executable, "-c", KILL_AT], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                       env={**os.environ, **faults_env(kill_at={"point": "handover.offered", "rank": 0})})
+    assert r.returncode == -9 and r.stdout == "alive\n", (r.returncode, r.stdout, r.stderr)

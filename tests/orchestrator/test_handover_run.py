@@ -1,0 +1,276 @@
+"""The device handover (#18) end to end: a run that hands each phase's state to its pre-warmed
+successor gives checkpoints bitwise equal to one that goes through the checkpoint, the phases
+overlap as designed, and a process killed anywhere in the choreography fails the run cleanly and
+a run again resumes to the same result.
+
+On the CPU the handover goes through a file (``launch.handover = "on"``, the host transport); on
+CUDA (``-m cuda``) the same tests run with CUDA IPC (``"auto"``, bfloat16).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from launch.contract import RANK
+from orchestrator.procs import recorded
+from shard_tools.checkpoint import load_tensors
+from tests.conftest import cli, faults_env, schedule_dict, write_schedule
+
+pytestmark = pytest.mark.multiprocess
+THREE = [{"steps": 4, "layers": [0]}, {"steps": 4, "layers": [1]}, {"steps": 4, "layers": [0]}]
+# Layers 0 and 1 are trained again two phases on: with prewarm_depth 3 their successors were
+# preloaded before those layers' last phases ended, so they come from older checkpoints.
+AGAIN = [{"steps": 3, "layers": [i]} for i in (0, 1, 2, 0, 1)]
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module", params=[
+    "cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")])])
+def device(request) -> str:
+    return request.param
+
+
+def handing_over(device: str) -> str:
+    """What ``launch.handover`` hands over with on ``device``."""
+    return "on" if device == "cpu" else "auto"
+
+
+def run(tmp: Path, model: Path, data: Path, device: str, handover: str, phases: list[dict] = THREE,
+        env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """Runs (or runs again) the schedule in ``tmp``."""
+    return cli("orchestrator", "run", str(schedule(tmp, model, data, device, handover, phases, **kw)),
+               env={**os.environ, **device_env(device), **(env or {})})
+
+
+def schedule(tmp: Path, model: Path, data: Path, device: str, handover: str, phases: list[dict] = THREE,
+             dtype: str | None = None, **launch) -> Path:
+    dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
+    s = schedule_dict(model, data, schedule={"phases": phases}, model={"dtype": dtype},
+                      launch={"handover": handover, "prewarm_depth": 1, **launch})
+    tmp.mkdir(parents=True, exist_ok=True)
+    return write_schedule(tmp / "s.toml", s)
+
+
+def device_env(device: str) -> dict[str, str]:
+    return {"DS_ACCELERATOR": device}
+
+
+def finished(tmp: Path, *args, **kw) -> Path:
+    r = run(tmp, *args, **kw)
+    assert r.returncode == 0, r.stderr
+    return tmp / "run"
+
+
+def events(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "journal.jsonl").read_text().splitlines()]
+
+
+def done_records(run_dir: Path) -> dict[int, dict]:
+    return {e["phase"]: e["records"] for e in events(run_dir) if e["event"] == "phase_done"}
+
+
+def checkpoint_tensors(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Every committed checkpoint's tensors, by "step-N/file"."""
+    return {f"{f.parent.name}/{f.name}": load_tensors(f)
+            for f in sorted((run_dir / "checkpoints").glob("step-*/*.safetensors"))}
+
+
+def assert_same_checkpoints(a: Path, b: Path) -> None:
+    ta, tb = checkpoint_tensors(a), checkpoint_tensors(b)
+    assert ta and ta.keys() == tb.keys(), ta.keys() ^ tb.keys()
+    for key in ta:
+        assert ta[key].keys() == tb[key].keys(), key
+        differ = [n for n in ta[key] if not torch.equal(ta[key][n], tb[key][n])]
+        assert not differ, f"{key}: {differ[:5]}"
+
+
+def leftovers(run_dir: Path) -> list[Path]:
+    """Temporaries in the checkpoints folder, and offers' bytes (the host transport's files)."""
+    return [*(run_dir / "checkpoints").glob(".tmp-*"), *run_dir.glob("phases/*/handover/*.bin")]
+
+
+def assert_clean(run_dir: Path, files: bool = True) -> None:
+    """No process of the run is left, nor (``files``) a temporary or an offer's bytes."""
+    live = [p for d in (run_dir / "phases").glob("phase-*") for p in recorded(d)]
+    _, alive = psutil.wait_procs(live, timeout=10)
+    assert not alive, alive
+    if files:
+        assert not leftovers(run_dir)
+
+
+def assert_handed_over(run_dir: Path, phases: int) -> None:
+    """Every switch handed over: the successor took the state and trained while its predecessor,
+    alive, wrote its checkpoint; the predecessor was done only after the successor started."""
+    rec = done_records(run_dir)
+    assert sorted(rec) == list(range(phases))
+    for k in range(1, phases):
+        before, after = rec[k - 1], rec[k]
+        assert (after["handover"], after["handover_reason"]) == ("device", None), after
+        assert (before["handover_taken"], before["handover_answer"]) == (True, "successor"), before
+        assert before["t_offered"] <= after["t_taken"] and before["t_answered"] <= before["t_saved"]
+        assert after["t_go"] < before["t_gone"]  # the overlap
+    order = [(e["event"], e["phase"]) for e in events(run_dir) if e["event"] in ("phase_started", "phase_done")]
+    for k in range(phases - 1):
+        assert order.index(("phase_done", k)) > order.index(("phase_started", k + 1)), order
+
+
+# -- the same result ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model, tiny_data, device) -> Path:
+    """The three phases through the checkpoint."""
+    return finished(tmp_path_factory.mktemp("off"), tiny_model, tiny_data, device, "off")
+
+
+@pytest.fixture(scope="module")
+def handed(tmp_path_factory, tiny_model, tiny_data, device) -> Path:
+    return finished(tmp_path_factory.mktemp("on"), tiny_model, tiny_data, device, handing_over(device))
+
+
+def test_handover_gives_the_same_checkpoints(reference, handed):
+    assert_same_checkpoints(reference, handed)
+    assert_handed_over(handed, 3)
+    assert_clean(handed)
+    rec = done_records(reference)
+    assert all(rec[k].get("handover") is None and "t_offered" not in rec[k] for k in rec)
+
+
+@pytest.mark.xfail(reason="orchestrator/history.py replay pairs a phase_done with the phase_started "
+                          "just before it; with a handover that is the next phase's", strict=True)
+def test_report_measures_every_switch_handed_over(handed):
+    r = cli("orchestrator", "report", str(handed), "--json")
+    assert r.returncode == 0, r.stderr
+    switches = {p["index"]: p["switch_seconds"] for p in json.loads(r.stdout)["phases"]}
+    assert all(isinstance(switches[k], float) for k in (1, 2)), switches
+
+
+@pytest.fixture(scope="module")
+def reference2(tmp_path_factory, tiny_model, tiny_data, device) -> Path:
+    """The three phases through the checkpoint, two processes each."""
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    return finished(tmp_path_factory.mktemp("off2"), tiny_model, tiny_data, device, "off", nproc=2)
+
+
+def test_two_processes(tmp_path, tiny_model, tiny_data, device, reference2):
+    on = finished(tmp_path, tiny_model, tiny_data, device, handing_over(device), nproc=2)
+    assert_same_checkpoints(reference2, on)
+    assert_handed_over(on, 3)
+    assert_clean(on)
+
+
+def test_one_rank_not_taken(tmp_path, tiny_model, tiny_data, device, reference2):
+    """The successor's rank 1 dies while it copies, after rank 0 took its part: the predecessor's
+    rank 1 gets "not taken" from the orchestrator, its rank 0 writes the checkpoint all the same."""
+    how = handing_over(device)
+    r = run(tmp_path, tiny_model, tiny_data, device, how, nproc=2,
+            env=faults_env(kill_at={"point": "handover.copying", "rank": 1}))
+    assert r.returncode == 1 and "phase 1 " in r.stderr, r.stderr
+    run_dir = tmp_path / "run"
+    ev = events(run_dir)
+    assert [(e["phase"], e["ranks"]) for e in ev if e["event"] == "handover_declined"] == [(0, [1])]
+    assert [e["phase"] for e in ev if e["event"] == "phase_done"] == [0]
+    assert [e["phase"] for e in ev if e["event"] == "phase_failed"] == [1]
+    assert_clean(run_dir, files=False)
+    again = run(tmp_path, tiny_model, tiny_data, device, how, nproc=2)
+    assert again.returncode == 0, again.stderr
+    assert_same_checkpoints(reference2, run_dir)
+    assert_clean(run_dir)
+
+
+def test_layers_trained_since_the_preload_come_from_their_checkpoints(tmp_path, tiny_model, tiny_data, device):
+    # In bfloat16 a layer's module weights are not its fp32 masters: those must come from the
+    # checkpoints written since the successor was preloaded (in float32 they would be the same).
+    kw = {"phases": AGAIN, "prewarm_depth": 3, "dtype": "bfloat16"}
+    off = finished(tmp_path / "off", tiny_model, tiny_data, device, "off", **kw)
+    on = finished(tmp_path / "on", tiny_model, tiny_data, device, handing_over(device), **kw)
+    assert_same_checkpoints(off, on)
+    assert_handed_over(on, 5)
+    assert_clean(on)
+
+
+def test_auto_on_the_cpu_goes_through_the_checkpoint(tmp_path, tiny_model, tiny_data, reference, device):
+    if device != "cpu":
+        pytest.skip("the CPU's fallback")
+    auto = finished(tmp_path, tiny_model, tiny_data, device, "auto")
+    assert_same_checkpoints(reference, auto)
+    rec = done_records(auto)
+    for k in (1, 2):
+        assert rec[k]["handover_refusal"].startswith("no GPU"), rec[k]
+        assert "t_taken" not in rec[k] and "t_offered" not in rec[k - 1]
+    assert not list(auto.glob("phases/*/handover"))
+
+
+# -- a process killed during the handover ------------------------------------------------------
+@pytest.mark.parametrize("fault, failed", [
+    ({"point": "handover.offered", "rank": 0}, 0),
+    ({"point": "checkpoint.file_written", "name": "layers.safetensors"}, 0),
+    ({"point": "handover.copying", "rank": 0}, 1),
+], ids=["predecessor-after-offer", "predecessor-writing", "successor-copying"])
+def test_a_kill_fails_the_phase_and_a_run_again_resumes(tmp_path, tiny_model, tiny_data, device, reference,
+                                                        fault, failed):
+    how = handing_over(device)
+    r = run(tmp_path, tiny_model, tiny_data, device, how, env=faults_env(kill_at=fault))
+    assert r.returncode == 1 and f"phase {failed} " in r.stderr, r.stderr
+    run_dir = tmp_path / "run"
+    ev = events(run_dir)
+    assert [e["phase"] for e in ev if e["event"] == "phase_failed"] == [failed]
+    if failed == 0:  # the successor, which took the state, is stopped: its checkpoints would lack it
+        assert any(e["event"] == "successor_stopped" and e["phase"] == 1 for e in ev)
+        assert not any(e["event"] == "phase_done" for e in ev)
+    else:  # the predecessor is told "not taken" and writes its checkpoint as without a handover
+        declined = [e for e in ev if e["event"] == "handover_declined"]
+        assert [(e["phase"], e["ranks"]) for e in declined] == [(0, [0])], declined
+        assert [e["phase"] for e in ev if e["event"] == "phase_done"] == [0]
+    assert_clean(run_dir, files=False)
+    left = leftovers(run_dir)
+    again = run(tmp_path, tiny_model, tiny_data, device, how)
+    assert again.returncode == 0, again.stderr
+    assert_same_checkpoints(reference, run_dir)
+    assert_clean(run_dir)
+    if left:  # asserted once fixed: then this test fails should they be left again
+        pytest.xfail("a failed run leaves, until it is run again: the prepared files of the successor "
+                     "SIGKILLed for its failed predecessor (Supervisor._kill_now: no groups.clean_up), and "
+                     f"the offered bytes of a phase killed after its offer: {left}")
+
+
+def test_a_successor_gone_before_the_switch_is_not_waited_for(tmp_path, tiny_model, tiny_data, device, reference):
+    """The pre-warmed successor dies while it prepares: the orchestrator answers its predecessor
+    "not taken" (which then writes its checkpoint) and starts the phase afresh."""
+    sched = schedule(tmp_path, tiny_model, tiny_data, device, handing_over(device))
+    orch = subprocess.Popen([str(Path(sys.executable).parent / "orchestrator"), "run", str(sched)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, **device_env(device)})
+    run_dir = tmp_path / "run"
+    try:
+        deadline = time.time() + 300
+        while not (ranks := recorded(run_dir / "phases" / "phase-0001", RANK)):
+            assert time.time() < deadline and orch.poll() is None, "phase 1 was not pre-warmed"
+            time.sleep(0.05)
+        assert not (run_dir / "phases" / "phase-0000" / "handover").exists(), "too late: phase 0 offered"
+        for p in ranks:
+            p.send_signal(signal.SIGKILL)
+        _, err = orch.communicate(timeout=600)
+    finally:
+        if orch.poll() is None:
+            orch.kill()
+            orch.wait()
+    assert orch.returncode == 0, err
+    ev = events(run_dir)
+    declined = [e for e in ev if e["event"] == "handover_declined"]
+    assert [(e["phase"], e["reason"]) for e in declined] == [(0, "the next phase is not pre-warmed to take it")]
+    assert [e["phase"] for e in ev if e["event"] == "prewarm_unused"] == [1]
+    rec = done_records(run_dir)
+    assert (rec[0]["handover_taken"], rec[0]["handover_answer"]) == (False, "the next phase is not pre-warmed to take it")
+    assert rec[2]["handover"] == "device"  # the next switch hands over again
+    assert_same_checkpoints(reference, run_dir)
+    assert_clean(run_dir)
