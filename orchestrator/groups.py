@@ -250,9 +250,12 @@ class PhaseProcesses:
 
     def clean_up(self, group: Group) -> None:
         """What a group's processes leave once gone: their temporaries in the checkpoints folder
-        (prepared files, a checkpoint cut off mid-write) and DeepSpeed's shared-memory buffers."""
+        (prepared files, a checkpoint cut off mid-write), DeepSpeed's shared-memory buffers, and
+        the bytes it offered through the host transport (``launch.handover``)."""
         for path in remove_temporaries_of(self.run_dir, procs.recorded_pids(group.phase_dir)):
             self.event("stray_removed", path=str(path))
+        for blob in PhaseDir(group.phase_dir).handover.glob("*.bin"):  # host transport: offered bytes
+            blob.unlink(missing_ok=True)
         procs.remove_comm_buffers(group.port)
 
 

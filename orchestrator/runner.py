@@ -177,9 +177,17 @@ class Runner:
                 supervisor = self._supervise(current, pending, ahead=defer, predecessor=handing)
             except BaseException:
                 self._abort(pending)  # already done, unless this process itself failed
+                self._commit_all()  # a predecessor done before the failure is journaled done
                 raise
             handing = supervisor if supervisor.state is State.HANDING_OVER else None
             finished = None if handing is not None else current
+
+    def _commit_all(self) -> None:
+        """Waits for every durability fsync and journals those phases done, on the way out."""
+        try:
+            self.committer.poll(block=True)
+        except OSError as e:
+            self._journal_failure(e)
 
     def _event_start(self, fresh: bool, step: int, ckpt: Path | None) -> None:
         if fresh:

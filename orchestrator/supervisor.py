@@ -104,7 +104,8 @@ class Context:
     """The records a phase directory holds."""
     observer: Observer = field(default_factory=Observer)
     tick: Callable[[], None] = lambda: None
-    """Called at every look: journals the phases whose checkpoints became durable meanwhile."""
+    """Called at every look while a phase trains (not near a switch, which a slow NVML check or
+    retention's deletes would delay): journals the phases whose checkpoints became durable."""
 
 
 def verdict(rc: int, end_whole: Callable[[], bool], stopped: bool) -> State:
@@ -157,6 +158,7 @@ class Supervisor:
                 return
         except BaseException:
             self._reap()
+            self.ctx.groups.clean_up(self.group)
             raise
         self.conclude()
 
@@ -228,7 +230,6 @@ class Supervisor:
     def _watch(self) -> bool:
         """One look at the group: False once it is to be reaped (it ended, or a stop's grace is up)."""
         self._follow_predecessor()
-        self.ctx.tick()
         if self.group.proc.poll() is not None:
             return False
         if self.handed_over:  # it writes its checkpoint; only a stop's grace bounds that
@@ -247,6 +248,8 @@ class Supervisor:
                 PhaseDir(self.group.phase_dir).offered(self.group.world):
             self._enter(State.HANDING_OVER)
             return False
+        if self.state is State.TRAINING:  # not while a switch is near: journaling may take a while
+            self.ctx.tick()
         if self.ctx.stop_signal() is not None and self.state is not State.STOPPING:
             self._stop()
         return self._stopping() if self.state is State.STOPPING else True

@@ -25,8 +25,6 @@ def done(k: int, t0: float) -> dict:
             "records": records, "time": t0 + 9}
 
 
-@pytest.mark.xfail(reason="orchestrator/history.py replay pairs a phase_done with the phase_started just "
-                          "before it: with a handover that is the next phase's", strict=True)
 def test_every_switch_handed_over_is_measured():
     rows = replay(_journal())
     assert [(r.index, r.status, r.attempts) for r in rows] == [(0, "done", 1), (1, "done", 1), (2, "done", 1)]
