@@ -167,15 +167,17 @@ def test_two_processes(tmp_path, tiny_model, tiny_data, device, reference2):
 
 
 def test_one_rank_not_taken(tmp_path, tiny_model, tiny_data, device, reference2):
-    """The successor's rank 1 dies while it copies, after rank 0 took its part: the predecessor's
-    rank 1 gets "not taken" from the orchestrator, its rank 0 writes the checkpoint all the same."""
+    """The successor's rank 1 dies while it copies: the predecessor's rank 1 gets "not taken" from
+    the orchestrator (rank 0 too unless the successor's rank 0 answered first), and its rank 0
+    writes the checkpoint either way."""
     how = handing_over(device)
     r = run(tmp_path, tiny_model, tiny_data, device, how, nproc=2,
             env=faults_env(kill_at={"point": "handover.copying", "rank": 1}))
     assert r.returncode == 1 and "phase 1 " in r.stderr, r.stderr
     run_dir = tmp_path / "run"
     ev = events(run_dir)
-    assert [(e["phase"], e["ranks"]) for e in ev if e["event"] == "handover_declined"] == [(0, [1])]
+    declined = [(e["phase"], e["ranks"]) for e in ev if e["event"] == "handover_declined"]
+    assert declined in ([(0, [1])], [(0, [0, 1])]), declined
     assert [e["phase"] for e in ev if e["event"] == "phase_done"] == [0]
     assert [e["phase"] for e in ev if e["event"] == "phase_failed"] == [1]
     assert_clean(run_dir, files=False)
