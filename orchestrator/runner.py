@@ -94,6 +94,7 @@ class Runner:
                 self._journal_failure(e)
                 raise
             finally:
+                self._commit_all()  # a phase done before a failure or a stop is journaled done
                 self.groups.stop_fork_server()
                 for s, h in old.items():
                     signal.signal(s, h)
@@ -177,7 +178,6 @@ class Runner:
                 supervisor = self._supervise(current, pending, ahead=defer, predecessor=handing)
             except BaseException:
                 self._abort(pending)  # already done, unless this process itself failed
-                self._commit_all()  # a predecessor done before the failure is journaled done
                 raise
             handing = supervisor if supervisor.state is State.HANDING_OVER else None
             finished = None if handing is not None else current

@@ -144,7 +144,7 @@ class Supervisor:
         self.killed: list[int] = []
         self.pids: set[int] = set()
         self.handed_over = False
-        """It offered its state, and the successor's go followed."""
+        """Every rank offered its state (HANDING_OVER): what follows is written, not trained."""
 
     def run(self) -> None:
         """Returns once the phase is done (``group.end`` and ``group.records`` set) or hands its
