@@ -6,8 +6,8 @@ itself (the format package reads no control-plane events).
 
 The overhead of the switch into phase k+1 is what changing phases cost the run's wall clock: from
 the end of phase k's last step to the end of phase k+1's first step, less one ordinary step of
-phase k+1 (its median step). It is measured only within one go of the orchestrator: the process
-that finished phase k+1 started where phase k ended, after the orchestrator had seen phase k done.
+phase k+1 (its median step). It is measured only within one go of the orchestrator: the processes
+that finished phase k and phase k+1 were started by the same go, the latter where phase k ended.
 Downtime between two goes (a preemption, a kill, a ``--resume-from``) is no switch: a phase
 whose finishing process started after the orchestrator came back has no overhead, and its row
 says ``resumed``.
@@ -68,11 +68,13 @@ def read_history(run_dir: Path) -> History:
 def replay(events: list[dict[str, Any]]) -> list[PhaseRow]:
     """Phase rows from journal events (as ``read_journal`` returns them), in phase order."""
     phases: dict[int, PhaseRow] = {}
-    # Per phase, its last phase_started and phase_done with the go of the orchestrator (counted
-    # from 1 at each run_started or resumed) that journaled it: a switch is measured within one
-    # go only. With a handover the next phase starts before its predecessor's phase_done.
+    # Per phase, its last phase_started with the go of the orchestrator (counted from 1 at each
+    # run_started or resumed) that journaled it, and its phase_done. A switch is measured where the
+    # process groups on both sides of it were started in the same go; when their phase_done
+    # events come does not matter (a handed-over phase's comes after its successor's start, and
+    # any phase's only once its checkpoint is durable: ``orchestrator.commit``).
     started: dict[int, tuple[int, dict]] = {}
-    done: dict[int, tuple[int, dict]] = {}
+    done: dict[int, dict] = {}
     go, after_resume = 0, False
     for e in events:
         kind = e["event"]
@@ -88,10 +90,10 @@ def replay(events: list[dict[str, Any]]) -> list[PhaseRow]:
             row = phases.setdefault(e["phase"], PhaseRow(e["phase"], e["step"], e["step"], e["layers"]))
             row.status, row.end_step, row.records = "done", e["step"], e.get("records") or {}
             row.seconds = _finite(e.get("seconds"))
-            done[e["phase"]] = (go, e)
-            start, before = started.get(e["phase"]), done.get(e["phase"] - 1)
-            same_go = start is not None and before is not None and start[0] == before[0] == go
-            row.switch_seconds = switch_overhead(start[1], before[1], e) if same_go else None
+            done[e["phase"]] = e
+            start, prev, before = started.get(e["phase"]), started.get(e["phase"] - 1), done.get(e["phase"] - 1)
+            same_go = None not in (start, prev, before) and start[0] == prev[0]
+            row.switch_seconds = switch_overhead(start[1], before, e) if same_go else None
         elif kind in ("phase_failed", "preempted") and e.get("phase") in phases:
             phases[e["phase"]].status = "failed" if kind == "phase_failed" else "preempted"
     return [phases[i] for i in sorted(phases)]
