@@ -95,9 +95,8 @@ def _start_group(ph: Phase) -> None:
 
 def _load_model(ph: Phase) -> None:
     spec, m = ph.spec, ph.spec.model
-    model_spec = ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=spec.seed)
     # Taking every weight from its predecessor, the phase needs only the model's structure.
-    model = build_skeleton(model_spec) if ph.refusal is None else base_model(model_spec, ph.prebuilt)
+    model = build_skeleton(_model_spec(ph)) if ph.refusal is None else base_model(_model_spec(ph), ph.prebuilt)
     model.config.use_cache = False
     ph.persistent, ph.layers_attr = detect_parts(model, m.persistent, m.layers)
     ph.head_names = head_param_names(model, ph.persistent)
@@ -105,11 +104,16 @@ def _load_model(ph: Phase) -> None:
     ph.model = model
 
 
+def _model_spec(ph: Phase) -> ModelSpec:
+    m = ph.spec.model
+    return ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=ph.spec.seed)
+
+
 def host_model(ph: Phase) -> None:
     """A phase that prepared to take its predecessor's state but did not (``launch.handover``):
     the host model as a phase without a handover has it, built now."""
-    spec, m = ph.spec, ph.spec.model
-    model = base_model(ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=spec.seed), ph.prebuilt)
+    m = ph.spec.model
+    model = base_model(_model_spec(ph), ph.prebuilt)
     model.config.use_cache = False
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

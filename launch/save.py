@@ -79,7 +79,7 @@ def save(ph: Phase, phase_complete: bool, snap: Snapshot | None = None) -> Path 
             torch.distributed.barrier()
         return None
     prepared, ph.prepared = ph.prepared, None
-    _await_predecessor(ph)
+    await_predecessor(ph)
     path, timing = write_checkpoint(ph.run_dir, _manifest(ph, phase_complete, head_step, body_step), files,
                                     file_metadata(ph), durable=not phase_complete, prepared=prepared,
                                     on_file_written=lambda name: faults.point("checkpoint.file_written", name=name))
@@ -93,10 +93,11 @@ def save(ph: Phase, phase_complete: bool, snap: Snapshot | None = None) -> Path 
     return path
 
 
-def _await_predecessor(ph: Phase) -> None:
-    """A phase that took over its predecessor's state commits nothing before the predecessor's own
-    checkpoint is committed: its checkpoints compose the predecessor's layers from there. Should
-    the predecessor die first, the orchestrator stops this process."""
+def await_predecessor(ph: Phase) -> None:
+    """Until the checkpoint of the predecessor whose offer this phase answered is committed: one
+    taken over commits nothing before it (its checkpoints compose the predecessor's layers from
+    there), one not taken reads it. Should the predecessor die first, the orchestrator stops this
+    process."""
     if ph.awaiting is None:
         return
     while not (ph.awaiting / MANIFEST).exists():

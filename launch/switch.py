@@ -14,6 +14,7 @@ import torch
 from launch import handover, procs, zero_state
 from launch.handover import Carried
 from launch.prepare import Background, build_engine, host_model, memory_now, overlay
+from launch.save import await_predecessor
 from launch.scaler import restore_scaler
 from launch.zero_state import HEAD_DECAY, HEAD_NO_DECAY
 from shard_tools.checkpoint import BODY_OPTIM, HEAD, STATE, layer_weights, load_tensors, optim_state, populate_pages
@@ -96,7 +97,7 @@ def assemble(ph: Phase) -> None:
             ph.timeline.mark("t_delta_loaded")
             build_engine(ph)
             return
-        _await_commit(restore)
+        await_predecessor(ph)  # it answered "not taken": the checkpoint is read once committed
     if ph.refusal is None:  # prepared to take over, but the go names a checkpoint only
         host_model(ph)
     if restore is not None:
@@ -106,13 +107,6 @@ def assemble(ph: Phase) -> None:
             read_delta(ph, restore)
     ph.timeline.mark("t_delta_loaded")
     build_engine(ph)
-
-
-def _await_commit(ckpt: Path) -> None:
-    """Until the predecessor, which made an offer not taken, has committed its checkpoint (should
-    it die first, the orchestrator stops this process)."""
-    while not (ckpt / MANIFEST).exists():
-        time.sleep(0.005)
 
 
 def _manifest_now(ckpt: Path) -> Manifest:
