@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from launch import faults
+from launch import faults, zero_state
 from launch.contract import Answer, Offer, PhaseDir, TensorRef
 from launch.save import Snapshot, snapshot
 from shard_tools.checkpoint import layer_weights
@@ -176,9 +176,13 @@ def refusal(ph: Phase) -> str | None:
 def preload_layers(ph: Phase) -> None:
     """The fp32 masters of this phase's layers trained before its preload checkpoint, put on its
     device now (the host keeps no copy); a layer its predecessor trains comes with the offer."""
-    sources = {l: s for l, s in ph.preloaded.items() if l in ph.spec.layers}
+    _put_layers(ph, {l: s for l, s in ph.preloaded.items() if l in ph.spec.layers})
+
+
+def _put_layers(ph: Phase, sources: dict[int, Path], offered: frozenset[str] = frozenset()) -> None:
+    """The fp32 masters of this phase's layers in ``sources``, on its device, except ``offered`` ones."""
     for name, t in layer_weights(sources, mapped=True).items():
-        if name in ph.body_names:
+        if name in ph.body_names and name not in offered:
             ph.trained[name] = t.to(ph.device, copy=True)
 
 
@@ -222,7 +226,7 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path) -> None:
             owner, _, leaf = name.rpartition(".")
             module = ph.model.get_submodule(owner)
             module._buffers[leaf] = mapped[f"buffer/{name}"].clone()
-        state = {k: {n: mapped[f"{k}/{n}"].clone() for n in ph.head_names} for k in ("master", "exp_avg", "exp_avg_sq")}
+        state = {k: {n: mapped[f"{k}/{n}"].clone() for n in ph.head_names} for k in zero_state.KEYS}
         layers = {n: mapped[f"master/{n}"].clone() for n in ph.body_names if f"master/{n}" in mapped}
     del mapped
     if ph.device.type == "cuda":
@@ -231,20 +235,17 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path) -> None:
     carried = offered.carried
     ph.trained.update(state["master"])
     ph.trained.update(layers)
-    _layers_trained_between(ph, carried, set(layers))
+    _layers_trained_between(ph, carried, frozenset(layers))
     ph.head_state = state
     ph.carried = Carried(head_step=carried["head_step"], body_step=carried["body_step"], phase=carried["phase"],
                          phase_complete=True,
                          scaler={k: torch.tensor(v, dtype=torch.float64) for k, v in carried["scaler"].items()})
 
 
-def _layers_trained_between(ph: Phase, carried: dict, offered: set[str]) -> None:
+def _layers_trained_between(ph: Phase, carried: dict, offered: frozenset[str]) -> None:
     """This phase's layers that a phase between its preload and its predecessor trained (only with
     ``prewarm_depth`` > 1): their fp32 masters from those checkpoints, all committed by now."""
     if not carried.get("restore"):
         return
     now = layer_sources(ph.run_dir, Path(carried["restore"]))
-    changed = {l: s for l, s in now.items() if l in ph.spec.layers and ph.preloaded.get(l) != s}
-    for name, t in layer_weights(changed, mapped=True).items():
-        if name in ph.body_names and name not in offered:
-            ph.trained[name] = t.to(ph.device, copy=True)
+    _put_layers(ph, {l: s for l, s in now.items() if l in ph.spec.layers and ph.preloaded.get(l) != s}, offered)
