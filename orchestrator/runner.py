@@ -56,7 +56,7 @@ class Runner:
             run_dir=self.run_dir, grace=loaded.schedule.launch.grace_seconds, groups=self.groups,
             pauser=self.pauser, event=self._event, stop_signal=lambda: self.stop_signal, abort=self._abort,
             records=lambda phase_dir: PhaseDir(phase_dir).read_records(), observer=observer or Observer(),
-            tick=self.committer.poll)
+            tick=self.committer.poll, flush=self._commit_all)
 
     # -- entry ---------------------------------------------------------------------------------
     def run(self) -> None:

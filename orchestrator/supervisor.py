@@ -106,6 +106,9 @@ class Context:
     tick: Callable[[], None] = lambda: None
     """Called at every look while a phase trains (not near a switch, which a slow NVML check or
     retention's deletes would delay): journals the phases whose checkpoints became durable."""
+    flush: Callable[[], None] = lambda: None
+    """Waits for every finished phase's checkpoint to be durable and journals them done: called
+    before a stop or a failure is journaled, so that it is the journal's last word."""
 
 
 def verdict(rc: int, end_whole: Callable[[], bool], stopped: bool) -> State:
@@ -333,6 +336,7 @@ class Supervisor:
             group.records, group.end = records, end
             return
         self.ctx.abort(self.pending)
+        self.ctx.flush()
         raise self._preempted() if state is State.PREEMPTED else self._failed(end)
 
     def _preempted(self) -> Preempted:

@@ -139,6 +139,38 @@ def test_random_kill_chain_resumes_bitwise(tmp_path, tiny_model, tiny_data, fina
     assert sorted(interrupted) == sorted(kinds)
 
 
+def test_a_stop_is_the_journals_last_word_after_a_late_commit(tmp_path, tiny_model, tiny_data, monkeypatch):
+    """A SIGTERM while the finished phase's fsync (``orchestrator.commit``) still runs: that phase
+    is journaled done, and ``preempted`` comes after it, last (CI caught ``device_after_phase``
+    journaled after ``preempted``)."""
+    import threading
+
+    import orchestrator.commit as commit
+    from orchestrator.errors import Preempted
+    from orchestrator.runner import run_schedule
+    from orchestrator.validate import load_schedule
+
+    stopping = threading.Event()
+    durable = commit.make_durable
+
+    def late(ckpt):  # returns only once the phase after it is being stopped
+        stopping.wait(120)
+        durable(ckpt)
+
+    def on_event(e: dict) -> None:
+        if e["event"] == "phase_started" and e["phase"] == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # the runner's own handler takes it
+        elif e["event"] == "stop_requested":
+            stopping.set()
+
+    monkeypatch.setattr(commit, "make_durable", late)
+    with pytest.raises(Preempted):
+        run_schedule(load_schedule(schedule(tmp_path, tiny_model, tiny_data)), on_event=on_event)
+    names = [(e["event"], e.get("phase")) for e in events(tmp_path / "run")]
+    assert names[-1] == ("preempted", 1), names
+    assert ("phase_done", 0) in names and ("device_after_phase", 0) in names, names
+
+
 def test_two_processes_preempt_and_resume(tmp_path, tiny_model, tiny_data):
     launch = {"launcher": "deepspeed", "nproc": 2, "grace_seconds": 20}
     ref_dir = tmp_path / "ref"
