@@ -10,20 +10,30 @@ Per process, for one phase of a model with P parameters of which T train (head +
     activations  micro_batch x seq_len x hidden x layers x ACTIVATION_VALUES x dtype bytes
 
 At a switch that hands the state over on the device (``launch.handover``, orchestrator/handover.py),
-the finished phase P and its successor S are both alive on one device for a while. The overlap's
-peak, per process:
+the finished phase P and its successor S are both alive on one device for a while, beside the
+phases that wait pre-warmed. The overlap's peak on one device, as NVML sees it:
 
-    P's total + offered + offered + S's total
+    on_device(P) + offered + offered + on_device(S) + waiting x PROCESS_BYTES
+    on_device    a phase's total x RESERVE + PROCESS_BYTES
     offered      head x 12 bytes (fp32 masters, exp_avg, exp_avg_sq of the whole head, gathered: not
                  ZeRO's partition) + P's layers x per_layer x 4 bytes (their fp32 masters)
+    waiting      the phases pre-warmed beyond S (launch.prewarm_depth, as many as are left)
 
 P holds its whole phase's memory and, beside it, the copies it gathered to offer; S has copied the
 same bytes into its own memory before it answers and before P lets go of anything, and S's own
-phase memory counts whole because its engine is built right after. The successor's worker compares
-this number (``HandoverPart.peak_bytes``) with its device's memory and reads the checkpoint instead
-where it does not fit.
+phase memory counts whole because its engine is built right after. The phase totals below count
+allocated bytes; a device holds more: every CUDA process a fixed part (``PROCESS_BYTES``: its
+context, library workspaces, what a phase's warm-up leaves), and a training process's caching
+allocator a reserve above its allocated peak (``RESERVE``). Both were measured on an H200
+(benchmarks/results/2026-12-01-handover-h200, NVML per process): a waiting phase held 2.54 GB at
+1.1B and 2.12 GB at 7B; a training process 12.6 GB at 1.1B (8.5 GB allocated at its peak) and
+41.35 GB at 7B (31.8 GB). At 7B on one H200 the formula gives 102.4 GB with three phases waiting;
+NVML saw 83-103.5 GB (run7). The successor's worker compares this number
+(``HandoverPart.peak_bytes``) with its device's memory and reads the checkpoint instead where it
+does not fit.
 
-Not counted: the CUDA context and allocator slack, DeepSpeed's reduce/all-gather buckets, the
+Not counted in a phase's total (``plan --device-memory`` checks it per phase): the CUDA context and
+allocator slack (counted in the overlap only), DeepSpeed's reduce/all-gather buckets, the
 layers ZeRO-3 gathers while they run, and the logits (micro_batch x seq_len x vocab, in fp32 for
 the loss), which matter with large vocabularies. Treat the total as a lower bound with a margin.
 
@@ -52,6 +62,10 @@ MASTER_BYTES = 4
 # attention-score term that SDPA / flash attention no longer keep. Every layer counts, trained or
 # frozen: the embedding trains, so the backward pass runs through the whole stack.
 ACTIVATION_VALUES = 17
+# What NVML sees on a device beyond a phase's allocated bytes (see the module's docstring), rounded
+# up from the H200 measurements: per CUDA process, and the caching allocator's reserve.
+PROCESS_BYTES = 2_600_000_000
+RESERVE = 1.25
 
 # Config defaults of each family's transformers config class, for keys a config.json leaves out.
 _LLAMA = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
@@ -173,9 +187,24 @@ def offered_bytes(count: ParamCount, head: int, layers: int) -> int:
     return head * ADAM_BYTES + layers * count.per_layer * MASTER_BYTES
 
 
-def overlap_peak(before: PhaseMemory, after: PhaseMemory, offered: int) -> int:
-    """Bytes on one device while a phase hands over to its successor: both phases whole, the offer and its copy."""
-    return before.total + offered + offered + after.total
+def on_device(memory: PhaseMemory) -> int:
+    """Bytes NVML sees for one training process of a phase: its allocator's reserve and fixed part."""
+    return math.ceil(memory.total * RESERVE) + PROCESS_BYTES
+
+
+def overlap_peak(before: PhaseMemory, after: PhaseMemory, offered: int, waiting: int) -> int:
+    """Bytes on one device while a phase hands over to its successor: both phases, the offer and
+    its copy, and ``waiting`` pre-warmed phases beside them."""
+    return on_device(before) + offered + offered + on_device(after) + waiting * PROCESS_BYTES
+
+
+def waiting_beside(loaded: LoadedSchedule, phases: list[Phase], successor: int) -> int:
+    """How many pre-warmed phases wait on the device while phase ``successor`` takes over: up to
+    ``launch.prewarm_depth`` of the phases after it (the runner starts one more at its go)."""
+    launch = loaded.schedule.launch
+    if not launch.prewarm or launch.nnodes > 1 or launch.launcher == "slurm":
+        return 0
+    return min(launch.prewarm_depth, len(phases) - successor - 1)
 
 
 def model_config(loaded: LoadedSchedule) -> dict[str, Any]:
@@ -193,7 +222,8 @@ class PlanEstimate:
     """model.persistent entries that are not a head module the formula knows: counted as 0."""
     overlaps: list[int]
     """Per switch (phase i to i + 1, so one fewer than phases), the overlap's peak on one device
-    were it to hand over on the device (``overlap_peak``), whether or not it will."""
+    were it to hand over on the device (``overlap_peak``), whether or not it will; it falls
+    towards the run's end, as fewer phases wait pre-warmed."""
 
 
 def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
@@ -206,8 +236,8 @@ def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
     out = [phase_memory(count, head + len(ph.layers) * count.per_layer, dtype=s.model.dtype,
                         zero_stage=s.deepspeed.zero_stage, world=ph.nproc * s.launch.nnodes,
                         micro_batch=s.data.micro_batch_size, seq_len=s.data.seq_len) for ph in phases]
-    overlaps = [overlap_peak(out[i], out[i + 1], offered_bytes(count, head, len(phases[i].layers)))
-                for i in range(len(phases) - 1)]
+    overlaps = [overlap_peak(out[i], out[i + 1], offered_bytes(count, head, len(phases[i].layers)),
+                             waiting_beside(loaded, phases, i + 1)) for i in range(len(phases) - 1)]
     return PlanEstimate(phases=out, count=count, unsized=[p for p in persistent if p not in count.head],
                         overlaps=overlaps)
 

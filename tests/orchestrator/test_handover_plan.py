@@ -5,6 +5,7 @@ the spec's handover part, and how ``orchestrator plan`` shows them. No torch: an
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from launch.contract import HandoverPart
 from orchestrator import phasespec
 from orchestrator.cli import main
 from orchestrator.display import switch_lines
-from orchestrator.estimate import estimate_plan
+from orchestrator.estimate import PROCESS_BYTES, RESERVE, estimate_plan
 from orchestrator.groups import Work
 from orchestrator.handover import Switch, boundary_reason, handover_part, plan_switches
 from orchestrator.plan import plan_phases
@@ -95,24 +96,48 @@ def one_layer_phase_bytes() -> int:
     return weights + adam + grads + activations
 
 
-def test_the_overlap_peak_is_both_phases_the_offer_and_its_copy(tmp_path, tiny_data):
+def on_device(phase_bytes: int) -> int:
+    """What NVML sees of one training process: the allocator's reserve and the process's fixed part."""
+    return math.ceil(phase_bytes * RESERVE) + PROCESS_BYTES
+
+
+def test_the_overlap_peak_is_both_phases_the_offer_its_copy_and_the_phases_waiting(tmp_path, tiny_data):
     loaded = loaded_with(tmp_path, tiny_data)
     phases = plan_phases(loaded)
     estimate = estimate_plan(loaded, phases)
     offered = HEAD * 12 + 1 * PER_LAYER * 4  # the head's masters and moments, the one layer's masters
-    peak = one_layer_phase_bytes() * 2 + offered * 2
-    assert peak == 2_177_536
-    assert estimate.overlaps == [peak, peak]
-    assert [handover_part(loaded, phases, i, estimate).peak_bytes for i in range(3)] == [0, peak, peak]
+    both = on_device(one_layer_phase_bytes()) * 2 + offered * 2
+    # Into phase 1, phase 2 waits pre-warmed beside them; into phase 2, nothing is left to wait.
+    assert estimate.overlaps == [both + PROCESS_BYTES, both]
+    assert both == 5_202_666_304
+    assert [handover_part(loaded, phases, i, estimate).peak_bytes for i in range(3)] == [0, both + PROCESS_BYTES, both]
 
 
-def test_the_offer_grows_with_the_layers_of_the_phase_that_ends(tmp_path, tiny_data):
-    loaded = loaded_with(tmp_path, tiny_data, schedule={"phases": [
-        {"steps": 10, "layers": [0, 1, 2]}, {"steps": 10, "layers": [3]}]})
+@pytest.mark.parametrize("launch,waiting", [({}, [3, 3, 2, 1, 0]), ({"prewarm_depth": 1}, [1, 1, 1, 1, 0]),
+                                            ({"prewarm": False}, [0] * 5)])
+def test_the_phases_waiting_beside_an_overlap_follow_the_prewarm_depth(launch, waiting, tmp_path, tiny_data):
+    loaded = loaded_with(tmp_path, tiny_data, launch=launch,
+                         schedule={"phases": [{"steps": 4, "layers": [i % 4]} for i in range(6)]})
     phases = plan_phases(loaded)
     estimate = estimate_plan(loaded, phases)
-    before, after = estimate.phases
-    assert estimate.overlaps == [before.total + after.total + 2 * (HEAD * 12 + 3 * PER_LAYER * 4)]
+    base = estimate.overlaps[-1]
+    assert [(peak - base) // PROCESS_BYTES for peak in estimate.overlaps] == waiting
+    assert all((peak - base) % PROCESS_BYTES == 0 for peak in estimate.overlaps)
+
+
+def test_the_overlap_at_7b_is_what_nvml_saw_on_an_h200(tmp_path, tiny_data):
+    """benchmarks/results/2026-12-01-handover-h200/run7-7b-1gpu-auto: NVML's peak over the run's
+    switches was 103.5 GB (83.3-103.5 GB per switch), with three phases waiting at the first five."""
+    llama_7b = {"model_type": "llama", "max_position_embeddings": 2048, "hidden_size": 4096,
+                "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+                "num_key_value_heads": 32, "vocab_size": 32000}
+    raw = schedule_dict(Path("unused"), tiny_data, data={"seq_len": 512, "batch_size": 4, "micro_batch_size": 4},
+                        schedule={"phases": [{"steps": 20, "layers": [2 * i, 2 * i + 1]} for i in range(8)]})
+    raw["model"] = {"config": llama_7b, "dtype": "bfloat16"}
+    loaded = load_schedule(write_schedule(tmp_path / "s.toml", raw))
+    estimate = estimate_plan(loaded, plan_phases(loaded))
+    assert abs(max(estimate.overlaps) - 103.5e9) <= 0.1 * max(estimate.overlaps)
+    assert [round(p / 1e9, 1) for p in estimate.overlaps] == [102.4] * 4 + [99.8, 97.2, 94.6]
 
 
 def test_the_spec_carries_the_handover_and_the_estimate_is_made_once(tmp_path, tiny_data, monkeypatch):
@@ -124,7 +149,7 @@ def test_the_spec_carries_the_handover_and_the_estimate_is_made_once(tmp_path, t
     specs = [phasespec.phase_spec(loaded, phases, Work(ph, ph.start_step, None), tmp_path / f"pd{ph.index}")
              for ph in phases]
     assert [(s.handover.offer, s.handover.take, s.handover.peak_bytes) for s in specs] == [
-        (True, False, 0), (True, True, 2_177_536), (False, True, 2_177_536)]
+        (True, False, 0), (True, True, 5_202_666_304 + PROCESS_BYTES), (False, True, 5_202_666_304)]
     assert len(calls) == 1
 
 
@@ -139,9 +164,10 @@ def test_plan_switches_fall_back_where_the_overlap_exceeds_the_device(tmp_path, 
     loaded = loaded_with(tmp_path, tiny_data)
     phases = plan_phases(loaded)
     estimate = estimate_plan(loaded, phases)
-    assert plan_switches(loaded, phases, estimate, 2_177_536) == [Switch(0, None, 2_177_536), Switch(1, None, 2_177_536)]
-    assert plan_switches(loaded, phases, estimate, 2_177_535)[0].reason == (
-        "overlap peak 2.1 MiB per device, more than --device-memory 2.1 MiB")
+    first, second = 5_202_666_304 + PROCESS_BYTES, 5_202_666_304
+    assert plan_switches(loaded, phases, estimate, first) == [Switch(0, None, first), Switch(1, None, second)]
+    assert plan_switches(loaded, phases, estimate, first - 1) == [
+        Switch(0, "overlap peak 7.3 GiB per device, more than --device-memory 7.3 GiB", first), Switch(1, None, second)]
 
 
 def test_switch_lines_group_the_switches_and_name_runs_of_phases():
@@ -165,12 +191,15 @@ def test_plan_names_each_switch_and_its_fallback(tmp_path, tiny_data):
         {"steps": 5, "layers": [2, 3], "nproc": 4}]})
     code, lines, _ = plan_lines(str(path))
     assert code == 0
-    assert lines == ["switches after phases 0-1: hand over on the device, overlap peak 1.8 MiB per device",
+    # Two phases wait beside the first overlap, one beside the second.
+    assert lines == ["switch after phase 0: hands over on the device, overlap peak 9.7 GiB per device",
+                     "switch after phase 1: hands over on the device, overlap peak 7.3 GiB per device",
                      "switch after phase 2: through the checkpoint: phase 2 runs 2 processes, phase 3 4"]
-    code, lines, _ = plan_lines(str(path), "--device-memory", "1.5MiB")
+    code, lines, _ = plan_lines(str(path), "--device-memory", "8GiB")
     assert code == 0
-    assert lines[0] == ("switches after phases 0-1: through the checkpoint: overlap peak 1.8 MiB per device, "
-                        "more than --device-memory 1.5 MiB")
+    assert lines[:2] == ["switch after phase 0: through the checkpoint: overlap peak 9.7 GiB per device, "
+                         "more than --device-memory 8.0 GiB",
+                         "switch after phase 1: hands over on the device, overlap peak 7.3 GiB per device"]
     code, lines, _ = plan_lines(str(path), "--set", 'launch.handover="off"')
     assert lines == ['switches after phases 0-2: through the checkpoint: launch.handover = "off"']
 
