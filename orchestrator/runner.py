@@ -20,7 +20,8 @@ from orchestrator.groups import Group, PhaseProcesses, Work
 from orchestrator.errors import PhaseFailed, Preempted, RelayerError
 from orchestrator.changes import check_same_schedule
 from orchestrator.commit import Committer
-from orchestrator.journal import Journal
+from orchestrator.history import replay
+from orchestrator.journal import Journal, read_journal
 from orchestrator.quiet import Pauser
 from orchestrator.resume import next_work, restore_point, resume_point, set_aside_after
 from orchestrator.retention import retain
@@ -194,6 +195,17 @@ class Runner:
             self._event("run_started", phases=len(self.phases), total_steps=self.phases[-1].end_step, pid=os.getpid())
         else:
             self._event("resumed", step=step, checkpoint=str(ckpt) if ckpt else None, pid=os.getpid())
+            self._journal_recovered(step)
+
+    def _journal_recovered(self, step: int) -> None:
+        """Phases that ended by the restore point ``step`` but were never journaled done: an
+        orchestrator killed between a phase's commit and its journaling (``orchestrator.commit``),
+        or a phase stopped after its last checkpoint was whole. Journaled done now, ``recovered``,
+        without the records of a process nobody saw end."""
+        for row in replay(read_journal(self.run_dir)):
+            if row.status != "done" and row.end_step <= step:
+                self._event("phase_done", phase=row.index, step=row.end_step, layers=row.layers, nproc=row.nproc,
+                            records={}, recovered=True)
 
     def _successor_work(self, handing: Supervisor) -> Work | None:
         """The work after a phase that is handing its state over: the next phase, from the

@@ -108,3 +108,30 @@ def test_json_prints_the_phases_and_draws_nothing(run_copy):
     both = invoke("report", run_copy, "--json", "--out", run_copy / "r.png")
     assert both.exit_code == 2 and "--out draws the report, --json prints it: give one" in both.stderr
     assert not (run_copy / "r.png").exists()
+
+
+def test_phases_an_orchestrator_never_journaled_done_are_recovered_at_the_resume(run_copy, tiny_model, tiny_data):
+    """The journal as an orchestrator SIGKILLed after phase 1's checkpoint was committed, but before
+    it journaled that (``orchestrator.commit``), leaves it: running again journals phases 1 and 2
+    done, since the restore point (step 30) is past their ends."""
+    from orchestrator.history import read_history
+    from tests.conftest import cli, schedule_dict, write_schedule
+
+    journal = run_copy / "journal.jsonl"
+    lines = journal.read_text().splitlines(keepends=True)
+    cut = next(i for i, line in enumerate(lines) if json.loads(line)["event"] == "checkpoint_committed"
+               and json.loads(line)["step"] == 20)
+    journal.write_text("".join(lines[:cut]))
+    assert [(p.index, p.status) for p in read_history(run_copy).phases] == [(0, "done"), (1, "started"), (2, "started")]
+    sched = write_schedule(run_copy.parent / "s.toml", schedule_dict(tiny_model, tiny_data))
+    r = cli("orchestrator", "run", str(sched), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "phase 1 done at step 20 (found at the resume: its checkpoint is whole" in r.stderr
+    history = read_history(run_copy)
+    assert [(p.index, p.status) for p in history.phases] == [(0, "done"), (1, "done"), (2, "done")]
+    assert history.last_event == "run_done"
+    recovered = [e for e in map(json.loads, journal.read_text().splitlines()) if e.get("recovered")]
+    assert [(e["event"], e["phase"], e["step"], e["layers"]) for e in recovered] == [
+        ("phase_done", 1, 20, [1]), ("phase_done", 2, 30, [0])]
+    r = invoke("report", run_copy)  # a recovered phase has no records nor seconds: still drawn
+    assert r.exit_code == 0, r.output
