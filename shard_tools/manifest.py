@@ -29,6 +29,16 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 STEP_DIR_SHAPE = "step-NNNNNNNN"
 """How messages name any checkpoint folder (``step_dir_name`` spells one)."""
 _MAX_MANIFEST = 16 << 20  # a manifest lists a few files; anything near this is not one
+HEAD = "head.safetensors"
+LAYERS = "layers.safetensors"
+BODY_OPTIM = "body_optim.safetensors"
+STATE = "state.safetensors"
+
+
+def files_needed(phase_complete: bool) -> tuple[str, ...]:
+    """What every checkpoint's manifest lists: the head, its phase's layers (even none) and the
+    run state; mid-phase also the body's optimizer state."""
+    return (HEAD, LAYERS, STATE) if phase_complete else (HEAD, LAYERS, BODY_OPTIM, STATE)
 
 
 class CheckpointError(Exception):
@@ -81,6 +91,13 @@ class Manifest:
                                       f"checkpoint (no path separators, no '..')")
             _check_fields(entry, _FILE_FIELDS, where, f"files[{json.dumps(name)}].")
         files = {k: FileEntry(**v) for k, v in data["files"].items()}
+        # A manifest that leaves out a file would verify without it, and its layers would quietly
+        # be composed from an older checkpoint.
+        needed = files_needed(data["phase_complete"])
+        if missing := [n for n in needed if n not in files]:
+            kind = "phase-end" if data["phase_complete"] else "mid-phase"
+            raise CheckpointError(f"{where}: files: {missing[0]} is not listed; a {kind} checkpoint lists "
+                                  f"{', '.join(needed)}")
         return cls(**{**data, "files": files})
 
 
@@ -173,6 +190,9 @@ def verify_checkpoint(ckpt: Path, *, checksums: bool = True) -> list[str]:
     a FIFO: a checksum vouches for the checkpoint's own bytes, and verifying never hangs. With
     ``checksums``, each safetensors header is checked too (``shard_tools.inspect.tensor_headers``).
     """
+    if step_of(ckpt) is not None and ckpt.is_symlink():
+        # Not the run's own bytes: retention could not remove it, and it could change under the run.
+        return [f"{ckpt}: a symbolic link, where a run's checkpoint is a folder of its own: ignored"]
     try:
         manifest = read_manifest(ckpt)
     except CheckpointError as e:
@@ -284,8 +304,7 @@ def layer_sources(run_dir: Path, upto: Path) -> dict[int, Path]:
             m = read_manifest(ckpt)
         except CheckpointError as e:
             raise CheckpointError(f"{e}; {upto.name} may compose layers from it") from None
-        if "layers.safetensors" in m.files:
-            sources.update(dict.fromkeys(m.layers, ckpt))
+        sources.update(dict.fromkeys(m.layers, ckpt))
     return sources
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -16,8 +17,16 @@ DAMAGE = {
     "flipped_byte": (lambda c: flip_byte(c / "layers.safetensors"), "layers.safetensors: checksum mismatch"),
     "missing_file": (lambda c: (c / "state.safetensors").unlink(), "state.safetensors: missing"),
     "missing_manifest": (lambda c: (c / MANIFEST).unlink(), f"{MANIFEST}: missing"),
+    # The file is whole, but the manifest no longer vouches for it (nor would verify check it).
+    "unlisted_file": (lambda c: _unlist(c, "layers.safetensors"), f"{MANIFEST}: files: layers.safetensors is not listed"),
 }
 COMMANDS = ["inspect", "verify", "diff", "export"]
+
+
+def _unlist(c, name: str) -> None:
+    m = json.loads((c / MANIFEST).read_text())
+    del m["files"][name]
+    (c / MANIFEST).write_text(json.dumps(m))
 
 
 def _args(command: str, target, run, tmp_path) -> list:
@@ -87,3 +96,12 @@ def test_checkpoint_outside_a_run(command, run_copy, tmp_path):
     # Its weights compose from earlier checkpoints of its run, which a loose copy no longer has.
     assert_fails(invoke(*_args(command, loose, run_copy, tmp_path)), 2, loose, "not inside a run's checkpoints/")
     assert invoke("inspect", loose).exit_code == 0 and invoke("verify", loose).exit_code == 0
+
+
+def test_an_older_layer_source_whose_manifest_leaves_its_layers_out_is_not_skipped(run_copy, tmp_path):
+    """Step 20 trained layer 1; were its manifest's missing layers file read as "no layers here",
+    step 30 would compose layer 1 from the base model without a word."""
+    _unlist(ckpt(run_copy, 20), "layers.safetensors")
+    result = invoke("export", ckpt(run_copy, 30), "--out", tmp_path / "out")
+    assert_fails(result, 1, ckpt(run_copy, 20) / MANIFEST, "layers.safetensors is not listed")
+    assert not (tmp_path / "out").exists()

@@ -124,7 +124,8 @@ def _fake_run(root: Path, phases: int) -> Path:
         path = write_checkpoint(
             run, manifest,
             {"head.safetensors": {"master/model.norm.weight": torch.full((4,), float(k))},
-             "layers.safetensors": {f"model.layers.{layer}.w": torch.zeros(2, 2)}},
+             "layers.safetensors": {f"model.layers.{layer}.w": torch.zeros(2, 2)},
+             "state.safetensors": {"global_step": torch.tensor([end])}},
             {"layers.safetensors": {"layers": str(layer), "layers_prefix": "model.layers"}}).path
         events.append({"event": "checkpoint_committed", "step": end, "path": str(path), "time": t0 + 9})
         events.append({"event": "phase_done", "phase": k, "step": end, "layers": [layer], "nproc": 2, "seconds": 9.0,

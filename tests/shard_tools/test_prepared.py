@@ -59,11 +59,12 @@ def test_prepared_write_equals_plain_write(tmp_path):
 
 def test_prepared_files_a_write_does_not_take_are_dropped(tmp_path):
     files = tensors(1)
-    prepared = PreparedFiles(tmp_path, layouts(files), META)
-    del files[LAYERS]
+    spare = {"spare.safetensors": {"x": (torch.float32, (3, 3))}}  # made ahead, then not written
+    prepared = PreparedFiles(tmp_path, layouts(files) | spare, META)
     path = write_checkpoint(tmp_path, manifest(3), files, META, prepared=prepared).path
-    assert sorted(p.name for p in path.iterdir()) == [HEAD, "manifest.json", STATE]
+    assert sorted(p.name for p in path.iterdir()) == [HEAD, LAYERS, "manifest.json", STATE]
     assert verify_checkpoint(path) == []
+    assert not prepared.dir.exists()
 
 
 def test_prepared_that_does_not_fit_is_discarded(tmp_path):
