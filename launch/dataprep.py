@@ -63,27 +63,33 @@ class DataError(ValueError):
 def prepare(data: DataPart, tokenizer: str | None, cache_root: Path) -> Path:
     """The cache directory of ``data`` as ``tokenizer`` renders it, made if missing: idempotent.
 
-    Concurrent callers (the ranks of a phase, pre-warmed phases) serialise on a lock file, so the
-    data is prepared once; the entry is written to a temporary directory and renamed into place.
-    ``tokenizer`` (a Hugging Face tokenizer directory) is needed by every format but ``tokens``.
-    Raises ``DataError`` (nothing is left in the cache then)."""
+    Concurrent callers (the ranks of a phase, pre-warmed phases) serialise on a lock of the cache
+    folder itself (no lock files), so the data is prepared once; the entry is written to a temporary
+    directory and renamed into place. Under the lock no other preparation runs, so any temporary
+    there is a killed one's: it goes. ``tokenizer`` (a Hugging Face tokenizer directory) is needed by
+    every format but ``tokens``. Raises ``DataError`` (nothing is left in the cache then)."""
     key = cache_key(data, tokenizer)
     out = Path(cache_root) / key
     if (out / STATS).exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".lock-{key}", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    fd = os.open(out.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         if (out / STATS).exists():
             return out
+        for left in out.parent.iterdir():  # killed preparations; lock files of relayer < 2026-12
+            if left.name.startswith((".tmp-", ".lock-")):
+                shutil.rmtree(left) if left.is_dir() and not left.is_symlink() else left.unlink(missing_ok=True)
         tmp = out.parent / f".tmp-{key}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
             _build(data, tokenizer, tmp)
             os.replace(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        os.close(fd)
     return out
 
 

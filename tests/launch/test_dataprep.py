@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -204,7 +207,7 @@ def test_malformed_records_name_file_and_line(tmp_path, tok_dir, name, content, 
     path.write_text(content)
     with pytest.raises(DataError, match=where):
         prepare(part(path, fmt), str(tok_dir), tmp_path / "c")
-    assert [p.name for p in (tmp_path / "c").iterdir() if not p.name.startswith(".lock-")] == []
+    assert [p.name for p in (tmp_path / "c").iterdir()] == []
 
 
 def test_not_utf8_names_the_file(tmp_path, tok_dir):
@@ -271,6 +274,33 @@ def test_cache_is_made_once_and_mapped(tmp_path):
     again = prepare(data, None, tmp_path / "c")
     assert str(again) != dirs[0] and Path(dirs[0]).is_dir()
     shutil.rmtree(again)
+
+
+def _prepare_forever(data, cache: str) -> None:
+    def stuck(_data, _tokenizer, tmp):
+        (tmp / "rows.safetensors").write_bytes(b"half")
+        time.sleep(600)
+
+    dataprep._build = stuck
+    prepare(data, None, Path(cache))
+
+
+def test_a_killed_preparation_leaves_nothing_once_the_next_one_is_done(tmp_path):
+    data = part(_tokens_file(tmp_path), "tokens", seq_len=5)
+    cache = tmp_path / "c"
+    cache.mkdir()
+    (cache / ".lock-0123456789abcdef0123").write_text("")  # what relayer before 2026-12 left
+    child = multiprocessing.get_context("fork").Process(target=_prepare_forever, args=(data, str(cache)))
+    child.start()
+    deadline = time.time() + 60
+    while not list(cache.glob(".tmp-*/rows.safetensors")) and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    assert [p.name for p in cache.glob(".tmp-*")], "the killed preparation left its temporary"
+    entry = prepare(data, None, cache)
+    assert [p.name for p in cache.iterdir()] == [entry.name]
+    assert read_stats(entry)["rows"] > 0
 
 
 def test_every_tokenizer_file_keys_the_cache(tmp_path, tok_dir):
