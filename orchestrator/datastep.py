@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.contract import DATA_CACHE
-from orchestrator.errors import RelayerError, ScheduleError
+from orchestrator.errors import Preempted, RelayerError, ScheduleError
 from orchestrator.modelcheck import read_model_config
 from orchestrator.schedule import LoadedSchedule
 from orchestrator.validate import chat_template_of, tokenizer_of
@@ -57,20 +58,30 @@ def check_data(loaded: LoadedSchedule, show: int = 0) -> dict[str, Any]:
         return inspect_data(loaded, Path(tmp), show)
 
 
-def stage_data(loaded: LoadedSchedule) -> Path:
+def stage_data(loaded: LoadedSchedule, stop_signals: tuple[int, ...] = ()) -> Path:
     """Prepares the data of a run not started yet into a temporary cache (removed on failure);
-    ``adopt_data`` moves it into the run directory once that exists."""
+    ``adopt_data`` moves it into the run directory once that exists. One of ``stop_signals`` meanwhile
+    raises Preempted (exit 75), so the temporary cache goes with it."""
     parent = next(p for p in loaded.output_dir.parents if p.exists())
     try:
         tmp = Path(tempfile.mkdtemp(prefix=".relayer-data-", dir=parent))
     except OSError as e:
         # The run directory would be made beside it: where this fails, so would the run.
         raise ScheduleError(f"{loaded.output_dir}: cannot create the run directory: {e.strerror or e}") from None
+
+    def stop(signum: int, _frame) -> None:
+        raise Preempted(f"stopped by signal {signum} while preparing the data, before {loaded.output_dir} "
+                        "was made; nothing was written; run again to start")
+
+    old = {s: signal.signal(s, stop) for s in stop_signals}
     try:
         inspect_data(loaded, tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
     return tmp
 
 

@@ -72,7 +72,7 @@ class Runner:
 
     def _run(self, chosen: Path | None) -> None:
         # Prepared once, here; the data of a new run before its directory exists (bad data: exit 2).
-        staged = None if (self.run_dir / SCHEDULE_COPY).exists() else stage_data(self.loaded)
+        staged = None if (self.run_dir / SCHEDULE_COPY).exists() else stage_data(self.loaded, STOP_SIGNALS)
         try:
             fresh = self._prepare_run_dir()
         except BaseException:

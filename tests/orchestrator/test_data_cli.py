@@ -177,3 +177,23 @@ def test_a_tokenizer_that_does_not_load_exits_2(tmp_path, model):
     r = CliRunner().invoke(main, ["plan", str(sched(tmp_path, broken, INSTRUCTIONS, "instruction"))])
     assert r.exit_code == 2, r.output
     assert f"model.tokenizer: cannot load a tokenizer from {broken}" in r.output
+
+
+def test_a_stop_while_the_data_is_staged_leaves_nothing(tmp_path, model):
+    """SIGTERM while a new run prepares its data (before its directory exists): exit 75, and
+    neither the run directory nor the staging folder beside it is left."""
+    schedule = sched(tmp_path, model, INSTRUCTIONS, "instruction")
+    orch = subprocess.Popen([ORCH, "run", str(schedule)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        # The data tool (a Python that imports transformers) takes seconds: the signal lands in it.
+        while not list(tmp_path.glob(".relayer-data-*")):
+            assert orch.poll() is None, orch.communicate()
+        orch.send_signal(signal.SIGTERM)
+        _, err = orch.communicate(timeout=60)
+    finally:
+        if orch.poll() is None:
+            os.killpg(orch.pid, signal.SIGKILL)
+    assert orch.returncode == 75, err
+    assert "while preparing the data" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists() and not list(tmp_path.glob(".*relayer-data-*"))
