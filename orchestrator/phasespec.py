@@ -27,8 +27,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def phase_spec(loaded: LoadedSchedule, phases: list[Phase], work: Work, phase_dir: Path) -> PhaseSpec:
-    """The spec of ``work``, whose processes keep their files in ``phase_dir``."""
+def phase_spec(loaded: LoadedSchedule, phases: list[Phase], work: Work, phase_dir: Path,
+               estimate: PlanEstimate | None) -> PhaseSpec:
+    """The spec of ``work``, whose processes keep their files in ``phase_dir``; ``estimate``: the
+    run's (``plan_estimate``), made once per run."""
     s, ph = loaded.schedule, work.phase
     check_batch(s.data, ph.nproc, loaded.source, ph.index, nnodes=s.launch.nnodes)
     return PhaseSpec(
@@ -42,26 +44,17 @@ def phase_spec(loaded: LoadedSchedule, phases: list[Phase], work: Work, phase_di
         every_steps=s.checkpoint.every_steps, launcher=s.launch.launcher, nproc=ph.nproc, nnodes=s.launch.nnodes,
         hostfile=str((loaded.source.parent / s.launch.hostfile).resolve()) if s.launch.hostfile else None,
         master_port=free_port(), orchestrator_pid=os.getpid(), orchestrator_host=socket.gethostname(),
-        handover=handover_part(loaded, phases, ph.index, _estimate(loaded, phases)),
+        handover=handover_part(loaded, phases, ph.index, estimate),
     )
 
 
-_estimated: tuple[LoadedSchedule, PlanEstimate | None] | None = None
-"""The run's schedule and its estimate: phase_spec runs for every phase (and again for a phase
-started over), the estimate once per run."""
-
-
-def _estimate(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate | None:
+def plan_estimate(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate | None:
     """The memory estimate of ``loaded``'s run (``phases`` are its phases); None for a model it
     cannot size, whose handovers then plan no peak (``HandoverPart.peak_bytes`` 0)."""
-    global _estimated
-    if _estimated is None or _estimated[0] is not loaded:
-        try:
-            estimate = estimate_plan(loaded, phases)
-        except EstimateError:
-            estimate = None
-        _estimated = (loaded, estimate)
-    return _estimated[1]
+    try:
+        return estimate_plan(loaded, phases)
+    except EstimateError:
+        return None
 
 
 def _model_part(loaded: LoadedSchedule) -> ModelPart:

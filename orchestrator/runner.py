@@ -26,7 +26,7 @@ from orchestrator.quiet import Pauser
 from orchestrator.resume import next_work, restore_point, resume_point, set_aside_after
 from orchestrator.retention import retain
 from orchestrator.rundir import SCHEDULE_COPY, RunLock, create_run_dir, read_copy
-from orchestrator.phasespec import phase_spec
+from orchestrator.phasespec import phase_spec, plan_estimate
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import LoadedSchedule
 from orchestrator.supervisor import Context, Observer, State, Supervisor
@@ -49,8 +49,9 @@ class Runner:
         self.stop_signal: int | None = None
         self.verified: set[Path] = set()
         self.live_pending: list[Group] = []
+        estimate = plan_estimate(loaded, self.phases)  # the handovers' planned peaks
         self.groups = PhaseProcesses(self.run_dir, loaded.schedule.launch, self._event,
-                                     lambda work, phase_dir: phase_spec(loaded, self.phases, work, phase_dir))
+                                     lambda work, phase_dir: phase_spec(loaded, self.phases, work, phase_dir, estimate))
         self.pauser = Pauser(loaded.schedule.launch.pause_preparing_seconds, self._event)
         self.committer = Committer(self._phase_done)
         self.supervision = Context(

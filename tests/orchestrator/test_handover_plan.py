@@ -140,23 +140,22 @@ def test_the_overlap_at_7b_is_what_nvml_saw_on_an_h200(tmp_path, tiny_data):
     assert [round(p / 1e9, 1) for p in estimate.overlaps] == [102.4] * 4 + [99.8, 97.2, 94.6]
 
 
-def test_the_spec_carries_the_handover_and_the_estimate_is_made_once(tmp_path, tiny_data, monkeypatch):
+def test_the_spec_carries_the_handover_and_its_planned_peak(tmp_path, tiny_data):
     loaded = loaded_with(tmp_path, tiny_data)
     phases = plan_phases(loaded)
-    calls = []
-    real = phasespec.estimate_plan
-    monkeypatch.setattr(phasespec, "estimate_plan", lambda *a: calls.append(a) or real(*a))
-    specs = [phasespec.phase_spec(loaded, phases, Work(ph, ph.start_step, None), tmp_path / f"pd{ph.index}")
+    estimate = phasespec.plan_estimate(loaded, phases)
+    specs = [phasespec.phase_spec(loaded, phases, Work(ph, ph.start_step, None), tmp_path / f"pd{ph.index}", estimate)
              for ph in phases]
     assert [(s.handover.offer, s.handover.take, s.handover.peak_bytes) for s in specs] == [
         (True, False, 0), (True, True, 5_202_666_304 + PROCESS_BYTES), (False, True, 5_202_666_304)]
-    assert len(calls) == 1
 
 
 def test_a_model_the_estimate_cannot_size_still_hands_over_with_no_planned_peak(tmp_path, tiny_data):
     loaded = load_schedule(schedule_file(tmp_path, tiny_data, config={**CONFIG, "model_type": "falcon"}))
     phases = plan_phases(loaded)
-    spec = phasespec.phase_spec(loaded, phases, Work(phases[1], 10, None), tmp_path / "pd")
+    estimate = phasespec.plan_estimate(loaded, phases)
+    assert estimate is None
+    spec = phasespec.phase_spec(loaded, phases, Work(phases[1], 10, None), tmp_path / "pd", estimate)
     assert spec.handover == HandoverPart(offer=True, take=True, host=False, peak_bytes=0)
 
 

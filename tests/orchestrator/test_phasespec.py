@@ -30,7 +30,8 @@ def loaded(tmp_path, tiny_data):
 def test_the_spec_is_typed_and_what_the_worker_reads(tmp_path, loaded):
     phases = plan_phases(loaded)
     restore = loaded.output_dir / "checkpoints" / "step-00000013"
-    spec = phasespec.phase_spec(loaded, phases, Work(phases[1], 13, restore), tmp_path / "pd")
+    spec = phasespec.phase_spec(loaded, phases, Work(phases[1], 13, restore), tmp_path / "pd",
+                                phasespec.plan_estimate(loaded, phases))
     assert isinstance(spec, PhaseSpec)
     assert (spec.phase, spec.start_step, spec.phase_start_step, spec.end_step, spec.layers, spec.restore) == (
         1, 13, 10, 20, [1], str(restore))
@@ -50,4 +51,4 @@ def test_a_spec_the_worker_would_refuse_is_a_bug_here(tmp_path, loaded, monkeypa
     monkeypatch.setattr(phasespec, "data_spec", lambda loaded: {**data_spec(loaded), "packing": True})
     phases = plan_phases(loaded)
     with pytest.raises(ValidationError, match="packing"):
-        phasespec.phase_spec(loaded, phases, Work(phases[0], 0, None), tmp_path / "pd")
+        phasespec.phase_spec(loaded, phases, Work(phases[0], 0, None), tmp_path / "pd", None)
