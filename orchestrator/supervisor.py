@@ -215,7 +215,8 @@ class Supervisor:
         self.ctx.event("successor_stopped", phase=self.phase.index, reason="its predecessor failed")
 
     def _enter(self, state: State) -> None:
-        assert state in NEXT[self.state], f"{self.state} -> {state}"
+        if state not in NEXT[self.state]:  # a bug in relayer, also under python -O
+            raise RuntimeError(f"supervisor of phase {self.phase.index}: no transition {self.state} -> {state}")
         self.handed_over = self.handed_over or state is State.HANDING_OVER
         self.state = state
         self.ctx.observer.on_state(state, self.group)

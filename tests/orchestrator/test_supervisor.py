@@ -59,7 +59,7 @@ class Harness:
         self.context = Context(run_dir=run_dir, grace=grace, groups=PhaseProcesses(run_dir, LaunchSection(), self.event, self.no_spec),
                                pauser=Pauser(limit, self.event), event=self.event, stop_signal=lambda: self.stop,
                                abort=lambda pending: self.aborted.append(list(pending)), records=lambda _: {},
-                               observer=self.observer)
+                               observer=self.observer, flush=lambda: self.events.append(("flushed", {})))
 
     @staticmethod
     def no_spec(work, phase_dir):
@@ -217,6 +217,8 @@ def test_a_group_that_ends_without_its_checkpoint_fails_and_takes_the_next_ones_
                                           "reason": f"{who}; out of memory", "reasons": ["out of memory"]}]
     assert run.aborted == [[g2]]
     assert run.observer.states[-2:] == [State.REAPING, State.FAILED]
+    # Finished phases are journaled done before the failure: it is the journal's last word.
+    assert [e for e, _ in run.events][-2:] == ["flushed", "phase_failed"]
 
 
 def test_a_stopped_group_is_preempted(run, sleepers):
@@ -227,4 +229,11 @@ def test_a_stopped_group_is_preempted(run, sleepers):
                                         "command again to start over$"):
         Supervisor(run.context, g1, []).run()
     assert run.named("preempted") == [{"phase": 1, "step": 0, "signal": signal.SIGTERM, "rc": -signal.SIGTERM}]
+    assert [e for e, _ in run.events][-2:] == ["flushed", "preempted"]
     assert run.observer.states == [State.STARTING, State.TRAINING, State.STOPPING, State.REAPING, State.PREEMPTED]
+
+
+def test_a_transition_the_machine_does_not_have_is_a_bug_even_under_python_O(run):
+    sup = Supervisor(run.context, run.group(1, 10, 14), [])
+    with pytest.raises(RuntimeError, match="supervisor of phase 1: no transition State.STARTING -> State.DONE"):
+        sup._enter(State.DONE)
