@@ -173,8 +173,7 @@ def lr_at(step: int, opt) -> float:
 # -- the run and phase directories ------------------------------------------------------------
 PHASES = "phases"
 RANK = "rank-"
-"""What the pid, exit and error files of a rank start with (``rank-N``); a launcher records its
-pid as ``launcher``."""
+"""How the pid, exit and error files of a rank start (``rank-N``); a launcher's pid is ``launcher``."""
 
 
 def rank_name(rank: int) -> str:
@@ -214,6 +213,7 @@ class RunDir:
         self.zygote_log = self.path / "zygote.log"
         self.zygote_error = self.path / "zygote.error"
         """Why the fork server failed (``write_reason``)."""
+        self.metrics = self.path / "metrics.jsonl"  # a line a step, by rank 0; the orchestrator tails it
 
     def phase(self, index: int) -> PhaseDir:
         return PhaseDir(self.path / PHASES / f"phase-{index:04d}")

@@ -15,7 +15,7 @@ import psutil
 import torch
 
 from launch import faults, procs
-from launch.contract import lr_at
+from launch.contract import RunDir, lr_at
 from launch.data import micro_batch, rows, step_targets
 from launch.save import FilesLater, prepare_files, save
 
@@ -38,7 +38,7 @@ def check_finite(phase: int, step: int, loss: float, bad_norm: bool, norm) -> No
 def train(ph: Phase, stop: dict) -> bool:
     """Runs to the phase end; returns False when a stop was requested (a checkpoint follows)."""
     spec, d = ph.spec, ph.spec.data
-    metrics = ph.run_dir / "metrics.jsonl"
+    metrics = RunDir(ph.run_dir).metrics
     step_times: list[float] = []
     ph.step = spec.start_step
     faults.point("phase.first_step", prewarm=spec.prewarm)

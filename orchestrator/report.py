@@ -19,12 +19,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from launch.contract import RunDir
 from orchestrator.errors import RelayerError, ScheduleError
 from orchestrator.history import PhaseRow, read_history
 from shard_tools.files import write_atomic
 
 REPORT = "report.png"
-METRICS = "metrics.jsonl"
 MEMORY_STAGES = ("memory_start", "memory_engine", "memory_peak")
 # Free memory is the device's headroom, not what the phase used.
 NOT_USAGE = {"device_free"}
@@ -44,7 +44,7 @@ class RunReport:
 
 def read_metrics(run_dir: Path) -> dict[int, float]:
     loss: dict[int, float] = {}
-    path = run_dir / METRICS
+    path = RunDir(run_dir).metrics
     if not path.exists():
         return loss
     for line in path.read_text().splitlines():
@@ -60,7 +60,7 @@ def read_run(run_dir: Path) -> RunReport:
     phases = read_history(run_dir).phases
     loss = read_metrics(run_dir)
     if not loss:
-        raise ScheduleError(f"{run_dir}: no training steps recorded yet ({run_dir / METRICS} is missing or empty)")
+        raise ScheduleError(f"{run_dir}: no training steps recorded yet ({RunDir(run_dir).metrics} is missing or empty)")
     return RunReport(loss=loss, phases=phases)
 
 

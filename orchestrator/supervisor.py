@@ -35,7 +35,7 @@ from typing import Callable
 
 import psutil
 
-from launch.contract import RANK, PhaseDir
+from launch.contract import RANK, PhaseDir, RunDir
 
 from orchestrator import procs
 from orchestrator.errors import PhaseFailed, Preempted
@@ -137,7 +137,7 @@ class Supervisor:
         self.state = State.STARTING
         self.done = group.work.start_step
         """The global step this phase's rank 0 has logged last."""
-        self.metrics = JsonlTail(self.run_dir / "metrics.jsonl")
+        self.metrics = JsonlTail(RunDir(self.run_dir).metrics)
         self.stages = JsonlTail(PhaseDir(group.phase_dir).stages)
         self.stages.offset = 0  # removed at the phase's spawn: all of it is this attempt's
         self.stop_at: float | None = None
