@@ -60,8 +60,9 @@ class DataError(ValueError):
 
 
 # -- the cache ---------------------------------------------------------------------------------
-def prepare(data: DataPart, tokenizer: str | None, cache_root: Path) -> Path:
+def prepare(data: DataPart, tokenizer: str | None, cache_root: Path, reuse: tuple[Path, ...] = ()) -> Path:
     """The cache directory of ``data`` as ``tokenizer`` renders it, made if missing: idempotent.
+    ``reuse``: other caches (a run's, read only) whose entry of the same key is taken as it is.
 
     Concurrent callers (the ranks of a phase, pre-warmed phases) serialise on a lock of the cache
     folder itself (no lock files), so the data is prepared once; the entry is written to a temporary
@@ -69,6 +70,9 @@ def prepare(data: DataPart, tokenizer: str | None, cache_root: Path) -> Path:
     there is a killed one's: it goes. ``tokenizer`` (a Hugging Face tokenizer directory) is needed by
     every format but ``tokens``. Raises ``DataError`` (nothing is left in the cache then)."""
     key = cache_key(data, tokenizer)
+    for other in reuse:
+        if (Path(other) / key / STATS).exists():
+            return Path(other) / key
     out = Path(cache_root) / key
     if (out / STATS).exists():
         return out

@@ -30,14 +30,15 @@ def inspect(req: dict[str, Any]) -> dict[str, Any]:
 
     data = DataPart.model_validate(req["data"])
     tokenizer, root = req.get("tokenizer"), Path(req["cache_root"])
+    reuse = tuple(Path(p) for p in req.get("reuse", ()))
     if data.format != "tokens":
         _check_tokenizer(data, tokenizer)
-    cache = prepare(data, tokenizer, root)
+    cache = prepare(data, tokenizer, root, reuse)
     check(data, cache, req.get("vocab_size"))
     out: dict[str, Any] = {"stats": read_stats(cache), "validation": None, "rows": []}
     if data.validation_path:
         val = data.model_copy(update={"path": data.validation_path})
-        val_cache = prepare(val, tokenizer, root)
+        val_cache = prepare(val, tokenizer, root, reuse)
         check(val, val_cache, req.get("vocab_size"))
         out["validation"] = read_stats(val_cache)
     if req.get("show"):

@@ -34,14 +34,15 @@ def data_spec(loaded: LoadedSchedule) -> dict[str, Any]:
             "validation_path": str(base / d.validation_path) if d.validation_path else None}
 
 
-def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0) -> dict[str, Any]:
-    """Prepares the data into ``cache_root`` (kept; an existing entry is reused) and checks it;
-    the datatool's answer. Raises ScheduleError (exit 2) for data that does not fit."""
+def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0, reuse: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Prepares the data into ``cache_root`` (kept; an existing entry is reused, in it or in one of
+    ``reuse``, read only) and checks it; the datatool's answer. Raises ScheduleError (exit 2) for
+    data that does not fit."""
     s = loaded.schedule
     config = read_model_config(s.model, loaded.model_path, loaded.source)
     tok = tokenizer_of(s.model, loaded.source.parent)
     req = {"data": data_spec(loaded), "tokenizer": str(tok) if tok else None, "cache_root": str(cache_root),
-           "seed": s.run.seed, "show": show, "vocab_size": config.get("vocab_size")}
+           "reuse": [str(p) for p in reuse], "seed": s.run.seed, "show": show, "vocab_size": config.get("vocab_size")}
     proc = subprocess.run([sys.executable, "-m", "launch.datatool"], input=json.dumps(req), capture_output=True,
                           text=True)
     if proc.returncode == 2:
@@ -53,9 +54,12 @@ def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0) -> dic
 
 
 def check_data(loaded: LoadedSchedule, show: int = 0) -> dict[str, Any]:
-    """``inspect_data`` into a temporary cache that is removed: nothing is written."""
+    """``inspect_data`` into a temporary cache that is removed: nothing is written. Data the run
+    has prepared already (``RUN_DIR/data-cache``, the same key) is read from there, not again."""
+    run_cache = loaded.output_dir / DATA_CACHE
+    reuse = (run_cache,) if run_cache.is_dir() and not run_cache.is_symlink() else ()
     with tempfile.TemporaryDirectory(prefix="relayer-data-") as tmp:
-        return inspect_data(loaded, Path(tmp), show)
+        return inspect_data(loaded, Path(tmp), show, reuse)
 
 
 def stage_data(loaded: LoadedSchedule, stop_signals: tuple[int, ...] = ()) -> Path:

@@ -303,6 +303,15 @@ def test_a_killed_preparation_leaves_nothing_once_the_next_one_is_done(tmp_path)
     assert read_stats(entry)["rows"] > 0
 
 
+def test_an_entry_of_another_cache_is_taken_as_it_is(tmp_path):
+    data = part(_tokens_file(tmp_path), "tokens", seq_len=5)
+    theirs = prepare(data, None, tmp_path / "run-cache")
+    assert prepare(data, None, tmp_path / "mine", reuse=(tmp_path / "elsewhere", tmp_path / "run-cache")) == theirs
+    assert not (tmp_path / "mine").exists()
+    mine = prepare(data, None, tmp_path / "mine", reuse=(tmp_path / "elsewhere",))  # nothing to take there
+    assert mine.parent == tmp_path / "mine" and read_stats(mine) == read_stats(theirs)
+
+
 def test_every_tokenizer_file_keys_the_cache(tmp_path, tok_dir):
     """added_tokens.json changes how text tokenizes, so another one is another cache entry."""
     tok = shutil.copytree(tok_dir, tmp_path / "tok")

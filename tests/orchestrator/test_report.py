@@ -135,3 +135,22 @@ def test_phases_an_orchestrator_never_journaled_done_are_recovered_at_the_resume
         ("phase_done", 1, 20, [1]), ("phase_done", 2, 30, [0])]
     r = invoke("report", run_copy)  # a recovered phase has no records nor seconds: still drawn
     assert r.exit_code == 0, r.output
+
+
+def test_data_and_plan_read_what_the_run_prepared_and_write_nothing(run_copy, tiny_model, tiny_data):
+    """``orchestrator data`` and ``plan`` of a schedule whose run has prepared its data read that
+    entry (the same key) instead of preparing it again; nothing is written to the run."""
+    from tests.conftest import schedule_dict, write_schedule
+
+    sched = write_schedule(run_copy.parent / "s.toml", schedule_dict(tiny_model, tiny_data))
+    [stats] = (run_copy / "data-cache").glob("*/stats.json")
+    marked = {**json.loads(stats.read_text()), "examples": 12345}  # what only that entry says
+    stats.write_text(json.dumps(marked))
+    before = sorted((p.relative_to(run_copy), p.stat().st_mtime_ns) for p in run_copy.rglob("*"))
+    r = invoke("data", sched, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["train"]["examples"] == 12345
+    r = invoke("plan", sched)
+    assert r.exit_code == 0, r.output
+    assert "data: 12345 examples" in r.stdout
+    assert sorted((p.relative_to(run_copy), p.stat().st_mtime_ns) for p in run_copy.rglob("*")) == before
