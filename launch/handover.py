@@ -29,7 +29,9 @@ from launch import faults, zero_state
 from launch.contract import Answer, Offer, PhaseDir, TensorRef
 from launch.save import Snapshot, snapshot
 from shard_tools.checkpoint import layer_weights
-from shard_tools.manifest import checkpoints_dir, layer_sources, step_dir_name
+from shard_tools.manifest import (
+    CheckpointError, checkpoints_dir, layer_sources, list_checkpoints, read_manifest, step_dir_name, step_of,
+)
 
 if TYPE_CHECKING:
     from launch.phase import Phase
@@ -179,6 +181,42 @@ def preload_layers(ph: Phase) -> None:
     _put_layers(ph, {l: s for l, s in ph.preloaded.items() if l in ph.spec.layers})
 
 
+class LayerRefresh:
+    """Called while a phase that takes over waits for its go: its layers that phases since its
+    preload have trained, from the newest phase-end checkpoint this run has committed meanwhile, go
+    on its device then, so that the go reads only what comes after (``_layers_trained_between``).
+    Without it, a layer that LISA samples again within ``prewarm_depth`` phases was read from disk
+    at the go. Looks every ``every`` seconds; reads only when a new checkpoint is there."""
+
+    def __init__(self, ph: Phase, every: float = 0.2):
+        self.ph, self.every, self.at, self.seen = ph, every, 0.0, None
+
+    def __call__(self) -> None:
+        ph, now = self.ph, time.monotonic()
+        if now - self.at < self.every:
+            return
+        self.at = now
+        ckpts = [c for c in list_checkpoints(ph.run_dir) if (step_of(c) or 0) <= ph.spec.start_step]
+        if not ckpts or ckpts[-1] == self.seen:
+            return
+        try:
+            upto = next((c for c in reversed(ckpts) if self._this_runs_phase_end(c)), None)
+            sources = layer_sources(ph.run_dir, upto) if upto is not None else {}
+            changed = {l: s for l, s in sources.items() if l in ph.spec.layers and ph.preloaded.get(l) != s}
+            _put_layers(ph, changed)
+        except (OSError, CheckpointError):
+            return  # written over or removed meanwhile: again at the next look, or at the go
+        self.seen = ckpts[-1]
+        ph.preloaded.update(changed)
+        if changed:
+            ph.timeline.add(layers_refreshed=sorted({*ph.timeline.get("layers_refreshed", []), *changed}))
+
+    def _this_runs_phase_end(self, ckpt: Path) -> bool:
+        """A phase's end, written since this process started: not one an earlier attempt left."""
+        m = read_manifest(ckpt)
+        return m.phase_complete and m.created >= self.ph.timeline.get("t_process_start")
+
+
 def _put_layers(ph: Phase, sources: dict[int, Path], offered: frozenset[str] = frozenset()) -> None:
     """The fp32 masters of this phase's layers in ``sources``, on its device, except ``offered`` ones."""
     for name, t in layer_weights(sources, mapped=True).items():
@@ -248,4 +286,6 @@ def _layers_trained_between(ph: Phase, carried: dict, offered: frozenset[str]) -
     if not carried.get("restore"):
         return
     now = layer_sources(ph.run_dir, Path(carried["restore"]))
-    _put_layers(ph, {l: s for l, s in now.items() if l in ph.spec.layers and ph.preloaded.get(l) != s}, offered)
+    changed = {l: s for l, s in now.items() if l in ph.spec.layers and ph.preloaded.get(l) != s}
+    _put_layers(ph, changed, offered)
+    ph.timeline.add(layers_at_go=sorted(changed))

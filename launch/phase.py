@@ -56,7 +56,7 @@ class Phase:
         self.order: SampleOrder | None = None
         """The training rows, the validation rows (with a validation path), which rows each step takes."""
         self.preloaded: dict = {}
-        """Layer -> the checkpoint file its weights in the host model came from."""
+        """Layer -> the checkpoint its host model weights (taking over: device masters) came from."""
         self.prepared: PreparedFiles | save.FilesLater | None = None
         """Rank 0's files of the next checkpoint, made ahead."""
         self.refusal: str | None = "not pre-warmed"

@@ -38,13 +38,17 @@ def await_go(ph: Phase) -> None:
     is read (the head file mapped) into host memory already: reading touches no device."""
     expected = checkpoints_dir(ph.run_dir) / step_dir_name(ph.spec.start_step)
 
-    def read_early() -> None:
-        # Not where the phase takes its predecessor's state over: it has no host model to read into.
-        if ph.refusal is not None and ph.delta is None and (expected / MANIFEST).exists():
+    refresh = handover.LayerRefresh(ph) if ph.refusal is None else None
+
+    def idle() -> None:
+        if refresh is not None:  # it takes its predecessor's state over: no host model to read into
+            refresh()
+        elif ph.delta is None and (expected / MANIFEST).exists():
             _foreground(ph)  # this process is next: on the critical path from here
             read_delta(ph, expected, early=True)
 
-    go = procs.wait_for_go(Path(ph.spec.go_fifo), read_early)
+    ph.timeline.mark("t_waiting")
+    go = procs.wait_for_go(Path(ph.spec.go_fifo), idle)
     ph.timeline.mark("t_go")
     _foreground(ph)
     ph.restore_path = go["restore"]

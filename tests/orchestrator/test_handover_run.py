@@ -196,6 +196,32 @@ def test_layers_trained_since_the_preload_come_from_their_checkpoints(tmp_path, 
     assert_same_checkpoints(off, on)
     assert_handed_over(on, 5)
     assert_clean(on)
+    # Phase 3 was preloaded at phase 0's start and phase 4 at phase 1's: layer 0 comes from step 3
+    # and layer 1 from step 6, read once: while the phase waited (next test) or, here, where the
+    # phase was not waiting yet (phases of 3 steps on a CPU are over before it is), at its go.
+    rec = done_records(on)
+    for k, layer in ((3, 0), (4, 1)):
+        assert sorted(rec[k].get("layers_refreshed", []) + rec[k]["layers_at_go"]) == [layer], rec[k]
+
+
+def test_layers_trained_while_a_phase_waits_go_on_its_device_before_its_go(tmp_path, tiny_model, tiny_data, device):
+    """A layer LISA samples again within prewarm_depth phases is put on the device while its phase
+    waits (``handover.LayerRefresh``), as soon as the checkpoint that holds it is committed, not read
+    at the go. Every pre-warmed phase holds 2 s before its first step, and no phase pauses the ones
+    ahead of it meanwhile, so phases 3 and 4 are ready long before their go."""
+    kw = {"phases": AGAIN, "prewarm_depth": 3, "dtype": "bfloat16", "pause_preparing_seconds": 0}
+    off = finished(tmp_path / "off", tiny_model, tiny_data, device, "off", **kw)
+    on = finished(tmp_path / "on", tiny_model, tiny_data, device, handing_over(device),
+                  env=faults_env(hold_first_step=2), **kw)
+    assert_same_checkpoints(off, on)
+    assert_handed_over(on, 5)
+    assert_clean(on)
+    rec = done_records(on)
+    for k, layer, step in ((3, 0, 3), (4, 1, 6)):
+        r = rec[k]
+        created = json.loads((on / "checkpoints" / f"step-{step:08d}" / "manifest.json").read_text())["created"]
+        assert max(created, r["t_waiting"]) < r["t_go"] - 1.0, r  # the hold did give it time to look
+        assert (r.get("layers_refreshed"), r["layers_at_go"]) == ([layer], []), r
 
 
 def test_auto_on_the_cpu_goes_through_the_checkpoint(tmp_path, tiny_model, tiny_data, reference, device):
