@@ -9,7 +9,9 @@
 One model shape, one schedule, three ways. Phase k trains the head and the two body layers
 (2k mod L, 2k+1 mod L): issue #18's "2 layers a phase" as a fixed walk rather than a seeded LISA
 sample, so that every way and every run trains the same layers and the sums of a walk are easy
-to read.
+to read. ``--layers lisa`` samples them as LISA does (seeded by ``--seed``): a layer then comes
+back within a few phases, which the walk never does, and a pre-warmed phase meets layers trained
+since its preload (``launch.handover``'s ``LayerRefresh``).
 
   a  relayer    ``orchestrator run`` on a generated schedule: a fresh process group per phase,
                 ``--nproc`` processes (``launch.nproc``), ``--handover`` (``launch.handover``)
@@ -366,6 +368,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds any one process may run")
     ap.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", choices=("walk", "lisa"), default="walk",
+                    help="the phases' layers: walk (2 a phase in turn, the default) or lisa (sampled with --seed)")
     ap.add_argument("--prewarm-depth", type=int, help="relayer's [launch] prewarm_depth (default: relayer's)")
     ap.add_argument("--pause-preparing-seconds", type=float,
                     help="relayer's [launch] pause_preparing_seconds (default: relayer's; 0 turns pausing off)")
@@ -397,7 +401,11 @@ def chosen_ways(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 def make_setup(args: argparse.Namespace, shape: dict, work: Path, cuda: bool) -> dict:
     n_phases, steps = args.phases or shape["phases"], args.steps or shape["steps"]
     layers = shape["model"]["num_hidden_layers"]
-    walk = [sorted({(LAYERS_PER_PHASE * k + j) % layers for j in range(LAYERS_PER_PHASE)}) for k in range(n_phases)]
+    if args.layers == "lisa":  # sampled as LISA does: a layer comes back within a few phases
+        rng = random.Random(args.seed)
+        walk = [sorted(rng.sample(range(layers), LAYERS_PER_PHASE)) for _ in range(n_phases)]
+    else:  # every layer once before any comes back: no layer is trained again while a phase waits
+        walk = [sorted({(LAYERS_PER_PHASE * k + j) % layers for j in range(LAYERS_PER_PHASE)}) for k in range(n_phases)]
     return {
         "seed": args.seed, "model_config": shape["model"], "model_dir": str(args.model_dir or work / "model"),
         "data_path": str(work / "train.jsonl"), "work_dir": str(work), "setup_path": str(work / "setup.json"),
@@ -407,7 +415,7 @@ def make_setup(args: argparse.Namespace, shape: dict, work: Path, cuda: bool) ->
         # The shape's batch is a process's: the global batch grows with the processes, the work of each stays.
         "batch_size": shape["batch_size"] * args.nproc, "micro_batch_size": shape["micro_batch_size"],
         "lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "grad_clip": 1.0,
-        "phases": [{"steps": steps, "layers": w} for w in walk],
+        "phases": [{"steps": steps, "layers": w} for w in walk], "layer_order": args.layers,
     }
 
 
@@ -454,7 +462,7 @@ def bare_process(args: argparse.Namespace, work: Path, cuda: bool) -> dict:
 def new_result(name: str, date: dt.datetime, device: str, hw: dict, shape_name: str, shape: dict,
                setup: dict, notes: list[str]) -> dict:
     keys = ("dtype", "zero_stage", "nproc", "handover", "seq_len", "batch_size", "micro_batch_size", "lr", "phases",
-            "prewarm_depth", "pause_preparing_seconds")
+            "prewarm_depth", "pause_preparing_seconds", "layer_order")
     return {
         "name": name, "date": date.isoformat(timespec="seconds"), "device": device, "hardware": hw,
         "versions": {**versions(), "relayer": relayer_source()}, "seconds_total": None,

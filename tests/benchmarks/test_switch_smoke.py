@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -81,8 +82,15 @@ def test_tiny_benchmark_writes_table_png_and_numbers(tmp_path: Path):
 
 
 def test_tiny_benchmark_on_two_processes_runs_relayer_alone(tmp_path: Path):
-    result = switch(tmp_path, "--nproc", "2", "--handover", "off")
+    result = switch(tmp_path, "--nproc", "2", "--handover", "off", "--layers", "lisa")
     assert result["shape"]["nproc"] == 2 and result["shape"]["handover"] == "off"
+    # LISA's order: 2 distinct layers a phase, sampled with the seed (a layer may come back).
+    phases = result["shape"]["phases"]
+    assert result["shape"]["layer_order"] == "lisa"
+    assert all(len(set(p["layers"])) == 2 and p["layers"] == sorted(p["layers"]) for p in phases)
+    n = result["shape"]["model"]["num_hidden_layers"]
+    rng = random.Random(0)
+    assert [p["layers"] for p in phases] == [sorted(rng.sample(range(n), 2)) for _ in phases]
     assert result["shape"]["batch_size"] == 2 * 8  # the shape's batch is a process's
     assert set(result["ways"]) == {"relayer"}
     assert [n.split(" ")[1] for n in result["notes"]] == ["b", "c"]
