@@ -202,7 +202,7 @@ class LayerRefresh:
         try:
             upto = next((c for c in reversed(ckpts) if self._this_runs_phase_end(c)), None)
             sources = layer_sources(ph.run_dir, upto) if upto is not None else {}
-            changed = {l: s for l, s in sources.items() if l in ph.spec.layers and ph.preloaded.get(l) != s}
+            changed = _own_since(ph, sources)
             _put_layers(ph, changed)
         except (OSError, CheckpointError):
             return  # written over or removed meanwhile: again at the next look, or at the go
@@ -215,6 +215,11 @@ class LayerRefresh:
         """A phase's end, written since this process started: not one an earlier attempt left."""
         m = read_manifest(ckpt)
         return m.phase_complete and m.created >= self.ph.timeline.get("t_process_start")
+
+
+def _own_since(ph: Phase, sources: dict[int, Path]) -> dict[int, Path]:
+    """This phase's layers whose newest source in ``sources`` is not the one on its device."""
+    return {l: s for l, s in sources.items() if l in ph.spec.layers and ph.preloaded.get(l) != s}
 
 
 def _put_layers(ph: Phase, sources: dict[int, Path], offered: frozenset[str] = frozenset()) -> None:
@@ -286,6 +291,6 @@ def _layers_trained_between(ph: Phase, carried: dict, offered: frozenset[str]) -
     if not carried.get("restore"):
         return
     now = layer_sources(ph.run_dir, Path(carried["restore"]))
-    changed = {l: s for l, s in now.items() if l in ph.spec.layers and ph.preloaded.get(l) != s}
+    changed = _own_since(ph, now)
     _put_layers(ph, changed, offered)
     ph.timeline.add(layers_at_go=sorted(changed))
