@@ -28,7 +28,7 @@ from orchestrator.retention import retain
 from orchestrator.rundir import SCHEDULE_COPY, RunLock, create_run_dir, read_copy
 from orchestrator.phasespec import phase_spec, plan_estimate
 from orchestrator.plan import plan_phases
-from orchestrator.schedule import LoadedSchedule
+from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.supervisor import Context, Observer, State, Supervisor
 from shard_tools.manifest import checkpoints_dir, remove_stray_temporaries, step_dir_name
 
@@ -156,17 +156,16 @@ class Runner:
                 finished = self._release(handing, "stopped" if self.stop_signal is not None else
                                          "the next phase is not pre-warmed to take it")
                 handing = None
-            if work is None:
+            if work is None or self.stop_signal is not None:
+                # The run ends here: the pre-warmed groups go, every finished phase is journaled done.
                 self._abort(pending)
                 self._after_switch(finished, None)
                 self.committer.poll(block=True)
+            if work is None:
                 self._final_model()
                 self._event("run_done", step=self.phases[-1].end_step)
                 return
             if self.stop_signal is not None:
-                self._abort(pending)
-                self._after_switch(finished, None)
-                self.committer.poll(block=True)
                 self._event("preempted", step=work.start_step, signal=self.stop_signal)
                 raise Preempted(f"stopped by signal {self.stop_signal} before phase {work.phase.index}; run again to resume")
             current = self._take(pending, work, handing)
@@ -212,9 +211,13 @@ class Runner:
         """The work after a phase that is handing its state over: the next phase, from the
         checkpoint the finished one is about to commit."""
         done = handing.phase
-        nxt = next((p for p in self.phases if p.start_step == done.end_step), None)
+        nxt = self._after(done)
         end = checkpoints_dir(self.run_dir) / step_dir_name(done.end_step)
         return None if nxt is None else Work(nxt, done.end_step, end)
+
+    def _after(self, phase: Phase) -> Phase | None:
+        """The phase that starts where ``phase`` ends; None after the last."""
+        return next((p for p in self.phases if p.start_step == phase.end_step), None)
 
     def _takes(self, pending: list[Group], work: Work) -> bool:
         """Whether the first pre-warmed group is the one for ``work``, alive, and prepared to take
@@ -295,7 +298,7 @@ class Runner:
             return
         last = pending[-1].work.phase if pending else work.phase
         while len(pending) < launch.prewarm_depth:
-            nxt = next((p for p in self.phases if p.start_step == last.end_step), None)
+            nxt = self._after(last)
             if nxt is None:
                 return
             pending.append(self.groups.start(Work(nxt, nxt.start_step, work.restore), prewarm=True))

@@ -185,25 +185,20 @@ class Supervisor:
 
     def _follow_predecessor(self) -> None:
         """One look at the predecessor: once gone, it is concluded (and so done, or raised)."""
-        pred = self.predecessor
-        if pred is None or pred._watch():
-            return
-        self.predecessor = None
-        try:
-            pred.conclude()
-        except BaseException:
-            self._kill_now()
-            raise
-        self.predecessor_done(pred.group)
+        if self.predecessor is not None and not self.predecessor._watch():
+            self._end_predecessor(Supervisor.conclude)
 
     def _finish_predecessor(self) -> None:
         """This group ended while its predecessor lives: it gets "not taken" from whoever did not
         answer, and is followed to its end."""
+        if self.predecessor is not None:
+            self._end_predecessor(lambda pred: pred.finish("the successor ended before it answered"))
+
+    def _end_predecessor(self, end: Callable[[Supervisor], None]) -> None:
+        """The predecessor, ended by ``end``, is done; should it fail, this group goes down at once."""
         pred, self.predecessor = self.predecessor, None
-        if pred is None:
-            return
         try:
-            pred.finish("the successor ended before it answered")
+            end(pred)
         except BaseException:
             self._kill_now()
             raise
