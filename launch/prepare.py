@@ -23,11 +23,11 @@ from torch import nn
 
 from launch import handover, procs
 from launch.contract import DATA_CACHE, PhaseSpec
-from launch.data import SampleOrder, load_examples, micro_batch, prepare as prepare_data
+from launch.data import SampleOrder, load_examples, load_validation, micro_batch, prepare as prepare_data
 from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.save import prepare_files
 from launch.staging import Staging
-from launch.train import token_loss
+from launch.train import packed_attention, token_loss
 from launch.zero_state import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DECAY
 from shard_tools.checkpoint import layer_weights
 from shard_tools.manifest import layer_sources
@@ -115,6 +115,7 @@ def host_model(ph: Phase) -> None:
     m = ph.spec.model
     model = base_model(_model_spec(ph), ph.prebuilt)
     model.config.use_cache = False
+    packed_attention(model, ph.spec.data, m.dtype)
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ph.model, ph.trained, ph.refusal = model, {}, "not taken"
@@ -125,9 +126,9 @@ def _load_data(ph: Phase) -> None:
     spec, m = ph.spec, ph.spec.model
     # Prepared by the orchestrator before the first phase, or here by the first process (once).
     cache = ph.run_dir / DATA_CACHE
-    ph.examples = load_examples(prepare_data(spec.data, m.tokenizer, cache))
-    ph.validation = (load_examples(prepare_data(spec.data.model_copy(update={"path": spec.data.validation_path}),
-                                                m.tokenizer, cache)) if spec.data.validation_path else None)
+    entry = prepare_data(spec.data, m.tokenizer, cache)
+    ph.examples, ph.validation = load_examples(entry), load_validation(entry)
+    packed_attention(ph.model, spec.data, m.dtype)
     if m.gradient_checkpointing:
         ph.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ph.order = SampleOrder(len(ph.examples), spec.seed, spec.data.shuffle)
