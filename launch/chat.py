@@ -15,7 +15,7 @@ found one of three ways (``marking``):
   templates drop earlier turns' reasoning; some mark the last assistant turn): the whole is
   rendered again with that turn's content replaced, twice, which locates its content; the turn
   then runs from the generation prompt (where that is a prefix of the whole) to the end of its
-  content and the end-of-turn text it shares with the same turn rendered last.
+  content and the end-of-turn tokens it shares with the same turn rendered last.
 """
 
 from __future__ import annotations
@@ -82,7 +82,10 @@ def _turn_by_turn(tok, messages: list[dict], j: int, text: str) -> tuple[int, in
     closing = last_a[len(last_a) - _common(last_a[::-1], last_b[::-1]):]
     before = _render(tok, messages[:j], prompt=True)
     start = len(before) if text.startswith(before) and len(before) <= head else head
-    return start, content_end + _common(closing, text[content_end:])
+    shared = _common(closing, text[content_end:])
+    # Whole tokens of the closing only: "<|end|>\n<eos>" and "<|end|>\n<|user|>" share a "<" too.
+    ends = [e for _, e in tok(closing, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+    return start, content_end + max([e for e in ends if e <= shared], default=0)
 
 
 def _common(a: str, b: str) -> int:

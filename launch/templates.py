@@ -68,8 +68,8 @@ def template_text(source: SourcePart) -> str | None:
 def check_markers(source: SourcePart, tok) -> None:
     """A named template's markers are single tokens of ``tok`` (see the module docstring)."""
     for marker in MARKERS.get(source.chat_template, ()):
-        ids = tok(marker, add_special_tokens=False)["input_ids"]
-        if len(ids) != 1:
+        tokens = tok.convert_ids_to_tokens(tok(marker, add_special_tokens=False)["input_ids"])
+        if tokens != [marker]:
             raise DataError(f'chat_template = "{source.chat_template}" needs {marker} as one token of the tokenizer; '
-                            f"it has none (it would be {len(ids)} tokens): use a template of the tokenizer's own tokens",
+                            f"it has none (it reads {tokens}): use a template of the tokenizer's own tokens",
                             source.path)

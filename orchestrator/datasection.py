@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from launch.contract import FIELDS
-from orchestrator.sections import KeyProblem, NonNegInt, PositiveInt, Section, int_is_float
+from orchestrator.sections import KeyProblem, NonNegInt, PositiveInt, Section, _show, int_is_float
 
 Format = Literal["tokens", "text", "instruction", "chat"]
 
@@ -80,6 +80,13 @@ class DataSection(Section):
     training, and evaluated as validation_path is."""
     eval_every: NonNegInt = 0
     """Evaluate every this many global steps (and so also across phases); 0: never."""
+
+    @field_validator("pack", mode="before")
+    @classmethod
+    def _pack(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, bool) and v not in ("whole", "stream"):
+            raise KeyProblem("data.pack", f'expected true, false, "whole" or "stream", got {_show(v)}')
+        return v
 
     @field_validator("validation_split", mode="before")
     @classmethod
