@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from launch import faults
 from launch.dataprep import IGNORE, ROWS, VALIDATION, DataError, prepare, read_stats
 
 __all__ = ["IGNORE", "DataError", "Examples", "SampleOrder", "load_examples", "load_validation", "micro_batch",
@@ -120,8 +121,9 @@ def micro_batch(examples: Examples, order: SampleOrder, step: int, batch_size: i
     """What rank ``rank`` feeds in micro-step ``micro`` of optimizer step ``step``: int64
     ``input_ids``, ``labels`` (-100 on padding and non-targets) and ``attention_mask`` [mb, seq_len],
     or its rows packed whole flattened with their ``position_ids`` (``rows``)."""
-    idx = _indices(order, step, batch_size, micro, rank, world, mb)
-    return rows(examples, idx)
+    batch = rows(examples, _indices(order, step, batch_size, micro, rank, world, mb))
+    faults.point("data.micro_batch", batch=batch)
+    return batch
 
 
 def rows(examples: Examples, idx: list[int]) -> dict[str, torch.Tensor]:
