@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -197,3 +199,22 @@ def test_a_mixed_run_trains_on_the_counted_examples(tmp_path, model):
     assert [m["step"] for m in steps] == list(range(1, 7))
     assert sum(m["target_tokens"] for m in steps) == counted["train"]["target_tokens"]
     assert data_json(schedule) == counted  # now read from the run's own cache entry
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_mixed_example_runs(tmp_path):
+    for name, files in (("alpaca", ("make_data.py", "make_model.py", "data/alpaca.jsonl")),
+                        ("mixed", ("make_data.py", "run_demo.py", "schedule.toml"))):
+        for f in files:
+            (tmp_path / name / f).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name / f).write_text((ROOT / "examples" / name / f).read_text())
+    r = subprocess.run([sys.executable, str(tmp_path / "mixed" / "run_demo.py")], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "weight 2: 114 examples an epoch, chat template phi3" in r.stdout
+    assert "schedule: epochs = 2 of 99 rows at data.batch_size 8: total_steps = 25" in r.stdout
+    evals = [float(x.split(": ")[1]) for x in r.stdout.split("held-out loss: ")[1].splitlines()[0].split(", ")]
+    assert len(evals) == 5 and evals[-1] < evals[0] - 1  # it learns both sources
+    made = (tmp_path / "mixed" / "data" / "sharegpt.jsonl").read_text()
+    assert made == (ROOT / "examples" / "mixed" / "data" / "sharegpt.jsonl").read_text()
