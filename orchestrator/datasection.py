@@ -37,8 +37,7 @@ class SourceSection(Section):
 class DataSection(Section):
     path: str | None = None
     """A .jsonl, .json (an array or JSON lines), .parquet, .csv, .arrow or .txt file, or a folder
-    written by datasets.save_to_disk; relative to the schedule file. The one-source form: or
-    data.sources."""
+    written by datasets.save_to_disk; relative to the schedule file. One source; several: data.sources."""
     format: Format = "tokens"
     """tokens: {"input_ids": [...], "labels": [...] (optional, aligned as in Hugging Face; -100: no
     loss)}; text: a .txt file (documents separated by blank lines) or {"text": "..."} records, loss
@@ -71,7 +70,8 @@ class DataSection(Section):
     micro_batch_size: PositiveInt = 1
     """Rows per process per forward pass."""
     shuffle: bool = True
-    """Shuffle the examples and the rows, seeded by run.seed."""
+    """Take the rows in a seeded order, a new one every epoch (and, packing whole, the examples
+    into rows shuffled), seeded by run.seed."""
     validation_path: str | None = None
     """Held-out data in data.format; its mean loss goes to metrics.jsonl as eval_loss. The one-source form's."""
     validation_split: Annotated[float, Field(gt=0, lt=1)] | None = None
