@@ -325,3 +325,23 @@ def test_every_tokenizer_file_keys_the_cache(tmp_path, tok_dir):
     before = dataprep.cache_key(data, str(tok))
     (tok / "added_tokens.json").write_text(json.dumps({"<extra>": 7}))
     assert dataprep.cache_key(data, str(tok)) != before
+
+
+def test_every_data_option_keys_the_cache(tmp_path, tok_dir):
+    """Each option that changes the rows is another entry; the key a message names a source by is not."""
+    a = write_jsonl(tmp_path / "a.jsonl", RECORDS)
+    b = write_jsonl(tmp_path / "b.jsonl", [{"messages": CHAT}])
+    base = DataPart(sources=[SourcePart(path=str(a), format="instruction"), SourcePart(path=str(b), format="chat")],
+                    seq_len=32, batch_size=2, micro_batch_size=1, shuffle=True)
+    keys = {dataprep.cache_key(base, str(tok_dir))}
+    source = {"weight": 2.0, "train_on_prompt": True, "chat_template": "chatml", "fields": {"messages": "m"},
+              "format": "text", "path": str(a)}
+    for name, value in source.items():
+        changed = base.sources[1].model_copy(update={name: value})
+        keys.add(dataprep.cache_key(base.model_copy(update={"sources": (base.sources[0], changed)}), str(tok_dir)))
+    for name, value in {"validation_split": 0.5, "seed": 1, "shuffle": False, "seq_len": 16, "pack": True,
+                        "validation": (base.sources[0],)}.items():
+        keys.add(dataprep.cache_key(base.model_copy(update={name: value}), str(tok_dir)))
+    assert len(keys) == 1 + len(source) + 6
+    renamed = base.sources[1].model_copy(update={"key": "data.sources[7]"})
+    assert dataprep.cache_key(base.model_copy(update={"sources": (base.sources[0], renamed)}), str(tok_dir)) in keys

@@ -7,7 +7,6 @@ Alpaca-style instructions, the other ShareGPT conversations.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -19,25 +18,13 @@ from click.testing import CliRunner
 
 from orchestrator.cli import main
 from tests.conftest import ROOT, cli, schedule_dict, write_schedule
+from tests.orchestrator.test_data_cli import jsonl, model  # noqa: F401 - the Alpaca example's model, a fixture
 
 ALPACA = [{"instruction": f"Name colour number {i}.", "input": "", "output": f"The colour is {c}."}
           for i, c in enumerate(["red", "green", "blue", "black", "white", "grey", "pink", "gold", "teal", "navy"])]
 SHAREGPT = [{"conversations": [{"from": "human", "value": f"Which animal comes {i}?"},
                                {"from": "gpt", "value": f"It is the {a}."}]}
             for i, a in enumerate(["cat", "dog", "bird", "fish", "cow", "pig"])]
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    spec = importlib.util.spec_from_file_location("alpaca_model", ROOT / "examples" / "alpaca" / "make_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.make(tmp_path_factory.mktemp("alpaca") / "model")
-
-
-def jsonl(path: Path, records: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 def mixed(tmp: Path, model: Path, data: dict | None = None, schedule: dict | None = None,
