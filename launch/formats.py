@@ -60,7 +60,8 @@ class TokensFormat:
             return f"{self.f('input_ids')}: expected token ids >= 0"
         if labels is not None and (not _ints(labels) or len(labels) != len(ids)
                                    or any(t < 0 and t != IGNORE for t in labels)):
-            return f"{self.f('labels')}: expected a list of {len(ids)} token ids or -100, aligned with {self.f('input_ids')}"
+            return (f"{self.f('labels')}: expected a list of {len(ids)} token ids or -100, aligned with "
+                    f"{self.f('input_ids')}")
         return ""
 
     def sample(self, rec: dict, tok) -> Tokens:
@@ -75,7 +76,9 @@ class TextFormat:
         self.f = f
 
     def check(self, rec: dict) -> str:
-        return "" if isinstance(rec.get(self.f("text")), str) else f'expected a "{self.f("text")}" field holding a string'
+        if isinstance(rec.get(self.f("text")), str):
+            return ""
+        return f'expected a "{self.f("text")}" field holding a string'
 
     def sample(self, rec: dict, tok) -> Pieces:
         return Pieces([(rec[self.f("text")], True)])

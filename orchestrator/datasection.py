@@ -107,12 +107,13 @@ class DataSection(Section):
                                  ("hold data out with data.validation_split" if key == "validation_path"
                                   else f"set data.sources[i].{key}"))
         if self.validation_split is not None and self.validation_path is not None:
-            raise KeyProblem("data.validation_split", "expected data.validation_path or data.validation_split, not both")
+            raise KeyProblem("data.validation_split",
+                             "expected data.validation_path or data.validation_split, not both")
         for key, source in self.resolved_sources():
             for name in source.fields or {}:
                 if name not in FIELDS[source.format]:
-                    raise KeyProblem(f"{key}.fields.{name}", f'not a field of format = "{source.format}"; expected '
-                                     f"one of {', '.join(FIELDS[source.format])}")
+                    raise KeyProblem(f"{key}.fields.{name}", f'not a field of {key}.format = "{source.format}"; '
+                                     f"expected one of {', '.join(FIELDS[source.format])}")
         return self
 
     def resolved_sources(self) -> list[tuple[str, SourceSection]]:
@@ -121,5 +122,6 @@ class DataSection(Section):
             return [("data", SourceSection(path=self.path, format=self.format, fields=self.fields,
                                            chat_template=self.chat_template, train_on_prompt=self.train_on_prompt))]
         defaults = {"chat_template": self.chat_template, "train_on_prompt": self.train_on_prompt}
-        return [(f"data.sources[{i}]", s.model_copy(update={k: v for k, v in defaults.items() if getattr(s, k) is None}))
+        return [(f"data.sources[{i}]", s.model_copy(update={k: v for k, v in defaults.items()
+                                                             if getattr(s, k) is None}))
                 for i, s in enumerate(self.sources)]

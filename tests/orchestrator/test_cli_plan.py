@@ -110,8 +110,8 @@ BAD = [
     ("hostfile-missing", setting("launch", launcher="deepspeed", nnodes=2, hostfile="hosts"),
      "launch.hostfile: expected a hostfile, {tmp}/hosts does not exist"),
     ("phases-and-strategy", setting("schedule", strategy="lisa", total_steps=20, interval=10, layers_per_phase=1),
-     "schedule.strategy: expected either schedule.phases or schedule.strategy (with total_steps, interval, "
-     "layers_per_phase), not both"),
+     "schedule.strategy: expected either schedule.phases or schedule.strategy (with total_steps or epochs, "
+     "interval, layers_per_phase), not both"),
     ("strategy-without-interval", setting("schedule", **strategy(strategy="lisa", total_steps=20, layers_per_phase=1)),
      "schedule.interval: required with schedule.strategy = 'lisa', but missing"),
     ("no-schedule", setting("schedule", phases=None), "schedule: expected schedule.phases or schedule.strategy"),

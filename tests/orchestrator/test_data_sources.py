@@ -113,8 +113,9 @@ def test_epochs_set_the_steps_and_plan_shows_both(tmp_path, model):
     ({"sources[1].weight": 0}, None, "data.sources[1].weight: expected a positive number, got 0"),
     ({"sources[1].weight": "x"}, None, "data.sources[1].weight: expected a number, got 'x'"),
     ({"sources[0].format": "yaml"}, None, "data.sources[0].format: expected"),
-    ({"sources[0].fields": {"prompt": "q"}}, None, 'data.sources[0].fields.prompt: not a field of format = '
-                                                   '"instruction"; expected one of instruction, input, output'),
+    ({"sources[0].fields": {"prompt": "q"}}, None, "data.sources[0].fields.prompt: not a field of "
+                                                   'data.sources[0].format = "instruction"; expected one of '
+                                                   "instruction, input, output"),
     ({"sources[1].colour": 1}, None, "data.sources[1].colour: unknown key"),
     ({"sources[1].path": "nowhere.jsonl"}, None, "data.sources[1].path: expected a data file or a "
                                                  "datasets.save_to_disk folder"),
