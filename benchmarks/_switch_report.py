@@ -13,6 +13,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from _switch_gaps import table_rows
+
 WAYS = {"a": "relayer", "b": "inprocess", "c": "naive"}
 READY_SLACK = 0.005
 """Seconds a successor may finish preparing after its go was sent and still count as ready (the
@@ -242,10 +244,25 @@ def device_rows(result: dict, names: list[str]) -> list[str]:
     return lines
 
 
+def probe_rows(result: dict) -> list[str]:
+    """Each handed-over switch piece by piece (``_switch_gaps``), the stacks of late ones, relayer's plan."""
+    relayer = result["ways"].get("relayer") or {}
+    lines = table_rows(relayer.get("switch_gaps") or [])
+    dumps = relayer.get("stall_dumps") or []
+    if dumps:
+        lines += ["", f"{len(dumps)} py-spy stack(s) of late switches in results.json (``stall_dumps``): "
+                  + ", ".join(f"{d['who']} waiting for the {d['waiting_for']} of phase {d['offering_phase']} "
+                              f"({d['late_seconds']} s late)" for d in dumps)]
+    if relayer.get("plan_text"):
+        lines += ["", "`orchestrator plan` of the schedule (against the device's memory):", "", "```",
+                  *relayer["plan_text"].rstrip().splitlines()[-40:], "```"]
+    return lines
+
+
 def table(result: dict) -> str:
     names = [n for n in WAYS.values() if n in result["ways"]]
     lines = header(result) + way_rows(result, names) + switch_rows(result, names) + memory_rows(result, names)
-    return "\n".join(lines + device_rows(result, names)) + "\n"
+    return "\n".join(lines + device_rows(result, names) + probe_rows(result)) + "\n"
 
 
 # -- plot ----------------------------------------------------------------------------------------
