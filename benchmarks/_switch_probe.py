@@ -58,6 +58,8 @@ class ThreadWatch(_Poller):
         self.run_dir, self.interval = run_dir, interval
         self.intervals: list[dict] = []
         self.open: dict[str, dict] = {}
+        self.known: dict[str, int] = {}
+        self.looked = 0.0
 
     def targets(self) -> dict[str, int]:
         out = {}
@@ -75,7 +77,9 @@ class ThreadWatch(_Poller):
 
     def look(self) -> None:
         now = time.time()
-        for who, pid in self.targets().items():
+        if now - self.looked > 0.2:  # new phases start seconds apart; their pids are files to read
+            self.known, self.looked = self.targets(), now
+        for who, pid in self.known.items():
             seen = thread_state(pid)
             key = None if seen is None or (seen[0] == "S" and seen[1].startswith(IDLE_WCHANS)) else seen
             cur = self.open.get(who)
