@@ -144,8 +144,9 @@ def header(result: dict) -> list[str]:
         f"({s['model']['num_key_value_heads']} kv), vocab {s['model']['vocab_size']}; {s['dtype']}, "
         f"ZeRO-{s['zero_stage']}, {s.get('nproc', 1)} process(es), batch {s['batch_size']} "
         f"(micro {s['micro_batch_size']}) x {s['seq_len']} tokens; {len(s['phases'])} phases x "
-        f"{s['phases'][0]['steps']} steps, {'/'.join(map(str, layers))} body layer(s) a phase; relayer's "
-        f"handover {s.get('handover') or 'auto (default)'}, prewarm_depth {s.get('prewarm_depth') or 'default'}",
+        f"{s['phases'][0]['steps']} steps, {'/'.join(map(str, layers))} body layer(s) a phase (shape.layer_order "
+        f"{s.get('layer_order', 'walk')}); relayer's handover {s.get('handover') or 'auto (default)'}, prewarm "
+        f"{'off' if s.get('prewarm') is False else 'on'}, prewarm_depth {s.get('prewarm_depth') or 'default'}",
         f"- overhead = end of phase k+1's first step - end of phase k's last step - one steady step "
         f"(median of all but each phase's first step); memory in {unit}" + ("" if cuda else " (peak: RSS at the phase's end)"),
         *[f"- note: {n}" for n in result.get("notes", [])],

@@ -61,16 +61,17 @@ say() { echo "[run_issue29 $STEP $(( $(date +%s) - T0 )) s] $*"; }
 nvidia-smi --query-gpu=index,name,uuid,memory.total,driver_version --format=csv,noheader 2>/dev/null
 free -g | head -2; df -h "$S" "$SHM" | tail -2; nproc
 DEVICE_BYTES=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-DEVICE_BYTES=$(( ${DEVICE_BYTES:-8192} * 1048576 ))
+DEVICE_BYTES=$(( ${DEVICE_BYTES:-1048576} * 1048576 ))  # no GPU (a try on a CPU): no device limit
 TINY=${I29_TINY:-0}
 TINY_ARGS=()
 [ "$TINY" = 1 ] && TINY_ARGS=(--phases 3 --steps 3)  # the last of an option counts
 
-pack() {
+pack() {  # each packer its own temporary: one killed mid-way leaves nothing that the last one renames
+    local tmp="$OUT/.results-$BASHPID.tgz"
     (cd "$S" && find results logs work -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.png' \
         -o -name '*.log' -o -name '*.toml' -o -name '*.txt' \) -not -name train.jsonl -size -8M \
-        -not -path '*/checkpoints/*' -not -path '*/final/*' 2>/dev/null | tar -czf "$OUT/.results.tgz" -T - 2>/dev/null) \
-        && mv -f "$OUT/.results.tgz" "$OUT/results.tgz"
+        -not -path '*/checkpoints/*' -not -path '*/final/*' 2>/dev/null | tar -czf "$tmp" -T - 2>/dev/null) \
+        && mv -f "$tmp" "$OUT/results.tgz"
 }
 (while sleep 20; do pack; done) &
 PACKER=$!
@@ -79,6 +80,7 @@ finish() {
     $PY benchmarks/_issue29_readme.py "$S/results" "$S/results/README.md" && cp "$S/results/README.md" "$OUT/"
     [ -f "$S/results/peer7b/peer.png" ] && cp "$S/results/peer7b/peer.png" "$OUT/"
     pack
+    rm -f "$OUT"/.results-*.tgz  # at most 8 files come back
     say "done"
 }
 trap finish EXIT
@@ -90,7 +92,7 @@ space() {
     out=$($PY benchmarks/_space.py --shape "$(shape "$1")" --disk "$S" --shm "$SHM" --device-memory "$DEVICE_BYTES" \
           "${@:2}" --shell) || { say "does not fit: $out"; return 1; }
     eval "$out"
-    say "$1: $WHY; micro batch $MICRO, prewarm_depth $DEPTH, handover fits: $HANDOVER_FITS"
+    say "$(shape "$1"): $WHY; micro batch $MICRO, prewarm_depth $DEPTH, handover fits: $HANDOVER_FITS"
     mkdir -p "$WORK_DIR"
 }
 
@@ -99,7 +101,7 @@ shape() { [ "$TINY" = 1 ] && echo tiny || echo "$1"; }
 peer7b() {
     space 7b --layers lisa --phases 11 --final-model --peer-output --handover || exit 3
     $PY benchmarks/peer.py --shape "$(shape 7b)" --model-dir "$MODEL_DIR" --outputs "$WORK_DIR" --work "$S/work/peer7b" \
-        --results-dir "$S/results" --out peer7b --timeout 420 --callback auto
+        --micro-batch "$MICRO" --results-dir "$S/results" --out peer7b --timeout 420 --callback auto
     say "peer.py: rc $?"
     rm -rf "$S/work/peer7b" "$WORK_DIR"
 }
