@@ -42,8 +42,10 @@ ring, its data): a waiting phase held 1.6 GB (USS) on the H200, a training one m
 RAM_SHARE = 0.85
 """The part of the available host memory a plan may use (the page cache and the kernel need the rest)."""
 DISK_MARGIN = 2_000_000_000
-DEVICE_SHARE = 0.95
-"""The part of the device's memory a plan may fill (the estimate is a lower bound with a margin)."""
+DEVICE_SHARE = 0.9
+"""The part of the device's memory a plan may fill: the overlap's formula matched NVML within 1% at
+7B, but a 13B or 30B run has not checked it yet, and a predecessor out of memory while it gathers
+its offer fails the run (a successor out of memory only reads the checkpoint instead)."""
 DEFAULT_DEPTH = 3
 
 

@@ -22,9 +22,9 @@
 #                     page cache under writeback and the main threads' kernel waits around each go
 #                     (benchmarks/_switch_gaps.py), py-spy stacks of late ones; breakdown.md.
 #   big     ~8 min    13B (big13) then ~30B (big30); either alone where big would pass 9 minutes:
-#   big13   ~3 min      Llama-2-13B, 8 phases x 20 steps, LISA's layers, handover auto, the micro batch
-#                       the plan's overlap fits the device with (2; the batch stays 4): the model to
-#                       /dev/shm ~60 s, relayer ~40 s + 8 x ~8 s.
+#   big13   ~3.5 min    Llama-2-13B, 8 phases x 20 steps, LISA's layers, handover auto, the micro batch
+#                       the plan's overlap fits 90% of the device with (1; the batch stays 4): the model
+#                       to /dev/shm ~60 s, relayer ~40 s + 8 x ~10 s.
 #   big30   ~5 min      LLaMA-30B (32.5B), 4 phases x 5 steps: two phases do not fit the device, so every
 #                       switch goes through the checkpoint, and a phase pre-warmed for that path holds a
 #                       pinned copy of the weights (65 GB) beside the model in /dev/shm (65 GB): the
