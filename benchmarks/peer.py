@@ -39,8 +39,8 @@ from _peer_report import plot, summarise, table
 from _shapes import LAYERS_PER_PHASE, SHAPES
 from _switch_watch import DeviceTrace, Devices, ManifestWatch, TreeMemory, finish_all, read_jsonl, start_all
 from switch import (
-    BASELINES, RESULTS, ROOT, BenchmarkError, child_env, cuda_available, hardware, nvml, relayer_command, relayer_source,
-    run_logged, versions, write_atomic, write_schedule,
+    BASELINES, RESULTS, BenchmarkError, child_env, cuda_available, hardware, model_problem, nvml, relayer_command,
+    relayer_source, run_logged, versions, write_atomic, write_schedule,
 )
 
 PEER = Path(__file__).resolve().parent / "_peer_trainer.py"
@@ -79,6 +79,9 @@ def prepare(setup: dict, shape: dict, work: Path, timeout: float, cuda: bool) ->
     write_bigram_rows(Path(setup["data_path"]), setup["batch_size"] * setup["total_steps"], shape["seq_len"],
                       shape["model"]["vocab_size"], setup["seed"])
     if (Path(setup["model_dir"]) / "config.json").exists():
+        problem = model_problem(Path(setup["model_dir"]), setup)
+        if problem:
+            raise BenchmarkError(f"--model-dir {problem}")
         print(f"[peer] reusing the model in {setup['model_dir']}", flush=True)
         return
     t0 = time.time()
@@ -136,6 +139,16 @@ def run_relayer(setup: dict, devices: Devices | None, timeout: float, cuda: bool
             "final_written": any(e["event"] == "final_model_written" for e in journal)}
 
 
+def new_result(name: str, date: dt.datetime, cuda: bool, hw: dict, shape_name: str, shape: dict, setup: dict) -> dict:
+    return {"name": name, "date": date.isoformat(timespec="seconds"), "device": "cuda" if cuda else "cpu",
+            "hardware": hw, "versions": {**versions(), "relayer": relayer_source()}, "command": sys.argv,
+            "load_average": {"start": os.getloadavg()},
+            "storage": {"model": setup["model_dir"], "outputs": str(Path(setup["relayer_dir"]).parent)},
+            "shape": {"name": shape_name, "model": shape["model"], "layer_order": "lisa (the peer's callback)",
+                      **{k: setup[k] for k in ("dtype", "seq_len", "batch_size", "micro_batch_size", "lr", "total_steps",
+                                               "interval", "layers_per_phase", "seed")}}, "ways": {}}
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), help="model and batch (default: tiny without CUDA, else 7b)")
@@ -177,12 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     outputs = args.outputs or work
     setup = make_setup(args, shape, work, outputs, cuda)
-    result = {"name": out.name, "date": date.isoformat(timespec="seconds"), "device": "cuda" if cuda else "cpu",
-              "hardware": hw, "versions": {**versions(), "relayer": relayer_source()}, "command": sys.argv,
-              "load_average": {"start": os.getloadavg()}, "storage": {"model": setup["model_dir"], "outputs": str(outputs)},
-              "shape": {"name": name, "model": shape["model"], "layer_order": "lisa (the peer's callback)",
-                        **{k: setup[k] for k in ("dtype", "seq_len", "batch_size", "micro_batch_size", "lr", "total_steps",
-                                                 "interval", "layers_per_phase", "seed")}}, "ways": {}}
+    result = new_result(out.name, date, cuda, hw, name, shape, setup)
     try:
         prepare(setup, shape, work, args.timeout, cuda)
         out.mkdir(parents=True, exist_ok=True)

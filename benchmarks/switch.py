@@ -34,7 +34,10 @@ came over (the worker's ``handover`` record, "device" or "checkpoint", and its r
 worker writes them) and the device memory's peak while both phases lived (NVML, every 20 ms);
 per phase, the host memory (USS) it held while it waited for its go, against a bare phase
 process (imports torch, deepspeed, transformers and initialises CUDA; measured once, or read
-from ``--bare-json``); and the plan's memory estimate (``orchestrator.estimate``). On CUDA, NVML
+from ``--bare-json``); the plan's memory estimate (``orchestrator.estimate``) and ``orchestrator plan``'s
+text; and each handed-over switch cut at its go and the successor's read of it, with the journal,
+the page cache under writeback, the main threads' kernel waits and py-spy stacks of late ones that
+tell the causes of a late piece apart (``_switch_gaps``, ``_switch_probe``). On CUDA, NVML
 also records the memory used on the run's devices once each relayer / naive phase is gone; this
 process never touches CUDA itself, so it holds no context that would count.
 
