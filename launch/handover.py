@@ -29,8 +29,9 @@ from launch import faults, zero_state
 from launch.contract import Answer, Offer, PhaseDir, TensorRef
 from launch.save import Snapshot, snapshot
 from shard_tools.checkpoint import layer_weights
+from shard_tools.errors import CheckpointError
 from shard_tools.manifest import (
-    CheckpointError, checkpoints_dir, layer_sources, list_checkpoints, read_manifest, step_dir_name, step_of,
+    checkpoints_dir, layer_sources, list_checkpoints, read_manifest, step_dir_name, step_of,
 )
 
 if TYPE_CHECKING:

@@ -24,7 +24,8 @@ from launch.zero_state import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DEC
 from shard_tools.checkpoint import (
     BODY_OPTIM, HEAD, LAYERS, OPTIM_KEYS, STATE, PreparedFiles, flatten_optim_state, write_checkpoint,
 )
-from shard_tools.manifest import MANIFEST, CheckpointError, Manifest
+from shard_tools.errors import CheckpointError
+from shard_tools.manifest import MANIFEST, Manifest
 
 if TYPE_CHECKING:
     from launch.phase import Phase

@@ -18,7 +18,8 @@ from launch.save import await_predecessor
 from launch.scaler import restore_scaler
 from launch.zero_state import HEAD_DECAY, HEAD_NO_DECAY
 from shard_tools.checkpoint import BODY_OPTIM, HEAD, STATE, layer_weights, load_tensors, optim_state, populate_pages
-from shard_tools.manifest import MANIFEST, CheckpointError, Manifest, checkpoints_dir, layer_sources, step_dir_name
+from shard_tools.errors import CheckpointError
+from shard_tools.manifest import MANIFEST, Manifest, checkpoints_dir, layer_sources, step_dir_name
 
 if TYPE_CHECKING:
     from launch.phase import Phase

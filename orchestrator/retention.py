@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Callable
 
 from shard_tools.files import TMP_PREFIX
-from shard_tools.manifest import CheckpointError, list_checkpoints, needed_by, verify_checkpoint
+from shard_tools.errors import CheckpointError
+from shard_tools.manifest import list_checkpoints, needed_by, verify_checkpoint
 
 
 def retain(run_dir: Path, keep_last: int, protect: set[Path], event: Callable[..., None]) -> None:

@@ -24,10 +24,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from shard_tools import digest
+from shard_tools.errors import CheckpointError
 from shard_tools.files import describe, open_regular, regular_fault
-from shard_tools.inspect import read_header
+from shard_tools.header import read_header
 from shard_tools.manifest import (  # noqa: F401 - HEAD..STATE: the file names, for the writers
-    BODY_OPTIM, HEAD, LAYERS, MANIFEST, STATE, TMP_PREFIX, CheckpointError, FileEntry, Manifest, checkpoints_dir,
+    BODY_OPTIM, HEAD, LAYERS, MANIFEST, STATE, TMP_PREFIX, FileEntry, Manifest, checkpoints_dir,
     fsync_path, layer_sources, read_manifest, step_dir_name,
 )
 OPTIM_KEYS = ("master", "exp_avg", "exp_avg_sq")

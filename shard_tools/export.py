@@ -21,11 +21,10 @@ import torch
 from torch import nn
 
 from shard_tools.checkpoint import run_weights
+from shard_tools.errors import CheckpointError, InputError
 from shard_tools.files import read_regular, regular_fault
-from shard_tools.manifest import (
-    CHECKPOINTS, FINAL, JOURNAL, MANIFEST, TMP_PREFIX, CheckpointError, InputError, Manifest, list_checkpoints, path_kind,
-    step_of,
-)
+from shard_tools.history import JOURNAL
+from shard_tools.manifest import CHECKPOINTS, FINAL, MANIFEST, TMP_PREFIX, Manifest, list_checkpoints, path_kind, step_of
 from shard_tools.model import DTYPES, ModelSpec, build_base_model
 from shard_tools.sizes import parse_size
 from shard_tools.tokenizer import TOKENIZER_FILES

@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from shard_tools.digest import digest_fd
+from shard_tools.errors import CheckpointError, InputError
 from shard_tools.files import TMP_PREFIX, describe, fsync_path, open_regular, read_regular
+from shard_tools.header import read_header
+from shard_tools.history import JOURNAL
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
-JOURNAL = "journal.jsonl"
 FINAL = "final"
 """RUN_DIR/final: the finished run's model, the one export that lives inside its run."""
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -39,10 +41,6 @@ def files_needed(phase_complete: bool) -> tuple[str, ...]:
     """What every checkpoint's manifest lists: the head, its phase's layers (even none) and the
     run state; mid-phase also the body's optimizer state."""
     return (HEAD, LAYERS, STATE) if phase_complete else (HEAD, LAYERS, BODY_OPTIM, STATE)
-
-
-class CheckpointError(Exception):
-    """A checkpoint is missing, incomplete or damaged; the message names the file."""
 
 
 @dataclass
@@ -188,7 +186,7 @@ def verify_checkpoint(ckpt: Path, *, checksums: bool = True) -> list[str]:
 
     Only regular files count, opened without following a symbolic link and without blocking on
     a FIFO: a checksum vouches for the checkpoint's own bytes, and verifying never hangs. With
-    ``checksums``, each safetensors header is checked too (``shard_tools.inspect.tensor_headers``).
+    ``checksums``, each safetensors header is checked too (``shard_tools.header``).
     """
     if step_of(ckpt) is not None and ckpt.is_symlink():
         # Not the run's own bytes: retention could not remove it, and it could change under the run.
@@ -213,8 +211,6 @@ def verify_checkpoint(ckpt: Path, *, checksums: bool = True) -> list[str]:
                 faults.append(f"{f}: checksum mismatch (sha256 differs from the manifest)")
             elif checksums and name.endswith(".safetensors"):
                 # A manifest that vouches for a malformed file (a writer's bug) must not make it whole.
-                from shard_tools.inspect import read_header  # inspect reads manifests itself
-
                 read_header(fd, f)
         except CheckpointError as e:
             faults.append(str(e))
@@ -322,10 +318,6 @@ def make_durable(ckpt: Path) -> None:
         fsync_path(f)
     fsync_path(ckpt)
     fsync_path(ckpt.parent)
-
-
-class InputError(Exception):
-    """A command was given a path or value it does not take; the message names it and says what is expected."""
 
 
 def path_kind(path: Path) -> str:

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from shard_tools.errors import CheckpointError, InputError
 from shard_tools.manifest import (
-    CHECKPOINTS, STEP_DIR_SHAPE, CheckpointError, InputError, Manifest, layer_sources, list_checkpoints, newest_valid,
-    path_kind, read_manifest,
+    CHECKPOINTS, STEP_DIR_SHAPE, Manifest, layer_sources, list_checkpoints, newest_valid, path_kind, read_manifest,
     step_of, stray_temporaries, verify_checkpoint,
 )
 

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from shard_tools.checkpoint import HEAD, LAYERS, STATE, PreparedFiles, load_tensors, map_tensors, write_checkpoint
-from shard_tools.manifest import CheckpointError, Manifest, list_checkpoints, verify_checkpoint
+from shard_tools.errors import CheckpointError
+from shard_tools.manifest import Manifest, list_checkpoints, verify_checkpoint
 
 
 def manifest(step: int) -> Manifest:
@@ -85,7 +86,7 @@ import resource, sys, torch
 sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parents[2])!r})
 resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
 from shard_tools.checkpoint import PreparedFiles
-from shard_tools.manifest import CheckpointError
+from shard_tools.errors import CheckpointError
 try:
     PreparedFiles(__import__('pathlib').Path({str(tmp_path)!r}), {{"head.safetensors": {{"x": (torch.float32, (300, 200))}}}})
 except CheckpointError as e:

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from shard_tools.inspect import tensor_headers
-from shard_tools.manifest import CheckpointError, MANIFEST, newest_valid, remove_stray_temporaries
+from shard_tools.header import tensor_headers
+from shard_tools.errors import CheckpointError
+from shard_tools.manifest import MANIFEST, newest_valid, remove_stray_temporaries
 from tests.conftest import cli
 from tests.shard_tools.conftest import assert_fails, ckpt, invoke
 
