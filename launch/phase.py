@@ -16,10 +16,10 @@ from launch import handover, prepare, save, switch, train
 from launch.contract import PhaseDir, PhaseSpec
 from launch.data import SampleOrder
 from launch.staging import Staging
-from launch.handover import Carried
 from launch.switch import Delta
 from launch.timeline import Timeline
-from shard_tools.checkpoint import PreparedFiles
+from shard_tools.state import Origin, PhaseState, StateFiles
+from shard_tools.store import Checkpoints
 
 PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint was written, run again to go on
 
@@ -31,6 +31,7 @@ class Phase:
     def __init__(self, spec: PhaseSpec, rank: int, world: int, prebuilt: dict[str, nn.Module] | None = None):
         self.spec, self.rank, self.world = spec, rank, world
         self.run_dir = Path(spec.run_dir)
+        self.checkpoints = Checkpoints(self.run_dir)
         self.timeline = Timeline(rank=rank, world_size=world, t_process_start=psutil.Process().create_time())
         """Every timing and measurement of this process: its records.json."""
         self.prebuilt = prebuilt if prebuilt is not None else {}
@@ -43,10 +44,8 @@ class Phase:
         """Where this rank trains; on CUDA, pinned host buffers for fast copies to and from it."""
         self.model: nn.Module | None = None
         """The host model: base weights, every layer's newest trained ones in (or see ``refusal``)."""
-        self.persistent: list[str] = []
-        self.layers_attr = ""
-        """The model's parts outside its layers (embeddings, final norm, LM head: the head), and
-        where it keeps its layers (``model.layers``)."""
+        self.origin: Origin | None = None
+        """What its checkpoints record of where they come from: its base model, its head's parts, its layers' place."""
         self.head_names: list[str] = []
         self.body_names: list[str] = []
         """The parameter names of the head (trained in every phase) and of this phase's layers."""
@@ -57,7 +56,7 @@ class Phase:
         """The training rows, the validation rows (with a validation path), which rows each step takes."""
         self.preloaded: dict = {}
         """Layer -> the checkpoint its host model weights (taking over: device masters) came from."""
-        self.prepared: PreparedFiles | save.FilesLater | None = None
+        self.prepared: StateFiles | save.FilesLater | None = None
         """Rank 0's files of the next checkpoint, made ahead."""
         self.refusal: str | None = "not pre-warmed"
         """Why it will not take its predecessor's state (``launch.handover``); None: ``model`` is a skeleton."""
@@ -66,12 +65,10 @@ class Phase:
         """The predecessor's phase directory, where the go says it offers its state."""
         self.delta: Delta | None = None
         """The checkpoint whose changes the host model holds, and its manifest."""
-        self.carried: Carried | None = None
-        """The steps and loss scale carried on: from the restored checkpoint, or the offer."""
+        self.carried: PhaseState | None = None
+        """The state carried on (steps, the head's, the loss scale): the restored checkpoint's, or the offer's."""
         self.awaiting: Path | None = None
         """The predecessor's checkpoint, not yet committed at the go: this phase's own wait for it."""
-        self.head_state: dict | None = None
-        """The head's optimizer state, mapped from its file, until it is on the device."""
         self.populating: prepare.Background | None = None
         """Maps the head's moments (``switch.read_delta``) while the engine is built."""
         self.roles: list[int] = []

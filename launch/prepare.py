@@ -29,11 +29,10 @@ from launch.save import prepare_files
 from launch.staging import Staging
 from launch.train import token_loss
 from launch.zero_state import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DECAY
-from shard_tools.checkpoint import layer_weights
-from shard_tools.manifest import layer_sources
 from shard_tools.model import (
     DTYPES, ModelSpec, build_base_model, build_skeleton, detect_parts, head_param_names, layer_param_names,
 )
+from shard_tools.state import Origin, layer_weights
 
 if TYPE_CHECKING:
     from launch.phase import Phase
@@ -98,9 +97,11 @@ def _load_model(ph: Phase) -> None:
     # Taking every weight from its predecessor, the phase needs only the model's structure.
     model = build_skeleton(_model_spec(ph)) if ph.refusal is None else base_model(_model_spec(ph), ph.prebuilt)
     model.config.use_cache = False
-    ph.persistent, ph.layers_attr = detect_parts(model, m.persistent, m.layers)
-    ph.head_names = head_param_names(model, ph.persistent)
-    ph.body_names = [n for i in spec.layers for n in layer_param_names(model, ph.layers_attr, i)]
+    persistent, layers_attr = detect_parts(model, m.persistent, m.layers)
+    ph.origin = Origin(base_model=_model_spec(ph), tokenizer=m.tokenizer, persistent=persistent,
+                       layers_attr=layers_attr, world_size=ph.world, zero_stage=spec.zero_stage)
+    ph.head_names = head_param_names(model, persistent)
+    ph.body_names = [n for i in spec.layers for n in layer_param_names(model, layers_attr, i)]
     ph.model = model
 
 
@@ -132,7 +133,7 @@ def _load_data(ph: Phase) -> None:
         ph.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ph.order = SampleOrder(len(ph.examples), spec.seed, spec.data.shuffle)
     preload = Path(spec.preload) if spec.preload else (Path(spec.restore) if spec.restore else None)
-    ph.preloaded = layer_sources(ph.run_dir, preload) if preload else {}
+    ph.preloaded = ph.checkpoints.layer_sources(preload) if preload else {}
     if ph.refusal is None:
         handover.preload_layers(ph)
     else:

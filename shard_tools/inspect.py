@@ -19,11 +19,9 @@ from shard_tools.errors import CheckpointError
 from shard_tools.files import regular_fault
 from shard_tools.header import tensor_headers
 from shard_tools.history import JOURNAL, read_history
-from shard_tools.manifest import (
-    BODY_OPTIM, HEAD, LAYERS, STATE, list_checkpoints, path_kind, read_manifest, step_of, stray_temporaries,
-    verify_checkpoint,
-)
+from shard_tools.manifest import BODY_OPTIM, HEAD, LAYERS, STATE, path_kind, read_manifest, step_of, verify_checkpoint
 from shard_tools.sizes import format_bytes
+from shard_tools.store import Checkpoints
 
 # File name -> tensor group, in display order.
 GROUPS = {HEAD: "head", LAYERS: "body", BODY_OPTIM: "body_optim", STATE: "state"}
@@ -75,7 +73,8 @@ def _phase_row(index: int, **known: Any) -> dict[str, Any]:
 def inspect_run(run_dir: Path) -> dict[str, Any]:
     history = read_history(run_dir) if (Path(run_dir) / JOURNAL).exists() else None
     phases = {p.index: {**asdict(p), "records": _records(p.records)} for p in (history.phases if history else [])}
-    checkpoints = [_checkpoint_summary(c) for c in list_checkpoints(run_dir)]
+    store = Checkpoints(run_dir)
+    checkpoints = [_checkpoint_summary(c) for c in store.all()]
     for c in checkpoints:
         if c["phase"] is not None and c["phase"] not in phases:
             # Journal lost or cut short: the manifests still say which phase wrote what.
@@ -85,7 +84,7 @@ def inspect_run(run_dir: Path) -> dict[str, Any]:
         p["checkpoints"] = [c for c in checkpoints if c["phase"] == p["index"]]
     return {"kind": "run", "path": str(run_dir), "events": history.events if history else 0,
             "last_event": history.last_event if history else None, "phases": ordered,
-            "checkpoints": checkpoints, "stray_temporaries": [str(p) for p in stray_temporaries(run_dir)]}
+            "checkpoints": checkpoints, "stray_temporaries": [str(p) for p in store.stray_temporaries()]}
 
 
 def inspect_path(path: Path) -> dict[str, Any]:

@@ -10,9 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shard_tools.checkpoint import HEAD, LAYERS, STATE, PreparedFiles, load_tensors, map_tensors, write_checkpoint
+from shard_tools.checkpoint import PreparedFiles, load_tensors, map_tensors, write_checkpoint
+from shard_tools.manifest import HEAD, LAYERS, STATE
 from shard_tools.errors import CheckpointError
-from shard_tools.manifest import Manifest, list_checkpoints, verify_checkpoint
+from shard_tools.manifest import Manifest, verify_checkpoint
+from shard_tools.store import Checkpoints
 
 
 def manifest(step: int) -> Manifest:
@@ -76,7 +78,7 @@ def test_prepared_that_does_not_fit_is_discarded(tmp_path):
     path = write_checkpoint(tmp_path, manifest(4), files, META, prepared=prepared).path
     assert not prepared.dir.exists()
     assert torch.equal(load_file(path / HEAD)["master/norm"], torch.zeros(71))
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000004"]
+    assert [p.name for p in Checkpoints(tmp_path).all()] == ["step-00000004"]
 
 
 def test_prepare_on_a_full_disk_is_an_error_not_a_crash(tmp_path):
