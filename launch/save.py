@@ -4,30 +4,28 @@ them, into files it made ahead (``prepare_files``) where they fit, and commits t
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from launch import faults, zero_state
 from launch.contract import lr_at
+from launch.record import Phase, Prepared
 from launch.scaler import scaler_fields
 from launch.zero_state import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DECAY
 from shard_tools.errors import CheckpointError
+from shard_tools.later import Later
 from shard_tools.state import PhaseState, RunState, StateFiles, save_state
-
-if TYPE_CHECKING:
-    from launch.phase import Phase
 
 
 def snapshot(ph: Phase) -> PhaseState:
     """The phase-end state on the device, full tensors on every rank (collectives): what a finished
     phase offers its successor (``launch.handover``) and, once answered, writes from its own memory."""
-    zero_state.relink(ph.engine)
-    head = zero_state.get_state(ph.head, on_device=True)
-    masters = zero_state.get_masters(ph.body, on_device=True)
+    built = ph.built
+    zero_state.relink(built.engine)
+    head = zero_state.get_state(built.head, on_device=True)
+    masters = zero_state.get_masters(built.body, on_device=True)
     return _state(ph, True, head, masters)
 
 
@@ -39,10 +37,12 @@ def save(ph: Phase, phase_complete: bool, snap: PhaseState | None = None) -> Pat
     fsync of GBs here stalled the orchestrator's own small ones behind it on the H200's host."""
     t0 = time.time()
     writer = ph.rank == 0
-    if isinstance(ph.prepared, FilesLater):
-        ph.prepared = ph.prepared.result()
+    prepared = ph.files.result()
     faults0, cache0 = _page_faults(), _dirty_page_cache() if writer else {}
-    state = (_to_host(ph, snap) if writer else None) if snap is not None else _gather(ph, phase_complete, writer)
+    if snap is not None:
+        state = _to_host(ph, snap, prepared) if writer else None
+    else:
+        state = _gather(ph, phase_complete, prepared)
     t_gathered = time.time()
     # Why a gather was slow: pages that had to be faulted in again (cleaned by writeback since
     # they were prepared), and how much of the page cache was dirty or under writeback.
@@ -51,9 +51,9 @@ def save(ph: Phase, phase_complete: bool, snap: PhaseState | None = None) -> Pat
         if snap is None:
             torch.distributed.barrier()
         return None
-    prepared, ph.prepared = ph.prepared, None
     await_predecessor(ph)
-    path, timing = save_state(ph.run_dir, state, ph.origin, durable=not phase_complete, prepared=prepared,
+    ph.files = Later.now(None)  # used up by the write, whatever comes of it
+    path, timing = save_state(ph.run_dir, state, ph.made.origin, durable=not phase_complete, prepared=prepared,
                               on_file_written=lambda name: faults.point("checkpoint.file_written", name=name))
     ph.timeline.append("checkpoints", {
         "step": ph.step, "gather_seconds": t_gathered - t0, "write_seconds": time.time() - t_gathered,
@@ -70,34 +70,33 @@ def await_predecessor(ph: Phase) -> None:
     taken over commits nothing before it (its checkpoints compose the predecessor's layers from
     there), one not taken reads it. Should the predecessor die first, the orchestrator stops this
     process."""
-    if ph.awaiting is None:
-        return
-    while not ph.checkpoints.committed(ph.awaiting):
-        time.sleep(0.005)
-    ph.awaiting = None
+    source = ph.built.source
+    if source.awaiting is not None:
+        ph.checkpoints.wait_committed(source.awaiting)
+        source.awaiting = None
 
 
-def _to_host(ph: Phase, snap: PhaseState) -> PhaseState:
+def _to_host(ph: Phase, snap: PhaseState, prepared: StateFiles | None) -> PhaseState:
     """A snapshot on the device, copied into the prepared files (else into host memory)."""
-    prepared = ph.prepared
+    staging = ph.made.staging
     head_views, layer_views = (prepared.head, prepared.masters) if prepared is not None else ({}, {})
-    snap.head = {k: {n: zero_state.to_host(t, t.shape, head_views.get(k, {}).get(n), ph.staging)
+    snap.head = {k: {n: zero_state.to_host(t, t.shape, head_views.get(k, {}).get(n), staging)
                      for n, t in by_name.items()} for k, by_name in snap.head.items()}
-    snap.masters = {n: zero_state.to_host(t, t.shape, layer_views.get(n), ph.staging) for n, t in snap.masters.items()}
+    snap.masters = {n: zero_state.to_host(t, t.shape, layer_views.get(n), staging) for n, t in snap.masters.items()}
     return snap
 
 
-def _gather(ph: Phase, phase_complete: bool, writer: bool) -> PhaseState | None:
+def _gather(ph: Phase, phase_complete: bool, prepared: StateFiles | None) -> PhaseState | None:
     """The phase's state in full on rank 0 (None on the others, which only take part)."""
-    prepared = ph.prepared if writer else None
+    built, writer = ph.built, ph.rank == 0
     head_into, masters_into = (prepared.head, prepared.masters) if prepared is not None else ({}, {})
-    gather = {"keep": writer, "staging": ph.staging}
-    zero_state.relink(ph.engine)
-    head = zero_state.get_state(ph.head, into=head_into, **gather)
+    gather = {"keep": writer, "staging": ph.made.staging}
+    zero_state.relink(built.engine)
+    head = zero_state.get_state(built.head, into=head_into, **gather)
     if phase_complete:
-        masters, body = zero_state.get_masters(ph.body, into=masters_into, **gather), None
+        masters, body = zero_state.get_masters(built.body, into=masters_into, **gather), None
     else:
-        body = zero_state.get_state(ph.body, into={"master": masters_into}, **gather)
+        body = zero_state.get_state(built.body, into={"master": masters_into}, **gather)
         masters = body.pop("master", {})
     state = _state(ph, phase_complete, head, masters, body)
     return state if writer else None
@@ -113,8 +112,9 @@ def _state(ph: Phase, phase_complete: bool, head: dict, masters: dict, body: dic
 
 def _steps(ph: Phase) -> tuple[int, int]:
     """The head's and the body's optimizer steps."""
-    steps = zero_state.group_steps(ph.engine)
-    by_role = dict(zip(ph.roles, range(len(ph.roles))))
+    steps = zero_state.group_steps(ph.built.engine)
+    roles = ph.built.roles
+    by_role = dict(zip(roles, range(len(roles))))
     head_step = max(steps.get(by_role.get(r, -1), 0) for r in (HEAD_DECAY, HEAD_NO_DECAY))
     body_step = max((steps.get(by_role.get(r, -1), 0) for r in (BODY_DECAY, BODY_NO_DECAY)), default=0)
     return head_step, body_step
@@ -138,39 +138,18 @@ def run_state(ph: Phase) -> RunState:
         torch.distributed.all_gather(gathered, cpu_state)
     rng.update({f"cpu.rank{r}": t for r, t in enumerate(gathered)})
     return RunState(data_position=ph.step * ph.spec.data.batch_size, rng=rng,
-                    scaler=scaler_fields(getattr(ph.engine.optimizer, "loss_scaler", None)))
+                    scaler=scaler_fields(getattr(ph.built.engine.optimizer, "loss_scaler", None)))
 
 
-class FilesLater(threading.Thread):
-    """``prepare_files`` in a thread: a phase that took its predecessor's state over made none
-    while it waited (they grow with the model), and makes them once it trains, for its own end."""
-
-    def __init__(self, ph: Phase):
-        super().__init__(name="prepare-files", daemon=True)
-        self.ph, self.files, self.error = ph, None, None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.files = prepare_files(self.ph)
-        except BaseException as e:  # noqa: BLE001 - raised by result()
-            self.error = e
-
-    def result(self) -> StateFiles | None:
-        self.join()
-        if self.error is not None:
-            raise self.error
-        return self.files
-
-
-def prepare_files(ph: Phase) -> StateFiles | None:
-    """Rank 0's head and layers files of the next checkpoint, made now (``StateFiles``)."""
+def prepare_files(ph: Phase, made: Prepared) -> StateFiles | None:
+    """Rank 0's head and layers files of the next checkpoint, made now (``StateFiles``); None on
+    the other ranks, and where they cannot be made (the checkpoint is then written without)."""
     if ph.rank != 0:
         return None
-    shapes = zero_state.full_shapes(list(ph.model.named_parameters()))
+    shapes = zero_state.full_shapes(list(made.model.named_parameters()))
     try:
-        return StateFiles(ph.run_dir, {n: shapes[n] for n in ph.head_names}, {n: shapes[n] for n in ph.body_names},
-                          list(ph.spec.layers), ph.origin.layers_attr)
+        return StateFiles(ph.run_dir, {n: shapes[n] for n in made.head_names}, {n: shapes[n] for n in made.body_names},
+                          list(ph.spec.layers), made.origin.layers_attr)
     except CheckpointError as e:
         print(f"relayer: {e}; the checkpoint will be written without them", file=sys.stderr, flush=True)
         return None

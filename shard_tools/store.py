@@ -79,6 +79,11 @@ class Checkpoints:
         """Its writer has renamed it into place (its manifest is there): what a reader waits for."""
         return (ckpt / MANIFEST).exists()
 
+    def wait_committed(self, ckpt: Path, poll: float = 0.005) -> None:
+        """Until ``ckpt`` is committed; its writer's death is for the caller's supervisor to see."""
+        while not self.committed(ckpt):
+            time.sleep(poll)
+
     def faults(self, ckpt: Path, checksums: bool = True) -> list[str]:
         """Every fault of ``ckpt``, each naming its file; none where it is whole."""
         return verify_checkpoint(ckpt, checksums=checksums)
