@@ -18,11 +18,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from launch.contract import DATA_CACHE
+from launch.contract import DATA_CACHE, is_template_path
 from orchestrator.errors import Preempted, RelayerError, ScheduleError
-from orchestrator.modelcheck import read_model_config, resolve_path
+from orchestrator.modelcheck import read_model_config, resolve_path, tokenizer_of
 from orchestrator.schedule import LoadedSchedule, SourceSection
-from orchestrator.validate import chat_template_of, tokenizer_of
+
 
 def data_spec(loaded: LoadedSchedule) -> dict[str, Any]:
     """The phase spec's data part (launch/contract.py DataPart): what keys the cache."""
@@ -39,6 +39,11 @@ def _source_spec(key: str, s: SourceSection, base: Path) -> dict[str, Any]:
     return {"path": str(resolve_path(base, s.path)), "format": s.format, "train_on_prompt": s.train_on_prompt,
             "chat_template": chat_template_of(s.chat_template, base), "fields": s.fields, "weight": s.weight,
             "key": key}
+
+
+def chat_template_of(template: str | None, base: Path) -> str | None:
+    """A chat_template key for the phase spec: the template itself or its name, or its file's absolute path."""
+    return str((base / template).resolve()) if template is not None and is_template_path(template) else template
 
 
 def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0, reuse: tuple[Path, ...] = ()) -> dict[str, Any]:

@@ -11,13 +11,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from launch.contract import is_template_path
+from launch.contract import TEMPLATE_NAMES, is_template_path
 from orchestrator.errors import ScheduleError
 from orchestrator.modelcheck import (
     check_weights, need_file, num_layers_of, path_is, path_kind, position_limit, read_model_config, resolve_path,
+    tokenizer_of,
 )
 from orchestrator.plan import MAX_PHASES, check_batch, plan_phases
-from orchestrator.schedule import DataSection, LoadedSchedule, ModelSection, Schedule, format_validation
+from orchestrator.schedule import DataSection, LoadedSchedule, Schedule, format_validation
 from shard_tools.tokenizer import MAIN_FILES
 
 
@@ -38,17 +39,6 @@ def _non_finite(raw: dict[str, Any]) -> list[tuple[str, float]]:
 def is_saved_dataset(path: Path) -> bool:
     """A folder written by ``datasets``' save_to_disk (a Dataset or a DatasetDict)."""
     return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
-
-
-def tokenizer_of(model: ModelSection, base: Path) -> Path | None:
-    """The tokenizer directory: model.tokenizer, else model.path (None for an inline config)."""
-    path = model.tokenizer or model.path
-    return (base / path).resolve() if path else None
-
-
-def chat_template_of(template: str | None, base: Path) -> str | None:
-    """A chat_template key for the phase spec: the template itself or its name, or its file's absolute path."""
-    return str((base / template).resolve()) if template is not None and is_template_path(template) else template
 
 
 def load_schedule(
@@ -177,8 +167,8 @@ def _check_sources(data: DataSection, base: Path, source: Path) -> None:
                                                   for i, s in enumerate(data.sources or [])]
     for key, template in templates:
         if template is not None and is_template_path(template):
-            need_file(resolve_path(base, template), f"{key}.chat_template", "a Jinja template or a file holding one",
-                      source)
+            need_file(resolve_path(base, template), f"{key}.chat_template",
+                      f"a Jinja template, one named {', '.join(TEMPLATE_NAMES)}, or a file holding one", source)
 
 
 def _check_tokenizer(sched: Schedule, base: Path, source: Path) -> None:

@@ -137,7 +137,8 @@ BAD = [
     ("data-format-unknown", setting("data", format="alpaca"),
      "data.format: expected 'tokens', 'text', 'instruction' or 'chat', got 'alpaca'"),
     ("chat-template-file-missing", setting("data", chat_template="nope.jinja"),
-     "data.chat_template: expected a Jinja template or a file holding one, {tmp}/nope.jinja does not exist"),
+     "data.chat_template: expected a Jinja template, one named llama3, chatml, qwen2.5, mistral, gemma, phi3, or a "
+     "file holding one, {tmp}/nope.jinja does not exist"),
     ("model-dir-missing", setting("model", path="no-model"),
      "model.path: expected a Hugging Face model directory, {tmp}/no-model does not exist"),
     ("model-without-config-json", lambda s, tmp: (tmp / "empty-model").mkdir() or s["model"].update(path="empty-model"),

@@ -117,10 +117,15 @@ def test_epochs_set_the_steps_and_plan_shows_both(tmp_path, model):
                                                    'data.sources[0].format = "instruction"; expected one of '
                                                    "instruction, input, output"),
     ({"sources[1].colour": 1}, None, "data.sources[1].colour: unknown key"),
+    ({"sources": "a.jsonl"}, None, "data.sources: expected a list, got 'a.jsonl'"),
+    ({"sources[0].train_on_prompt": "yes"}, None, "data.sources[0].train_on_prompt: expected true or false, got 'yes'"),
+    ({"sources[1].weight": True}, None, "data.sources[1].weight: expected a number, got true"),
+    ({"validation_split": "x"}, None, "data.validation_split: expected a number, got 'x'"),
     ({"sources[1].path": "nowhere.jsonl"}, None, "data.sources[1].path: expected a data file or a "
                                                  "datasets.save_to_disk folder"),
-    ({"sources[0].chat_template": "nowhere.jinja"}, None, "data.sources[0].chat_template: expected a Jinja "
-                                                          "template or a file holding one"),
+    ({"sources[0].chat_template": "llama-3"}, None, "data.sources[0].chat_template: expected a Jinja template, one "
+                                                    "named llama3, chatml, qwen2.5, mistral, gemma, phi3, or a file "
+                                                    "holding one"),
     ({}, {"strategy": "lisa", "epochs": 0, "interval": 2, "layers_per_phase": 1},
      "schedule.epochs: expected a positive number, got 0"),
     ({}, {"strategy": "lisa", "epochs": 1, "total_steps": 4, "interval": 2, "layers_per_phase": 1},
