@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from launch import faults, zero_state
-from launch.contract import Answer, Offer, PhaseDir, TensorRef
+from launch.contract.files import Answer, Offer, PhaseDir, TensorRef
 from launch.save import Snapshot, snapshot
 from shard_tools.checkpoint import layer_weights
 from shard_tools.manifest import (

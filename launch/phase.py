@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from launch import handover, prepare, save, switch, train
-from launch.contract import PhaseDir, PhaseSpec
+from launch.contract.files import PhaseDir
+from launch.contract.spec import PhaseSpec
 from launch.data import SampleOrder
 from launch.staging import Staging
 from launch.handover import Carried

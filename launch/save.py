@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from launch import faults, zero_state
-from launch.contract import lr_at
+from launch.contract.spec import lr_at
 from launch.scaler import scaler_tensors
 from launch.zero_state import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DECAY
 from shard_tools.checkpoint import (

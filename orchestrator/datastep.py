@@ -18,14 +18,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from launch.contract import DATA_CACHE
+from launch.contract.files import DATA_CACHE
 from orchestrator.errors import Preempted, RelayerError, ScheduleError
 from orchestrator.modelcheck import read_model_config
 from orchestrator.schedule import LoadedSchedule
 from orchestrator.validate import chat_template_of, tokenizer_of
 
 def data_spec(loaded: LoadedSchedule) -> dict[str, Any]:
-    """The phase spec's data part (launch/contract.py DataPart): what keys the cache."""
+    """The phase spec's data part (``launch.contract.spec.DataPart``): what keys the cache."""
     d, base = loaded.schedule.data, loaded.source.parent
     return {"path": str(loaded.data_path), "format": d.format, "seq_len": d.seq_len, "pack": d.pack,
             "train_on_prompt": d.train_on_prompt, "fields": d.fields, "chat_template": chat_template_of(d, base),

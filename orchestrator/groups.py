@@ -3,7 +3,7 @@ the run's fork server), the go of a pre-warmed group, and taking groups down.
 
 The channels are FIFOs in the run directory, mode 0600: fork requests to the fork server
 (``RunDir.zygote_fifo``) and each pre-warmed phase's go (``PhaseDir.go``), framed as
-``launch.contract`` says. This process holds each FIFO open, so a reader sees EOF when it dies.
+``launch.contract.channels`` says. This process holds each FIFO open, so a reader sees EOF when it dies.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from launch.contract import FORK_REQUESTS, GO, RANK, Answer, PhaseDir, PhaseSpec, RunDir, read_reasons
+from launch.contract.channels import FORK_REQUESTS, GO
+from launch.contract.files import RANK, Answer, PhaseDir, RunDir, read_reasons
+from launch.contract.spec import PhaseSpec
 from orchestrator import procs
 from orchestrator.schedule import LaunchSection, Phase
 from shard_tools.files import write_atomic

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from launch.contract import RunDir
+from launch.contract.files import RunDir
 from orchestrator.errors import RelayerError, ScheduleError
 from orchestrator.history import PhaseRow, read_history
 from shard_tools.files import write_atomic

@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Callable
 
-from launch.contract import PhaseDir, RunDir
+from launch.contract.files import PhaseDir, RunDir
 
 from orchestrator import devmem, final, procs
 from orchestrator.datastep import adopt_data, stage_data

@@ -35,7 +35,7 @@ from typing import Callable
 
 import psutil
 
-from launch.contract import RANK, PhaseDir, RunDir
+from launch.contract.files import RANK, PhaseDir, RunDir
 
 from orchestrator import procs
 from orchestrator.errors import PhaseFailed, Preempted

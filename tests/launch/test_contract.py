@@ -8,10 +8,9 @@ import os
 import pytest
 from pydantic import ValidationError
 
-from launch.contract import (
-    FORK_REQUESTS, GO, RANK, ExitRecord, OptimizerPart, PhaseDir, PhaseSpec, PidRecord, RunDir, lr_at, read_reasons,
-    write_reason,
-)
+from launch.contract.channels import FORK_REQUESTS, GO
+from launch.contract.files import RANK, ExitRecord, PhaseDir, PidRecord, RunDir, read_reasons, write_reason
+from launch.contract.spec import OptimizerPart, PhaseSpec, lr_at
 
 
 def opt(kind: str, warmup: int = 0) -> OptimizerPart:
