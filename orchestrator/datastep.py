@@ -13,11 +13,11 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from launch.contract.channels import DATA_TOOL, python_m
 from launch.contract.files import DATA_CACHE
 from orchestrator.errors import Preempted, RelayerError, ScheduleError
 from orchestrator.modelcheck import read_model_config
@@ -43,7 +43,7 @@ def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0, reuse:
     tok = tokenizer_of(s.model, loaded.source.parent)
     req = {"data": data_spec(loaded), "tokenizer": str(tok) if tok else None, "cache_root": str(cache_root),
            "reuse": [str(p) for p in reuse], "seed": s.run.seed, "show": show, "vocab_size": config.get("vocab_size")}
-    proc = subprocess.run([sys.executable, "-m", "launch.datatool"], input=json.dumps(req), capture_output=True,
+    proc = subprocess.run(python_m(DATA_TOOL), input=json.dumps(req), capture_output=True,
                           text=True)
     if proc.returncode == 2:
         raise ScheduleError(f"data: {proc.stderr.strip()}")

@@ -18,9 +18,10 @@ from orchestrator.errors import ScheduleError
 from orchestrator.estimate import PlanEstimate
 from orchestrator.groups import Group
 from orchestrator.handover import Switch
-from orchestrator.journal import read_journal
+from orchestrator.journal import JOURNAL, read_journal
 from orchestrator.pace import Pace, clock
 from orchestrator.plan import plan_phases
+from orchestrator.rundir import LOCK
 from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.supervisor import Observer, State
 from shard_tools.sizes import format_bytes
@@ -185,7 +186,7 @@ class Display(Observer):
 
 
 def run_state(run_dir: Path, events: list[dict]) -> str:
-    lock = run_dir / "orchestrator.lock"
+    lock = run_dir / LOCK
     if lock.exists():
         fd = os.open(lock, os.O_RDONLY)
         try:
@@ -207,8 +208,8 @@ def run_state(run_dir: Path, events: list[dict]) -> str:
 def print_status(run_dir: Path) -> None:
     from shard_tools.manifest import newest_valid
 
-    if not (run_dir / "journal.jsonl").exists():
-        raise ScheduleError(f"{run_dir}: not a relayer run directory (no journal.jsonl)")
+    if not (run_dir / JOURNAL).exists():
+        raise ScheduleError(f"{run_dir}: not a relayer run directory (no {JOURNAL})")
     events = read_journal(run_dir)
     ckpt, manifest, skipped = newest_valid(run_dir, checksums=False)
     out = Console()

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-JOURNAL = "journal.jsonl"
+from shard_tools.manifest import JOURNAL  # named there too, where shard-tools tells a run directory
 
 
 class Journal:

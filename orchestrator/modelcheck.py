@@ -16,6 +16,9 @@ from orchestrator.schedule import ModelSection, _show
 from shard_tools.inspect import tensor_headers
 from shard_tools.manifest import CheckpointError
 
+CONFIG = "config.json"
+"""A Hugging Face model folder's configuration."""
+
 
 def path_kind(path: Path) -> str:
     """What is at ``path``, following symlinks: 'a file', 'a directory', 'a symlink loop', ..."""
@@ -60,7 +63,7 @@ def read_model_config(model: ModelSection, model_path: Path | None, source: Path
     if model.config is not None:
         return model.config
     assert model_path is not None
-    cfg = model_path / "config.json"
+    cfg = model_path / CONFIG
     if path_kind(model_path) != "a directory":
         raise ScheduleError(f"{source}: model.path: expected a Hugging Face model directory, {model_path} "
                             f"{path_is(model_path)}")
@@ -148,7 +151,7 @@ def check_weights(model: ModelSection, config: dict[str, Any], n_layers: int, mo
     """Every weight config.json implies is in the safetensors files, and only those: the layer list
     covers exactly layers 0..n-1, no layer lacks a tensor its siblings hold, the embedding is there."""
     weights, names = _weight_names(model_path, source)
-    cfg = model_path / "config.json"
+    cfg = model_path / CONFIG
     layers: dict[str, dict[int, set[str]]] = {}
     for name in names:
         m = _LAYER_NAME.fullmatch(name)

@@ -23,8 +23,8 @@ from torch import nn
 from shard_tools.checkpoint import run_weights
 from shard_tools.files import read_regular, regular_fault
 from shard_tools.manifest import (
-    CHECKPOINTS, FINAL, JOURNAL, MANIFEST, TMP_PREFIX, CheckpointError, InputError, Manifest, list_checkpoints, path_kind,
-    step_of,
+    CHECKPOINTS, EXPORT_MARKER, FINAL, JOURNAL, MANIFEST, TMP_PREFIX, CheckpointError, InputError, Manifest,
+    list_checkpoints, path_kind, step_of,
 )
 from shard_tools.model import DTYPES, ModelSpec, build_base_model
 from shard_tools.sizes import parse_size
@@ -33,8 +33,6 @@ from shard_tools.verify import trusted_checkpoint
 
 COPIED_FILES = (*TOKENIZER_FILES, "generation_config.json")
 """Copied from the run's tokenizer folder (else the base model's) into an export, where present."""
-EXPORT_MARKER = "relayer.json"
-"""Written into every export: what it was exported from. ``--force`` replaces only a folder that has one."""
 # Shards of a few GB download and load piece by piece; one file per model would be up to 50 GB.
 MAX_SHARD_SIZE = "5GB"
 

@@ -1,13 +1,29 @@
-"""The framing of the two FIFOs in the run directory: fixed-size JSON records (the fork server's
-requests, a pre-warmed phase's go)."""
+"""How the orchestrator reaches launch's processes: the modules it starts them as, and the framing
+of the two FIFOs in the run directory, fixed-size JSON records (the fork server's requests, a
+pre-warmed phase's go)."""
 
 from __future__ import annotations
 
 import json
 import os
 import select
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
+
+PHASE_LAUNCHER = "launch"
+"""``python -m launch SPEC``: a phase's launcher (``launch/__main__.py``), which execs the command
+that starts its ranks."""
+FORK_SERVER = "launch.zygote"
+"""``python -m launch.zygote SPEC FIFO``: the run's fork server, forking ranks on ``FORK_REQUESTS``."""
+DATA_TOOL = "launch.datatool"
+"""``python -m launch.datatool``: prepares and checks the data; the request on stdin, the answer on
+stdout, both JSON."""
+
+
+def python_m(module: str, *args: str) -> list[str]:
+    """The command that runs ``module`` with this interpreter."""
+    return [sys.executable, "-m", module, *args]
 
 
 @dataclass(frozen=True)

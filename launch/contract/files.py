@@ -21,6 +21,10 @@ RANK = "rank-"
 """How the pid, exit and error files of a rank start (``rank-N``); a launcher's pid is ``launcher``."""
 
 
+BLOB = ".bin"
+"""How a rank's offered bytes (the host transport of the handover) end: ``handover/rank-N.bin``."""
+
+
 def rank_name(rank: int) -> str:
     return f"{RANK}{rank}"
 
@@ -150,7 +154,11 @@ class PhaseDir:
 
     def blob_path(self, rank: int) -> Path:
         """The host transport's bytes of rank N's offer."""
-        return self.handover / f"{rank_name(rank)}.bin"
+        return self.handover / f"{rank_name(rank)}{BLOB}"
+
+    def blobs(self) -> list[Path]:
+        """Every rank's host-transport bytes that are there (removed once the phase is gone)."""
+        return sorted(self.handover.glob(f"{RANK}*{BLOB}"))
 
     def write_offer(self, rank: int, offer: Offer) -> None:
         self.handover.mkdir(mode=0o700, exist_ok=True)
