@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from orchestrator.history import replay
+from shard_tools.history import replay
 from tests.conftest import cli
 from tests.orchestrator.test_preemption import events, metrics_steps, schedule, start, wait_for
 
