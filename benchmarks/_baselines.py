@@ -108,7 +108,7 @@ class Trainer:
         from deepspeed.accelerator import get_accelerator
 
         from launch.data import SampleOrder, load_examples, prepare
-        from launch.contract import DataPart, SourcePart
+        from launch.contract.data import DataPart, SourcePart
 
         self.setup, self.way_dir = setup, way_dir
         accel = get_accelerator()

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from launch import mix, rows as layouts
-from launch.dataspec import DataPart, SourcePart
+from launch.contract.data import DataPart, SourcePart
 from launch.formats import MARKINGS, Encoder
 from launch.records import DataError, find_bad_record, read_records, where
 from launch.rows import IGNORE, gather, ragged, starts_of

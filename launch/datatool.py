@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.dataprep import IGNORE, RECORDS, DataError, load_tokenizer, prepare, read_stats
-from launch.contract import DataPart
+from launch.contract.data import DataPart
 from launch.records import where
 from shard_tools.tokenizer import TOKENIZER_FILES
 

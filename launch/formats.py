@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launch.chat import render_chat
-from launch.dataspec import SourcePart
+from launch.contract.data import SourcePart
 from launch.records import DataError
 from launch.rows import IGNORE
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from launch.dataspec import SourcePart
+from launch.contract.data import SourcePart
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow", ".txt")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from launch.dataspec import TEMPLATE_NAMES, SourcePart, is_template_path
+from launch.contract.data import TEMPLATE_NAMES, SourcePart, is_template_path
 from launch.records import DataError
 
 _SYSTEM_FIRST = "{% set system = messages[0].content if messages[0].role == 'system' else none %}"

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from launch.contract import FIELDS
+from launch.contract.data import FIELDS
 from orchestrator.sections import KeyProblem, NonNegInt, PositiveInt, Section, _show, int_is_float
 
 Format = Literal["tokens", "text", "instruction", "chat"]

@@ -17,7 +17,7 @@ import transformers
 from transformers import AutoTokenizer
 
 from launch.data import DataError, Examples, SampleOrder, load_examples, micro_batch, prepare
-from launch.contract import DataPart, SourcePart
+from launch.contract.data import DataPart, SourcePart
 from tests.conftest import ROOT
 
 DOCS = [

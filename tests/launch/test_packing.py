@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from launch.contract import DataPart, SourcePart
+from launch.contract.data import DataPart, SourcePart
 from launch.data import SampleOrder, load_examples, micro_batch, prepare, read_stats, rows
 from launch.rows import IGNORE, best_fit
 from tests.conftest import VOCAB, make_llama

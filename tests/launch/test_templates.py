@@ -16,7 +16,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from launch.chat import render_chat
-from launch.contract import DataPart, SourcePart
+from launch.contract.data import DataPart, SourcePart
 from launch.data import DataError, prepare, read_stats
 from launch.formats import Conversation, Encoder
 from launch.rows import IGNORE

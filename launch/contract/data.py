@@ -1,6 +1,6 @@
 """The phase spec's data part: the sources a run trains on and how their examples become rows.
 
-Torch-free, and part of the contract (``launch.contract`` re-exports it): the orchestrator builds
+Torch-free, part of the contract (``launch.contract.spec`` holds it): the orchestrator builds
 a ``DataPart`` from the schedule's ``[data]``, the data tool and every phase process prepare
 and read the same cache entry from it.
 """
@@ -11,9 +11,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-DATA_FORMATS = ("tokens", "text", "instruction", "chat")
-FIELDS = {"tokens": ("input_ids", "labels"), "text": ("text",), "instruction": ("instruction", "input", "output"),
-          "chat": ("messages", "conversations")}
+DataFormat = Literal["tokens", "text", "instruction", "chat"]
+"""What the records of a data file are (``data.format``)."""
+FIELDS: dict[DataFormat, tuple[str, ...]] = {
+    "tokens": ("input_ids", "labels"), "text": ("text",), "instruction": ("instruction", "input", "output"),
+    "chat": ("messages", "conversations")}
 """Per format, the record fields ``data.fields`` may rename (the names here are the defaults)."""
 TEMPLATE_NAMES = ("llama3", "chatml", "qwen2.5", "mistral", "gemma", "phi3")
 """``data.chat_template`` values that name a template written here (``launch.templates``), for base
@@ -30,7 +32,7 @@ class SourcePart(_Spec):
 
     path: str
     """A data file (.jsonl, .json, .parquet, .csv, .arrow, .txt) or a ``datasets.save_to_disk`` folder."""
-    format: Literal["tokens", "text", "instruction", "chat"]
+    format: DataFormat
     train_on_prompt: bool = False
     """instruction/chat: the prompt and the user turns carry loss too."""
     chat_template: str | None = None
