@@ -1,14 +1,14 @@
 """The orchestrator's data step, run as ``python -m launch.datatool`` (the orchestrator imports no
-datasets or transformers): prepares the training (and validation) data into a cache, checks it
+datasets or transformers): prepares the training and validation data into a cache, checks it
 against the model and prints what the run will see as one JSON object on stdout.
 
     echo '{"data": {...DataPart...}, "tokenizer": "model", "cache_root": "RUN/data-cache",
-           "seed": 0, "vocab_size": 384, "show": 2}' | python -m launch.datatool
+           "vocab_size": 384, "show": 2}' | python -m launch.datatool
 
-Output: ``{"stats": read_stats(...), "validation": stats or null, "rows": [{"text", "target",
-"input_ids", "target_ids"}, ...]}`` (``rows``: the first ``show`` training rows in the run's order;
-``text`` and ``target`` are null without a tokenizer). Exit 2 with the ``DataError`` on stderr
-when the data does not fit the schedule or the model.
+Output: ``{"stats": read_stats(...), "rows": [{"text", "target", "input_ids", "target_ids"}, ...]}``
+(``rows``: the first ``show`` training rows in the run's order; ``text`` and ``target`` are null
+without a tokenizer). Exit 2 with the ``DataError`` on stderr when the data does not fit the
+schedule or the model.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launch.dataprep import IGNORE, DataError, _where, load_tokenizer, prepare, read_stats
-from launch.contract.spec import DataPart
+from launch.dataprep import IGNORE, RECORDS, DataError, load_tokenizer, prepare, read_stats
+from launch.contract.data import DataPart
+from launch.records import where
 from shard_tools.tokenizer import TOKENIZER_FILES
 
 
@@ -31,19 +32,15 @@ def inspect(req: dict[str, Any]) -> dict[str, Any]:
     data = DataPart.model_validate(req["data"])
     tokenizer, root = req.get("tokenizer"), Path(req["cache_root"])
     reuse = tuple(Path(p) for p in req.get("reuse", ()))
-    if data.format != "tokens":
-        _check_tokenizer(data, tokenizer)
+    for source in (*data.sources, *data.validation):
+        if source.format != "tokens":
+            _check_tokenizer(source, tokenizer)
     cache = prepare(data, tokenizer, root, reuse)
     check(data, cache, req.get("vocab_size"))
-    out: dict[str, Any] = {"stats": read_stats(cache), "validation": None, "rows": []}
-    if data.validation_path:
-        val = data.model_copy(update={"path": data.validation_path})
-        val_cache = prepare(val, tokenizer, root, reuse)
-        check(val, val_cache, req.get("vocab_size"))
-        out["validation"] = read_stats(val_cache)
+    out: dict[str, Any] = {"stats": read_stats(cache), "rows": []}
     if req.get("show"):
         examples = load_examples(cache)
-        order = SampleOrder(len(examples), req.get("seed", 0), data.shuffle)
+        order = SampleOrder(len(examples), data.seed, data.shuffle)
         tok = _decoder(data, tokenizer)
         for ids, labels in training_rows(examples, order, req["show"]):
             targets = [t for t in labels[1:] if t != IGNORE]
@@ -54,33 +51,28 @@ def inspect(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def check(data: DataPart, cache: Path, vocab_size: int | None) -> None:
-    """Rows that the model can take: every token id and target below its vocabulary size (the first
-    offending record named where rows are records). ``seq_len`` against the model's positions is
-    the schedule's check (``orchestrator.validate``), made before this runs."""
+    """Records that the model can take: every token id and target below its vocabulary size (the
+    first offending record of a file named). ``seq_len`` against the model's positions is the
+    schedule's check (``orchestrator.validate``), made before this runs."""
     import numpy as np
-
-    from launch.data import load_examples
+    from safetensors.numpy import load_file
 
     if not vocab_size:
         return
-    ex = load_examples(cache)
-    bad = (ex.input_ids >= vocab_size).any(axis=1) | ((ex.labels >= vocab_size) & (ex.labels != IGNORE)).any(axis=1)
-    if bad.any():
-        row = int(np.argmax(bad))
-        top = int(max(ex.input_ids[row].max(), ex.labels[row].max()))
-        path = Path(data.path).resolve()
-        where = {"row": row} if data.packs or path.is_dir() else _where(path, row)
-        if "row" in where:
-            raise DataError(f"row {row}: token id {top} is not below the model's vocab_size {vocab_size} (config.json)",
-                            str(path))
-        raise DataError(f"token id {top} is not below the model's vocab_size {vocab_size} (config.json)", str(path),
-                        **where)
+    max_ids = load_file(str(cache / RECORDS))
+    for i, source in enumerate((*data.sources, *data.validation)):
+        bad = max_ids[f"max_id.{i}"] >= vocab_size
+        if bad.any():
+            record = int(np.argmax(bad))
+            path = Path(source.path).resolve()
+            raise DataError(f"token id {int(max_ids[f'max_id.{i}'][record])} is not below the model's vocab_size "
+                            f"{vocab_size} (config.json)", str(path), **where(path, record))
 
 
-def _check_tokenizer(data: DataPart, tokenizer: str | None) -> None:
+def _check_tokenizer(source, tokenizer: str | None) -> None:
     """A tokenizer that does not load is bad input (exit 2), not a fault of the preparation."""
     try:
-        load_tokenizer(data, tokenizer)
+        load_tokenizer(source, tokenizer)
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds for broken files
@@ -91,8 +83,6 @@ def _check_tokenizer(data: DataPart, tokenizer: str | None) -> None:
 
 def _decoder(data: DataPart, tokenizer: str | None):
     """The tokenizer for showing rows; tokens data shows ids alone where there is none."""
-    if data.format != "tokens":
-        return load_tokenizer(data, tokenizer)
     if tokenizer and any((Path(tokenizer) / f).is_file() for f in TOKENIZER_FILES):
         import transformers
 

@@ -18,20 +18,33 @@ from pathlib import Path
 from typing import Any
 
 from launch.contract.channels import DATA_TOOL, python_m
+from launch.contract.data import is_template_path
 from launch.contract.files import DATA_CACHE
 from orchestrator.errors import Preempted, RelayerError, ScheduleError
-from orchestrator.modelcheck import read_model_config
-from orchestrator.schedule import LoadedSchedule
-from orchestrator.validate import chat_template_of, tokenizer_of
+from orchestrator.modelcheck import read_model_config, resolve_path, tokenizer_of
+from orchestrator.schedule import LoadedSchedule, SourceSection
+
 
 def data_spec(loaded: LoadedSchedule) -> dict[str, Any]:
-    """The phase spec's data part (``launch.contract.spec.DataPart``): what keys the cache."""
+    """The phase spec's data part (``launch.contract.data.DataPart``): what keys the cache."""
     d, base = loaded.schedule.data, loaded.source.parent
-    return {"path": str(loaded.data_path), "format": d.format, "seq_len": d.seq_len, "pack": d.pack,
-            "train_on_prompt": d.train_on_prompt, "fields": d.fields, "chat_template": chat_template_of(d, base),
-            "batch_size": d.batch_size, "micro_batch_size": d.micro_batch_size, "shuffle": d.shuffle,
-            "eval_every": d.eval_every,
-            "validation_path": str(base / d.validation_path) if d.validation_path else None}
+    sources = [_source_spec(key, s, base) for key, s in d.resolved_sources()]
+    validation = [{**sources[0], "path": str(resolve_path(base, d.validation_path)), "key": "data.validation_path"}] \
+        if d.validation_path else []
+    return {"sources": sources, "validation": validation, "validation_split": d.validation_split,
+            "seed": loaded.schedule.run.seed, "seq_len": d.seq_len, "pack": d.pack, "batch_size": d.batch_size,
+            "micro_batch_size": d.micro_batch_size, "shuffle": d.shuffle, "eval_every": d.eval_every}
+
+
+def _source_spec(key: str, s: SourceSection, base: Path) -> dict[str, Any]:
+    return {"path": str(resolve_path(base, s.path)), "format": s.format, "train_on_prompt": s.train_on_prompt,
+            "chat_template": chat_template_of(s.chat_template, base), "fields": s.fields, "weight": s.weight,
+            "key": key}
+
+
+def chat_template_of(template: str | None, base: Path) -> str | None:
+    """A chat_template key for the phase spec: the template itself or its name, or its file's absolute path."""
+    return str((base / template).resolve()) if template is not None and is_template_path(template) else template
 
 
 def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0, reuse: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -42,7 +55,7 @@ def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0, reuse:
     config = read_model_config(s.model, loaded.model_path, loaded.source)
     tok = tokenizer_of(s.model, loaded.source.parent)
     req = {"data": data_spec(loaded), "tokenizer": str(tok) if tok else None, "cache_root": str(cache_root),
-           "reuse": [str(p) for p in reuse], "seed": s.run.seed, "show": show, "vocab_size": config.get("vocab_size")}
+           "reuse": [str(p) for p in reuse], "show": show, "vocab_size": config.get("vocab_size")}
     proc = subprocess.run(python_m(DATA_TOOL), input=json.dumps(req), capture_output=True,
                           text=True)
     if proc.returncode == 2:
@@ -55,7 +68,10 @@ def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0, reuse:
 
 def check_data(loaded: LoadedSchedule, show: int = 0) -> dict[str, Any]:
     """``inspect_data`` into a temporary cache that is removed: nothing is written. Data the run
-    has prepared already (``RUN_DIR/data-cache``, the same key) is read from there, not again."""
+    has prepared already (``RUN_DIR/data-cache``, the same key) is read from there, not again;
+    the statistics that loading the schedule asked for already (``LoadedSchedule.data_check``) are those."""
+    if loaded.data_check is not None and not show:
+        return loaded.data_check
     run_cache = loaded.output_dir / DATA_CACHE
     reuse = (run_cache,) if run_cache.is_dir() and not run_cache.is_symlink() else ()
     with tempfile.TemporaryDirectory(prefix="relayer-data-") as tmp:

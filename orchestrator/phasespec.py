@@ -16,9 +16,9 @@ from orchestrator.datastep import data_spec
 from orchestrator.estimate import EstimateError, PlanEstimate, estimate_plan
 from orchestrator.groups import Work
 from orchestrator.handover import handover_part
+from orchestrator.modelcheck import tokenizer_of
 from orchestrator.plan import check_batch
 from orchestrator.schedule import LoadedSchedule, Phase
-from orchestrator.validate import tokenizer_of
 
 
 def free_port() -> int:

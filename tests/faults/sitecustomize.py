@@ -11,6 +11,8 @@ A test puts this folder on PYTHONPATH and its plan in RELAYER_TEST_FAULTS (JSON)
   ``{"point": "handover.copying", "rank": 1}`` (the successor's rank 1 while it copies) or
   ``{"point": "checkpoint.file_written", "name": "layers.safetensors"}``.
 - ``hold_first_step``: seconds a pre-warmed phase waits before its first step.
+- ``cross_examples``: micro-batches of rows packed whole lose their position ids, so that their
+  examples' positions run on and their attention crosses from one example to the next.
 """
 
 import json
@@ -38,3 +40,5 @@ if _plan:
                 time.sleep(hold)
 
         faults.install("phase.first_step", _hold)
+    if _plan.get("cross_examples"):
+        faults.install("data.micro_batch", lambda batch: batch.pop("position_ids", None))

@@ -17,7 +17,7 @@ def spec(**launch) -> PhaseSpec:
         "run_dir": "/runs/a", "phase_dir": "/runs/a/phases/phase-0002", "seed": 0, "phase": 2,
         "start_step": 20, "phase_start_step": 20, "end_step": 30, "layers": [0, 3], "restore": None,
         "model": {"path": "/models/tiny", "config": None, "dtype": "bfloat16", "persistent": None, "layers": None},
-        "data": {"path": "/data/train.jsonl", "format": "tokens", "seq_len": 128, "batch_size": 32,
+        "data": {"sources": [{"path": "/data/train.jsonl", "format": "tokens"}], "seq_len": 128, "batch_size": 32,
                  "micro_batch_size": 4, "shuffle": True},
         "optimizer": {"lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "grad_clip": 1.0,
                       "lr_kind": "constant", "warmup_steps": 0, "total_steps": 30},

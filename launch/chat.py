@@ -1,0 +1,93 @@
+"""A conversation rendered with a chat template, and where in that text its assistant turns lie.
+
+    text, spans, marking = render_chat(tok, messages)   # spans: [(start, end)] characters of text
+
+The text is always the template's rendering of the whole conversation. The assistant turns are
+found one of three ways (``marking``):
+
+- ``generation marks``: the template marks them itself with ``{% generation %}`` ...
+  ``{% endgeneration %}``: its spans are the ones ``apply_chat_template(...,
+  return_assistant_tokens_mask=True)`` masks (the same rendering call, ``render_jinja_template``).
+- ``prefixes``: turn j runs from the end of the conversation before it rendered with the
+  generation prompt to the end of the conversation through it, where both are prefixes of the
+  whole (most templates).
+- ``turn by turn``: where the turn renders otherwise once later turns follow (Qwen3-style
+  templates drop earlier turns' reasoning; some mark the last assistant turn): the whole is
+  rendered again with that turn's content replaced, twice, which locates its content; the turn
+  then runs from the generation prompt (where that is a prefix of the whole) to the end of its
+  content and the end-of-turn tokens it shares with the same turn rendered last.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from launch.records import DataError
+
+GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_STAND_INS = ("a", "b")
+"""Two contents that differ in their first and their last character, for ``turn by turn``."""
+
+
+def render_chat(tok, messages: list[dict]) -> tuple[str, list[tuple[int, int]], str]:
+    """(the rendered text, the character spans of its assistant turns, how they were found)."""
+    if GENERATION.search(tok.chat_template):
+        return (*_generation_marks(tok, messages), "generation marks")
+    text = _render(tok, messages)
+    spans, marking = [], "prefixes"
+    for j, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        span = _by_prefixes(tok, messages, j, text)
+        if span is None:
+            span, marking = _turn_by_turn(tok, messages, j, text), "turn by turn"
+        if span is None or (spans and span[0] < spans[-1][1]):
+            raise DataError(f"the chat template renders assistant turn {j} so that neither its prefixes nor a "
+                            "rendering turn by turn locate it: mark the turns with {% generation %} in the template")
+        spans.append(span)
+    return text, spans, marking
+
+
+def _render(tok, messages: list[dict], prompt: bool = False) -> str:
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt) if messages else ""
+
+
+def _generation_marks(tok, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, spans = render_jinja_template(conversations=[messages], chat_template=tok.chat_template,
+                                            return_assistant_tokens_mask=True, **tok.special_tokens_map)
+    return rendered[0], [tuple(s) for s in spans[0]]
+
+
+def _by_prefixes(tok, messages: list[dict], j: int, text: str) -> tuple[int, int] | None:
+    before = _render(tok, messages[:j], prompt=True)
+    through = _render(tok, messages[: j + 1])
+    if text.startswith(before) and text.startswith(through) and len(before) <= len(through):
+        return len(before), len(through)
+    return None
+
+
+def _turn_by_turn(tok, messages: list[dict], j: int, text: str) -> tuple[int, int] | None:
+    def instead(content: str, rest: list[dict]) -> str:
+        return _render(tok, messages[:j] + [{"role": "assistant", "content": content}] + rest)
+
+    a, b = (instead(s, messages[j + 1:]) for s in _STAND_INS)
+    head, tail = _common(a, b), _common(a[::-1], b[::-1])
+    content_end = len(text) - tail
+    if text[:head] != a[:head] or text[content_end:] != a[len(a) - tail:] or content_end < head:
+        return None
+    last_a, last_b = (instead(s, []) for s in _STAND_INS)
+    closing = last_a[len(last_a) - _common(last_a[::-1], last_b[::-1]):]
+    before = _render(tok, messages[:j], prompt=True)
+    start = len(before) if text.startswith(before) and len(before) <= head else head
+    shared = _common(closing, text[content_end:])
+    # Whole tokens of the closing only: "<|end|>\n<eos>" and "<|end|>\n<|user|>" share a "<" too.
+    ends = [e for _, e in tok(closing, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+    return start, content_end + max([e for e in ends if e <= shared], default=0)
+
+
+def _common(a: str, b: str) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    return len(os.path.commonprefix([a, b]))
