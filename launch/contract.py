@@ -23,7 +23,6 @@ from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
 from shard_tools.files import write_atomic, write_new
 
-
 DATA_CACHE = "data-cache"
 """RUN_DIR/data-cache: the prepared data, made by the orchestrator's data step (or the first phase
 process that finds it missing) and read by every phase process."""
@@ -140,10 +139,10 @@ class PhaseSpec(_Spec):
     nnodes: int
     hostfile: str | None
     master_port: int
-    orchestrator_pid: int | None
-    """The worker stops itself when this process is gone (it may have been SIGKILLed)."""
-    orchestrator_host: str | None = None
-    """Where orchestrator_pid lives: ranks on other nodes cannot watch it (their launcher does)."""
+    master_addr: str | None = None  # where they meet: launch.master_addr, the first node's NodeAddr, 127.0.0.1
+    rendezvous_seconds: float = 300.0  # how long its processes may take to meet (launch.rendezvous_seconds)
+    orchestrator_pid: int | None  # the worker stops itself when it is gone (it may have been SIGKILLed)
+    orchestrator_host: str | None = None  # where it lives: ranks on other nodes cannot watch it (their launcher does)
     handover: HandoverPart = HandoverPart()
     """The device handover at this phase's start (``take``) and end (``offer``)."""
 
@@ -173,7 +172,7 @@ def lr_at(step: int, opt) -> float:
 # -- the run and phase directories ------------------------------------------------------------
 PHASES = "phases"
 RANK = "rank-"
-"""How the pid, exit and error files of a rank start (``rank-N``); a launcher's pid is ``launcher``."""
+"""How the pid, exit and error files of a rank start (``rank-N``); a launcher's is ``launcher``, an agent's ``agent-N``."""
 
 
 def rank_name(rank: int) -> str:
@@ -193,6 +192,7 @@ class PidRecord(_Record):
     pid: PositiveInt
     create_time: float
     """The process's start time: with the pid, a process that no pid reuse can impersonate."""
+    host: str | None = None  # the node it runs on (SLURM's name for it, else the host name)
 
 
 class ExitRecord(_Record):
@@ -257,10 +257,10 @@ class PhaseDir:
         self.records.unlink(missing_ok=True)
         self.stages.unlink(missing_ok=True)
 
-    def record_pid(self, name: str, pid: int, create_time: float) -> None:
+    def record_pid(self, name: str, pid: int, create_time: float, host: str | None = None) -> None:
         """pids/NAME.json, so that the orchestrator can find the process (and reap it)."""
         self.pids.mkdir(parents=True, exist_ok=True)
-        record = PidRecord(pid=pid, create_time=create_time)
+        record = PidRecord(pid=pid, create_time=create_time, host=host)
         write_atomic(self.pids / f"{name}.json", record.model_dump_json(), durable=False)
 
     def pid_records(self, prefix: str = "") -> list[PidRecord]:

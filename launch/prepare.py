@@ -21,7 +21,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from launch import handover, procs
+from launch import handover, procs, rendezvous
 from launch.contract import DATA_CACHE, PhaseSpec
 from launch.data import SampleOrder, load_examples, micro_batch, prepare as prepare_data
 from launch.ops import load_comm_ops, unlink_comm_buffers
@@ -88,7 +88,8 @@ def _start_group(ph: Phase) -> None:
         ph.staging = Staging(ph.device)
     ph.stage("starting the process group")
     load_comm_ops()
-    deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
+    with rendezvous.bounded(ph.spec.rendezvous_seconds, Path(ph.spec.phase_dir), ph.rank):
+        deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
     unlink_comm_buffers(ph.rank)
     ph.timeline.mark("t_group_ready")
 
