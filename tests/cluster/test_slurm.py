@@ -138,6 +138,7 @@ def test_the_time_limit_requeues_and_a_killed_node_is_named(slurm, tmp_path, tin
     assert "requeueing job" in output(sched, job)
     resumed = lambda: [e for e in events(run) if e["event"] == "resumed"]  # noqa: E731
     wait_for(lambda: resumed() and last_step(run) > resumed()[0]["step"], "a step of the requeued job")
+    assert 10 < resumed()[0]["step"] < 20  # from the checkpoint written at the signal, mid-phase
     rank1 = pid_record(run, 1, "rank-1")
     assert rank1["host"] == "n2"
     os.kill(rank1["pid"], signal.SIGKILL)
@@ -158,6 +159,7 @@ def test_torchrun_on_two_nodes_killed_and_resumed_on_one(slurm, tmp_path, tiny_m
     wait_for(lambda: last_step(run) >= 11, "phase 1's first step")
     # One agent a node, its rank on its node: torchrun's c10d rendezvous hosted on n1 at 127.0.0.1.
     assert {pid_record(run, 1, f"rank-{r}")["host"] for r in (0, 1)} == {"n1", "n2"}
+    assert pid_record(run, 1, "agent-0")["host"] == "n1"
     agent = pid_record(run, 1, "agent-1")
     assert agent["host"] == "n2"
     os.kill(agent["pid"], signal.SIGKILL)
