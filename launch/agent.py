@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from launch.commands import agent_command
-from launch.contract import PhaseSpec
+from launch.contract.spec import PhaseSpec
 from launch.procs import node_name, record_pid
 
 

@@ -20,7 +20,7 @@ import socket
 import sys
 from collections.abc import Mapping
 
-from launch.contract import PhaseSpec
+from launch.contract.spec import PhaseSpec
 
 WORKER = ["-m", "launch.worker"]
 

@@ -18,12 +18,13 @@ from orchestrator.errors import ScheduleError
 from orchestrator.estimate import PlanEstimate
 from orchestrator.groups import Group
 from orchestrator.handover import Switch
-from orchestrator.journal import read_journal
 from orchestrator.nodes import plan_lines
 from orchestrator.pace import Pace, clock
 from orchestrator.plan import plan_phases
+from orchestrator.rundir import LOCK
 from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.supervisor import Observer, State
+from shard_tools.history import JOURNAL, read_journal
 from shard_tools.sizes import format_bytes
 
 # Off a terminal, lines are logs: never wrap them (rich would at 80 columns).
@@ -186,7 +187,7 @@ class Display(Observer):
 
 
 def run_state(run_dir: Path, events: list[dict]) -> str:
-    lock = run_dir / "orchestrator.lock"
+    lock = run_dir / LOCK
     if lock.exists():
         fd = os.open(lock, os.O_RDONLY)
         try:
@@ -206,12 +207,12 @@ def run_state(run_dir: Path, events: list[dict]) -> str:
 
 
 def print_status(run_dir: Path) -> None:
-    from shard_tools.manifest import newest_valid
+    from shard_tools.store import Checkpoints
 
-    if not (run_dir / "journal.jsonl").exists():
-        raise ScheduleError(f"{run_dir}: not a relayer run directory (no journal.jsonl)")
+    if not (run_dir / JOURNAL).exists():
+        raise ScheduleError(f"{run_dir}: not a relayer run directory (no {JOURNAL})")
     events = read_journal(run_dir)
-    ckpt, manifest, skipped = newest_valid(run_dir, checksums=False)
+    ckpt, manifest, skipped = Checkpoints(run_dir).newest_whole(checksums=False)
     out = Console()
     out.print(Text.assemble((str(run_dir), "bold"), f": {run_state(run_dir, events)}"))
     started = [e for e in events if e["event"] == "phase_started"]

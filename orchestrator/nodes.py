@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from launch.contract import RANK, PhaseDir, PidRecord, rank_name
+from launch.contract.files import RANK, PhaseDir, PidRecord, rank_name
 
 from orchestrator.errors import Preempted, ScheduleError
 from orchestrator.schedule import LaunchSection

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from shard_tools.manifest import list_checkpoints, read_manifest
+from shard_tools.store import Checkpoints
 from tests.cluster.slurm import Cluster
 from tests.conftest import ROOT, cli, schedule_dict, write_schedule
 from tests.reference import bitwise_equal, composed, max_abs_diff
@@ -88,11 +88,12 @@ def pid_record(run: Path, phase: int, name: str) -> dict:
 
 
 def checkpoint_steps(run: Path) -> list[int]:
-    return [read_manifest(c).global_step for c in list_checkpoints(run)]
+    store = Checkpoints(run)
+    return [store.manifest(c).global_step for c in store.all()]
 
 
 def weights_at(model: Path, run: Path, step: int) -> dict:
-    return composed(model, run, next(c for c in list_checkpoints(run) if read_manifest(c).global_step == step))
+    return composed(model, run, Checkpoints(run).at(step))
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +176,8 @@ def test_one_run_requeued_stopped_killed_and_resumed_across_nodes(slurm, tmp_pat
     job = submit(slurm, sched, nodes=1, per_node=2)
     assert finished(slurm, job) == ("COMPLETED", "0:0"), output(sched, job)
     assert [e["step"] for e in events(run, "resumed")] == [resumed, resumed, stopped, stopped]
-    assert {read_manifest(c).world_size for c in list_checkpoints(run)} == {2}
+    store = Checkpoints(run)
+    assert {store.manifest(c).world_size for c in store.all()} == {2}
     assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, two_processes))
     assert max_abs_diff(composed(tiny_model, run), composed(tiny_model, tiny_run)) <= TOL
     # Phase 0, uninterrupted on two nodes, trained what two processes on one node train.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.contract import PhaseDir
+from launch.contract.files import PhaseDir
 from orchestrator import nodes
 from orchestrator.errors import ScheduleError
 from orchestrator.schedule import LaunchSection
