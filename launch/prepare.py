@@ -18,7 +18,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from launch import handover, procs
+from launch import handover, procs, rendezvous
 from launch.contract.files import DATA_CACHE
 from launch.contract.spec import PhaseSpec
 from launch.data import SampleOrder, load_examples, load_validation, micro_batch, prepare as prepare_data
@@ -87,7 +87,8 @@ def _start_group(ph: Phase) -> Staging | None:
         staging = Staging(ph.device)
     ph.stage("starting the process group")
     load_comm_ops()
-    deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
+    with rendezvous.bounded(ph.spec.rendezvous_seconds, Path(ph.spec.phase_dir), ph.rank):
+        deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
     unlink_comm_buffers(ph.rank)
     ph.timeline.mark("t_group_ready")
     return staging

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -29,7 +30,12 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
 def record_pid(phase_dir: Path, name: str) -> None:
     """Records this process as ``name`` in the phase directory, so the orchestrator can reap it."""
     me = psutil.Process()
-    PhaseDir(phase_dir).record_pid(name, me.pid, me.create_time())
+    PhaseDir(phase_dir).record_pid(name, me.pid, me.create_time(), node_name())
+
+
+def node_name() -> str:
+    """This process's node: SLURM's name for it in a job (nodes may share a host), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def _watch(pid: int, create_time: float, interval: float) -> None:

@@ -18,6 +18,7 @@ from orchestrator.errors import ScheduleError
 from orchestrator.estimate import PlanEstimate
 from orchestrator.groups import Group
 from orchestrator.handover import Switch
+from orchestrator.nodes import plan_lines
 from orchestrator.pace import Pace, clock
 from orchestrator.plan import plan_phases
 from orchestrator.rundir import LOCK
@@ -54,7 +55,7 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switc
     out.print(table)
     out.print(f"ZeRO stage {s.deepspeed.zero_stage}, {s.model.dtype}, launcher {s.launch.launcher}, "
               f"batch {s.data.batch_size} (micro {s.data.micro_batch_size}), run directory {loaded.output_dir}")
-    for line in switch_lines(switches, host=s.launch.handover == "on"):
+    for line in [*switch_lines(switches, host=s.launch.handover == "on"), *plan_lines(s.launch)]:
         out.print(line, markup=False, highlight=False)
     if estimate:
         device = f", device {format_bytes(device_memory)}" if device_memory is not None else ""

@@ -208,9 +208,14 @@ class LaunchSection(Section):
     nproc: PositiveInt = 1
     """Processes per node."""
     nnodes: PositiveInt = 1
-    """Nodes; more than one needs launcher deepspeed (with hostfile), torchrun or slurm."""
+    """Nodes; more than one needs launcher deepspeed (with hostfile), or slurm or torchrun in a SLURM allocation."""
     hostfile: str | None = None
     """DeepSpeed hostfile for several nodes; relative to the schedule file."""
+    master_addr: Annotated[str, Field(min_length=1)] | None = None
+    """Where phases on several nodes meet: an address of the first node that every node resolves;
+    None: its NodeAddr under SLURM (scontrol show node), the hostfile's first host for deepspeed."""
+    rendezvous_seconds: Annotated[float, Field(gt=0)] = 300.0
+    """How long a phase's processes may take to meet before it fails, naming the address they waited at."""
     grace_seconds: Annotated[float, Field(gt=0)] = 30.0
     """How long a phase gets to stop after SIGTERM before SIGKILL."""
     prewarm: bool = True
@@ -227,7 +232,7 @@ class LaunchSection(Section):
     or 2 and the overlap fits, else through the checkpoint; "on" also without a GPU (through a
     file: for testing the choreography on a CPU); "off" always through the checkpoint."""
 
-    @field_validator("grace_seconds", "pause_preparing_seconds", mode="before")
+    @field_validator("grace_seconds", "pause_preparing_seconds", "rendezvous_seconds", mode="before")
     @classmethod
     def _int_is_float(cls, v: Any) -> Any:
         return float(v) if isinstance(v, int) and not isinstance(v, bool) else v

@@ -50,6 +50,7 @@ from orchestrator import procs
 from orchestrator.errors import PhaseFailed, Preempted
 from orchestrator.groups import Group, PhaseProcesses, log_tail
 from orchestrator.journal import JsonlTail
+from orchestrator.nodes import stopped_outside
 from orchestrator.quiet import Pauser
 from shard_tools.store import Checkpoints
 
@@ -340,7 +341,9 @@ class Supervisor:
         records = {**PhaseDir(phase_dir).read_records(), **getattr(proc, "times", {}), "t_gone": t_gone}
         store = self.ctx.checkpoints
         end = store.at(ph.end_step)
-        state = verdict(self.rc, lambda: not store.faults(end, checksums=False), self.ctx.stop_signal() is not None)
+        # Stopped also where every rank was signalled from outside (scancel --signal=TERM) and wrote its checkpoint.
+        stopped = self.ctx.stop_signal() is not None or stopped_outside(phase_dir, group.world)
+        state = verdict(self.rc, lambda: not store.faults(end, checksums=False), stopped)
         self._enter(state)
         if state is State.DONE:
             # Journaled by the runner once the next phase has its go and the checkpoint is durable.
@@ -356,9 +359,10 @@ class Supervisor:
         kept, manifest, _ = self.ctx.checkpoints.newest_whole(checksums=False)
         step = manifest.global_step if manifest else 0
         self.ctx.event("preempted", phase=ph.index, step=step, signal=sig, rc=self.rc)
-        return Preempted(f"preempted by signal {sig} in phase {ph.index}; kept: the checkpoint at "
+        by = f"signal {sig}" if sig is not None else "a signal to its ranks"
+        return Preempted(f"preempted by {by} in phase {ph.index}; kept: the checkpoint at "
                         f"step {step} ({kept}); run the same command again to resume" if kept else
-                        f"preempted by signal {sig} in phase {ph.index} before any checkpoint; "
+                        f"preempted by {by} in phase {ph.index} before any checkpoint; "
                         "run the same command again to start over")
 
     def _failed(self, end: Path) -> PhaseFailed:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import shutil
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from orchestrator.modelcheck import (
     check_weights, need_file, num_layers_of, path_is, path_kind, position_limit, read_model_config, resolve_path,
     tokenizer_of,
 )
+from orchestrator.nodes import check_launch
 from orchestrator.plan import MAX_PHASES, check_batch, plan_phases
 from orchestrator.schedule import DataSection, LoadedSchedule, Schedule, format_validation
 from shard_tools.tokenizer import MAIN_FILES
@@ -94,8 +94,7 @@ def validate_schedule(
                 raise ScheduleError(f"{source}: {key}: layer {layer} is out of range: the model has {n_layers} "
                                     f"layers (0..{n_layers - 1})")
         check_batch(sched.data, ph.nproc, source, ph.index, nnodes=sched.launch.nnodes)
-    if sched.launch.launcher == "slurm" and shutil.which("srun") is None:
-        raise ScheduleError(f'{source}: launch.launcher: "slurm" starts each phase with srun, which is not on PATH')
+    check_launch(sched.launch, source)
     return loaded
 
 

@@ -18,7 +18,7 @@ DATA_CACHE = "data-cache"
 process that finds it missing) and read by every phase process."""
 PHASES = "phases"
 RANK = "rank-"
-"""How the pid, exit and error files of a rank start (``rank-N``); a launcher's pid is ``launcher``."""
+"""How the pid, exit and error files of a rank start (``rank-N``); a launcher's is ``launcher``, an agent's ``agent-N``."""
 
 
 BLOB = ".bin"
@@ -42,6 +42,7 @@ class PidRecord(_Record):
     pid: PositiveInt
     create_time: float
     """The process's start time: with the pid, a process that no pid reuse can impersonate."""
+    host: str | None = None  # the node it runs on (SLURM's name for it, else the host name)
 
 
 class ExitRecord(_Record):
@@ -106,10 +107,10 @@ class PhaseDir:
         self.records.unlink(missing_ok=True)
         self.stages.unlink(missing_ok=True)
 
-    def record_pid(self, name: str, pid: int, create_time: float) -> None:
+    def record_pid(self, name: str, pid: int, create_time: float, host: str | None = None) -> None:
         """pids/NAME.json, so that the orchestrator can find the process (and reap it)."""
         self.pids.mkdir(parents=True, exist_ok=True)
-        record = PidRecord(pid=pid, create_time=create_time)
+        record = PidRecord(pid=pid, create_time=create_time, host=host)
         write_atomic(self.pids / f"{name}.json", record.model_dump_json(), durable=False)
 
     def pid_records(self, prefix: str = "") -> list[PidRecord]:

@@ -86,6 +86,10 @@ class PhaseSpec(_Spec):
     nnodes: int
     hostfile: str | None
     master_port: int
+    master_addr: str | None = None
+    """Where the processes meet: launch.master_addr, the first node's NodeAddr, or 127.0.0.1."""
+    rendezvous_seconds: float = 300.0
+    """How long its processes may take to meet (launch.rendezvous_seconds)."""
     orchestrator_pid: int | None
     """The worker stops itself when this process is gone (it may have been SIGKILLed)."""
     orchestrator_host: str | None = None
