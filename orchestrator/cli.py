@@ -93,14 +93,14 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
     switches = plan_switches(loaded, phases, estimate, device)
     if device is None:
         print_plan(loaded, phases, switches)
-        _echo_data_line(data)
+        _echo_data_line(loaded, phases, data)
         return
     if estimate is None:
         print_plan(loaded, phases, switches)
         click.echo(f"orchestrator: warning: no memory estimate: {failure}", err=True)
         return
     print_plan(loaded, phases, switches, estimate, device)
-    _echo_data_line(data)
+    _echo_data_line(loaded, phases, data)
     if estimate.unsized:
         click.echo(f"orchestrator: warning: the estimate counts nothing for model.persistent "
                    f"{', '.join(estimate.unsized)}", err=True)
@@ -112,10 +112,15 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
                    f"{format_bytes(device)}", err=True)
 
 
-def _echo_data_line(data: dict) -> None:
+def _echo_data_line(loaded, phases, data: dict) -> None:
+    from orchestrator.space import data_cache_bytes, describe, disk_need, file_system_of
+
     st = data["stats"]
     click.echo(f"data: {st['examples']} examples, {st['rows']} rows of {st['seq_len']} tokens, "
                f"{st['target_tokens']} target tokens, {st['truncated']} truncated (orchestrator data shows more)")
+    need = disk_need(loaded, phases, data_cache_bytes([st, data.get("validation")]))
+    if need is not None:
+        click.echo(describe(need, file_system_of(loaded.output_dir)))
 
 
 @main.command()
