@@ -6,7 +6,7 @@ Sizes follow orchestrator/estimate.py's parameter counts:
     a checkpoint   head x 12 bytes (fp32 master, exp_avg, exp_avg_sq) + the phase's layers x per_layer x 4
                    (their fp32 masters); a stop's mid-phase checkpoint also the body's Adam moments (x 8)
     checkpoints    (keep_last + 1) checkpoints (retention runs after the next one is durable) and the
-                   checkpoints retention keeps as layer sources (``layer_sources``)
+                   layers files of the older checkpoints retention keeps as layer sources (``layer_sources``)
     data cache     the prepared rows: int32 input_ids and labels per token, two int32 per row
     final model    every parameter in model.dtype, where run.final_model
 
@@ -74,10 +74,12 @@ def disk_need(loaded: LoadedSchedule, phases: list[Phase], data_bytes: int) -> D
     widest = max(len(p.layers) for p in phases)
     full = _full(count, trained_head(loaded, count), widest)
     stop = widest * count.per_layer * (ADAM_BYTES - MASTER_BYTES)  # a stop's body optimizer state
-    # Retention runs once the next checkpoint is durable: keep_last + 1 for a while.
-    kept = min(s.checkpoint.keep_last + 1, len(phases) + 1) + layer_sources(phases, s.checkpoint.keep_last)
+    # Retention runs once the next checkpoint is durable: keep_last + 1 for a while. An older
+    # checkpoint kept as a layer source keeps its layers file alone.
+    kept = min(s.checkpoint.keep_last + 1, len(phases) + 1)
+    sources = layer_sources(phases, s.checkpoint.keep_last) * _full(count, 0, widest)
     final = count.total * DTYPE_BYTES[s.model.dtype] if s.run.final_model else 0
-    return DiskNeed(checkpoints=kept * full + stop, data_cache=data_bytes, final=final)
+    return DiskNeed(checkpoints=kept * full + stop + sources, data_cache=data_bytes, final=final)
 
 
 @dataclass(frozen=True)
