@@ -44,7 +44,7 @@
 # On a CPU, for trying the script itself (tiny shapes, a few minutes each):
 #     OUT=/tmp/o DS_ACCELERATOR=cpu I29_TINY=1 bash benchmarks/run_issue29.sh peer7b
 set -uo pipefail
-STEP=${1:?usage: run_issue29.sh peer7b|lisa7b|big|big13|big30}
+STEP=${1:?usage: run_issue29.sh peer7b|lisa7b|lisa13|big|big13|big30}
 : "${OUT:?set OUT to the folder the results go to}"
 T0=$(date +%s)
 S=${I29_SCRATCH:-/tmp/i29}
@@ -77,9 +77,12 @@ pack() {  # each packer its own temporary: one killed mid-way leaves nothing tha
 PACKER=$!
 finish() {
     kill $PACKER 2>/dev/null
+    wait $PACKER 2>/dev/null  # a packer cut off mid-way must not rename its older archive over the last one
     $PY benchmarks/_issue29_readme.py "$S/results" "$S/results/README.md" && cp "$S/results/README.md" "$OUT/"
     [ -f "$S/results/peer7b/peer.png" ] && cp "$S/results/peer7b/peer.png" "$OUT/"
     pack
+    # The results alone, once more, whatever became of the packer's archive (one came back without them).
+    tar -czf "$OUT/results-$STEP.tgz" -C "$S" results 2>/dev/null
     rm -f "$OUT"/.results-*.tgz  # at most 8 files come back
     say "done"
 }
@@ -159,5 +162,6 @@ case "$STEP" in
     big13) big13 ;;
     big30) big30 ;;
     big) big13; big30 ;;
-    *) say "unknown step $STEP (peer7b, lisa7b, big, big13, big30)"; exit 2 ;;
+    lisa13) lisa7b; big13 ;;  # one machine start for both (~7 min)
+    *) say "unknown step $STEP (peer7b, lisa7b, lisa13, big, big13, big30)"; exit 2 ;;
 esac

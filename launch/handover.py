@@ -10,8 +10,9 @@ pickled: the offer is JSON, CUDA IPC's handles in it base64.
 
 Transports: ``cuda`` (CUDA IPC, both processes on the same GPU, matched by UUID) and ``host``
 (the bytes in a 0600 file in the predecessor's phase directory: the same choreography without a
-GPU, for testing it on a CPU; ``launch.handover = "on"``). The verified recipe is in
-``shared/notes/deepspeed.md``; the floor it measured is in benchmarks/results/2026-12-01-ipc-handover-h200/.
+GPU, for testing it on a CPU; ``launch.handover = "on"``). The recipe was verified on one H200
+(torch 2.11) by ``benchmarks/handover.py``, whose measured floor is in
+benchmarks/results/2026-12-01-ipc-handover-h200/.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from launch import faults, zero_state
-from launch.contract import Answer, Offer, PhaseDir, TensorRef
+from launch.contract.files import Answer, Offer, PhaseDir, TensorRef
 from launch.record import Phase, Prepared
 from launch.save import snapshot
 from shard_tools.errors import CheckpointError
@@ -238,7 +239,12 @@ def take(ph: Phase, source: Path) -> PhaseState | None:
     files.write_answer(ph.rank, Answer(taken=reason is None, by="successor", reason=reason or ""))
     ph.timeline.mark("t_taken")
     ph.timeline.add(handover="device" if reason is None else "checkpoint", handover_reason=reason)
-    return carried if reason is None else None
+    if reason is not None:
+        return None
+    # After the answer: these come from committed checkpoints, not the predecessor, which need not
+    # wait for them to free its device and write its own.
+    _layers_trained_between(ph, offered.carried, frozenset(carried.masters))
+    return carried
 
 
 def _copy_in(ph: Phase, offered: Offer, blob: Path) -> PhaseState:
@@ -268,7 +274,6 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path) -> PhaseState:
     carried = offered.carried
     made.trained.update(head["master"])
     made.trained.update(layers)
-    _layers_trained_between(ph, carried, frozenset(layers))
     return PhaseState(
         step=carried["global_step"], phase=carried["phase"], layers=carried["layers"], phase_complete=True,
         head_step=carried["head_step"], body_step=carried["body_step"], head=head, masters=layers,
