@@ -21,7 +21,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch.contract import DATA_CACHE
+from launch.contract.files import DATA_CACHE
 from orchestrator.errors import ScheduleError
 from orchestrator.estimate import (
     ADAM_BYTES, DTYPE_BYTES, MASTER_BYTES, EstimateError, ParamCount, model_config, param_count, trained_head,
