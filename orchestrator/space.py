@@ -53,10 +53,12 @@ def data_cache_bytes(stats: list[dict | None]) -> int:
 
 
 def layer_sources(phases: list[Phase], keep_last: int) -> int:
-    """The older checkpoints retention keeps for their layers alone: at most one for each layer
-    trained (the one holding its newest copy), and no more than the checkpoints beyond keep_last."""
+    """The older checkpoints retention keeps for their layers alone, at most: one for each layer
+    trained (its newest copy, which the newest checkpoint composes) and, for each older kept
+    checkpoint, one for each layer a newer kept one retrained; no more than the checkpoints beyond keep_last."""
     trained = len({layer for p in phases for layer in p.layers})
-    return min(trained, max(len(phases) - keep_last, 0))
+    widest = max(len(p.layers) for p in phases)
+    return min(trained + (keep_last - 1) * widest, max(len(phases) - keep_last, 0))
 
 
 def _full(count: ParamCount, head: int, layers: int) -> int:
