@@ -93,14 +93,14 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
     switches = plan_switches(loaded, phases, estimate, device)
     if device is None:
         print_plan(loaded, phases, switches)
-        _echo_data_line(loaded, data)
+        _echo_data_line(loaded, phases, data)
         return
     if estimate is None:
         print_plan(loaded, phases, switches)
         click.echo(f"orchestrator: warning: no memory estimate: {failure}", err=True)
         return
     print_plan(loaded, phases, switches, estimate, device)
-    _echo_data_line(loaded, data)
+    _echo_data_line(loaded, phases, data)
     if estimate.unsized:
         click.echo(f"orchestrator: warning: the estimate counts nothing for model.persistent "
                    f"{', '.join(estimate.unsized)}", err=True)
@@ -116,7 +116,9 @@ LAYOUTS = {"pad": "one example a row, padded or cut to", "stream": "one stream c
            "whole": "examples packed whole into rows of"}
 
 
-def _echo_data_line(loaded, data: dict) -> None:
+def _echo_data_line(loaded, phases, data: dict) -> None:
+    from orchestrator.space import data_cache_bytes, describe, disk_need, file_system_of
+
     st, train = data["stats"], data["stats"]["train"]
     click.echo(f"data: {train['examples']} examples, {train['rows']} rows of {st['seq_len']} tokens "
                f"({st['layout']}), {train['target_tokens']} target tokens, {train['truncated']} truncated "
@@ -126,6 +128,10 @@ def _echo_data_line(loaded, data: dict) -> None:
     if loaded.schedule.schedule.epochs is not None:
         click.echo(f"schedule: epochs = {loaded.schedule.schedule.epochs:g} of {train['rows']} rows at data.batch_size "
                    f"{loaded.schedule.data.batch_size}: total_steps = {loaded.total_steps}")
+    splits = [{**split, "seq_len": st["seq_len"]} for split in (train, st["validation"]) if split]
+    need = disk_need(loaded, phases, data_cache_bytes(splits))
+    if need is not None:
+        click.echo(describe(need, file_system_of(loaded.output_dir)))
 
 
 def _source_line(src: dict) -> str:

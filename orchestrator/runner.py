@@ -29,6 +29,7 @@ from orchestrator.rundir import SCHEDULE_COPY, RunLock, create_run_dir, read_cop
 from orchestrator.phasespec import phase_spec, plan_estimate
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import LoadedSchedule, Phase
+from orchestrator.space import check_space
 from orchestrator.supervisor import Context, Observer, State, Supervisor
 from shard_tools.history import read_journal, replay
 from shard_tools.store import Checkpoints
@@ -115,6 +116,7 @@ class Runner:
         # Prepared once, here; the data of a new run before its directory exists (bad data: exit 2).
         staged = None if (self.run_dir / SCHEDULE_COPY).exists() else stage_data(self.loaded, STOP_SIGNALS)
         try:
+            check_space(self.loaded, self.phases, staged)  # before any phase process: exit 2, nothing written
             fresh = self._prepare_run_dir()
         except BaseException:
             if staged:

@@ -251,7 +251,7 @@ class CheckpointSection(Section):
     every_steps: NonNegInt = 0
     """Mid-phase checkpoints for preemption; 0: only at phase ends."""
     keep_last: PositiveInt = 2
-    """Checkpoints kept; older ones go, except what a kept one still needs."""
+    """Checkpoints kept whole; of older ones only the layers files a kept one composes from stay."""
 
 
 class Schedule(Section):
