@@ -56,7 +56,7 @@ class Zygote:
                 continue
         from launch.ops import load_comm_ops
 
-        load_comm_ops()  # cached in every forked phase: none of them touches the build lock
+        load_comm_ops()  # cached in every forked phase: none of them takes the build lock
 
         base = model_spec(spec)
         self.model = build_base_model(base)
