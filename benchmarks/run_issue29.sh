@@ -77,9 +77,12 @@ pack() {  # each packer its own temporary: one killed mid-way leaves nothing tha
 PACKER=$!
 finish() {
     kill $PACKER 2>/dev/null
+    wait $PACKER 2>/dev/null  # a packer cut off mid-way must not rename its older archive over the last one
     $PY benchmarks/_issue29_readme.py "$S/results" "$S/results/README.md" && cp "$S/results/README.md" "$OUT/"
     [ -f "$S/results/peer7b/peer.png" ] && cp "$S/results/peer7b/peer.png" "$OUT/"
     pack
+    # The results alone, once more, whatever became of the packer's archive (one came back without them).
+    tar -czf "$OUT/results-$STEP.tgz" -C "$S" results 2>/dev/null
     rm -f "$OUT"/.results-*.tgz  # at most 8 files come back
     say "done"
 }

@@ -238,7 +238,12 @@ def take(ph: Phase, source: Path) -> PhaseState | None:
     files.write_answer(ph.rank, Answer(taken=reason is None, by="successor", reason=reason or ""))
     ph.timeline.mark("t_taken")
     ph.timeline.add(handover="device" if reason is None else "checkpoint", handover_reason=reason)
-    return carried if reason is None else None
+    if reason is not None:
+        return None
+    # After the answer: these come from committed checkpoints, not the predecessor, which need not
+    # wait for them to free its device and write its own.
+    _layers_trained_between(ph, offered.carried, frozenset(carried.masters))
+    return carried
 
 
 def _copy_in(ph: Phase, offered: Offer, blob: Path) -> PhaseState:
@@ -268,7 +273,6 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path) -> PhaseState:
     carried = offered.carried
     made.trained.update(head["master"])
     made.trained.update(layers)
-    _layers_trained_between(ph, carried, frozenset(layers))
     return PhaseState(
         step=carried["global_step"], phase=carried["phase"], layers=carried["layers"], phase_complete=True,
         head_step=carried["head_step"], body_step=carried["body_step"], head=head, masters=layers,

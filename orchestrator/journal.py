@@ -12,6 +12,12 @@ from typing import Any
 from shard_tools.history import JOURNAL
 
 
+# Events that only tell what happened (no replay reads them), written during a switch: an fsync
+# there waits behind the committer's multi-GB fsync of a checkpoint (one journal commit of the file
+# system holds both), which at 7B on an H200 put 0.4-0.7 s into switches (benchmarks/_switch_gaps.py).
+UNSYNCED = frozenset({"preparing_paused", "preparing_resumed", "prewarm_started"})
+
+
 class Journal:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / JOURNAL
@@ -21,7 +27,8 @@ class Journal:
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
         try:
             os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
-            os.fsync(fd)
+            if event not in UNSYNCED:
+                os.fsync(fd)
         finally:
             os.close(fd)
         return record
