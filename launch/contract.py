@@ -14,6 +14,7 @@ import math
 import os
 import select
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,6 +175,7 @@ def lr_at(step: int, opt) -> float:
 PHASES = "phases"
 RANK = "rank-"
 """How the pid, exit and error files of a rank start (``rank-N``); a launcher's pid is ``launcher``."""
+DUMP_STACKS = signal.SIGUSR2  # a rank writes all its threads' Python stacks to its stacks file on it
 
 
 def rank_name(rank: int) -> str:
@@ -246,6 +248,7 @@ class PhaseDir:
         self.exits = self.path / "exit"
         """Forked ranks' exit codes, written by the fork server that reaped them."""
         self.errors = self.path / "errors"
+        self.stacks = self.path / "stacks"  # rank-N.txt: rank N's Python stacks, appended at each DUMP_STACKS
         self.handover = self.path / "handover"
         """The phase's offers to its successor (``Offer``), their answers (``Answer``) and, for
         the host transport, the offered bytes; all 0600."""
@@ -344,8 +347,7 @@ class TensorRef(_Record):
 
 
 class Offer(_Record):
-    """handover/offer-rank-N.json: rank N's state for the successor's rank N, where it lies: its
-    weights, buffers and fp32 state, named as ``launch.handover`` packs them."""
+    """handover/offer-rank-N.json: rank N's state for the successor's rank N, as ``launch.handover`` packs it."""
 
     pid: int
     device: str
@@ -360,8 +362,7 @@ class Offer(_Record):
 
 
 class Answer(_Record):
-    """handover/answer-rank-N.json: the successor's rank N has its copy (``taken``) or will read the
-    checkpoint instead; the orchestrator answers "not taken" for a successor that is gone."""
+    """handover/answer-rank-N.json: the successor's rank N has its copy (``taken``) or reads the checkpoint."""
 
     taken: bool
     by: Literal["successor", "orchestrator"]
@@ -388,8 +389,7 @@ def read_reasons(paths: list[Path]) -> list[str]:
 
 
 def _read(kind: type[_R], path: Path) -> _R | None:
-    """The record in ``path``, or None: missing, unreadable, torn, or not one."""
-    try:
+    try:  # None: missing, unreadable, torn, or not one
         return kind.model_validate_json(path.read_bytes())
     except (OSError, ValidationError):
         return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -23,7 +24,7 @@ import traceback
 import psutil
 
 from launch import procs
-from launch.contract import FORK_REQUESTS, PhaseDir, PhaseSpec, RunDir, rank_name, write_reason
+from launch.contract import DUMP_STACKS, FORK_REQUESTS, PhaseDir, PhaseSpec, RunDir, rank_name, write_reason
 
 # Modules a phase's first optimizer and first deepspeed.initialize import; importing them here (no
 # device is touched by importing) saves every forked phase that part of its warm-up. The biggest:
@@ -129,6 +130,9 @@ def serve(spec: PhaseSpec, requests: str) -> None:
     procs.set_parent_death_signal()
     if spec.orchestrator_pid is not None:
         procs.watch_orchestrator(spec.orchestrator_pid)
+    # Its ranks are recorded as soon as forked: a stack dump asked for before one registered for it
+    # (launch.procs.guard_process) must not end it, as the signal's default would.
+    signal.signal(DUMP_STACKS, signal.SIG_IGN)
     zygote = Zygote(spec)
     threading.Thread(target=zygote.reap_forever, daemon=True, name="reaper").start()
     fd = os.open(requests, os.O_RDONLY)

@@ -10,7 +10,9 @@ up): the pre-warmed phases after the next stay paused (``orchestrator.quiet``), 
 further ahead start only then. ENDING is from the phase's last step on: the successors after the
 next are paused for the coming switch. STOPPING forwards the orchestrator's stop signal to every
 rank, which finishes its step and writes a checkpoint, for ``launch.grace_seconds`` at most.
-REAPING makes sure no process of the group is left; the result is judged after it.
+REAPING makes sure no process of the group is left; the result is judged after it. A live state
+that makes no progress for ``launch.stall_seconds`` (``orchestrator.watchdog``; a handed-over
+group's too) has its ranks' stacks written and goes to REAPING, then FAILED as stalled.
 
 HANDING_OVER (``launch.handover``): every rank has offered its state to the successor, and the
 group, alive, is handed to the runner, which gives the successor its go; the successor's
@@ -26,6 +28,7 @@ stages and every line of metrics.jsonl, which the supervisor reads once for itse
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from dataclasses import dataclass, field
@@ -38,10 +41,11 @@ import psutil
 from launch.contract import RANK, PhaseDir, RunDir
 
 from orchestrator import procs
-from orchestrator.errors import PhaseFailed, Preempted
+from orchestrator.errors import PhaseFailed, Preempted, Stalled
 from orchestrator.groups import Group, PhaseProcesses, log_tail
 from orchestrator.journal import JsonlTail
 from orchestrator.quiet import Pauser
+from orchestrator.watchdog import Watchdog, dump_stacks
 from shard_tools.store import Checkpoints
 
 POLL_SECONDS = 0.02
@@ -109,6 +113,8 @@ class Context:
     flush: Callable[[], None] = lambda: None
     """Waits for every finished phase's checkpoint to be durable and journals them done: called
     before a stop or a failure is journaled, so that it is the journal's last word."""
+    stall_seconds: float = math.inf
+    """``launch.stall_seconds`` (``orchestrator.watchdog``)."""
 
 
 def verdict(rc: int, end_whole: Callable[[], bool], stopped: bool) -> State:
@@ -148,6 +154,9 @@ class Supervisor:
         self.pids: set[int] = set()
         self.handed_over = False
         """Every rank offered its state (HANDING_OVER): what follows is written, not trained."""
+        self.watchdog = Watchdog(context.stall_seconds, self.run_dir)
+        self.stall: tuple[float, Path, str] | None = None
+        """Seconds without progress, the stacks' folder and rank 0's innermost frames, once stalled."""
 
     def run(self) -> None:
         """Returns once the phase is done (``group.end`` and ``group.records`` set) or hands its
@@ -229,7 +238,7 @@ class Supervisor:
     def _watch(self) -> bool:
         """One look at the group: False once it is to be reaped (it ended, or a stop's grace is up)."""
         self._follow_predecessor()
-        if self.group.proc.poll() is not None:
+        if self.group.proc.poll() is not None or self._stalled():
             return False
         if self.handed_over:  # it writes its checkpoint; only a stop's grace bounds that
             if self.ctx.stop_signal() is not None and self.state is not State.STOPPING:
@@ -259,10 +268,21 @@ class Supervisor:
             return  # what follows is the successor's, which its own supervisor reads
         for stage in self.stages.new():
             self.ctx.observer.on_stage(stage)
+            self.watchdog.moved()
         for m in self.metrics.new():
             self.ctx.observer.on_metric(m)
             if m.get("phase") == self.phase.index and "loss" in m:
                 self.done = max(self.done, m["step"])
+                self.watchdog.moved()
+
+    def _stalled(self) -> bool:
+        """No progress for too long (a stop's grace aside): the ranks' stacks are written, the group is to be reaped.
+        It is quiet (``watchdog.QUIET_ALLOWANCE``) before its first step and while it writes a checkpoint."""
+        quiet = self.handed_over or self.state is not State.TRAINING or self.done == self.work.start_step
+        idle = None if self.stop_at is not None else self.watchdog.stalled(quiet)
+        if idle is not None:
+            self.stall = (idle, *dump_stacks(self.group.phase_dir))
+        return idle is not None
 
     def _switching(self) -> None:
         """SWITCHING -> TRAINING once the first step is done, or the pause has lasted long enough."""
@@ -326,7 +346,8 @@ class Supervisor:
         records = {**self._records(phase_dir), **getattr(proc, "times", {}), "t_gone": t_gone}
         store = Checkpoints(self.run_dir)
         end = store.at(ph.end_step)
-        state = verdict(self.rc, lambda: not store.faults(end, checksums=False), self.ctx.stop_signal() is not None)
+        state = State.FAILED if self.stall else verdict(self.rc, lambda: not store.faults(end, checksums=False),
+                                                        self.ctx.stop_signal() is not None)
         self._enter(state)
         if state is State.DONE:
             # Journaled by the runner once the next phase has its go and the checkpoint is durable.
@@ -334,7 +355,7 @@ class Supervisor:
             return
         self.ctx.abort(self.pending)
         self.ctx.flush()
-        raise self._preempted() if state is State.PREEMPTED else self._failed(end)
+        raise self._preempted() if state is State.PREEMPTED else self._stalled_error() if self.stall else self._failed(end)
 
     def _preempted(self) -> Preempted:
         ph, sig = self.phase, self.ctx.stop_signal()
@@ -345,6 +366,15 @@ class Supervisor:
                         f"step {step} ({kept}); run the same command again to resume" if kept else
                         f"preempted by signal {sig} in phase {ph.index} before any checkpoint; "
                         "run the same command again to start over")
+
+    def _stalled_error(self) -> Stalled:
+        ph, (idle, folder, frames) = self.phase, self.stall
+        what = f"phase {ph.index} (steps {self.work.start_step}-{ph.end_step - 1}, layers {list(ph.layers)})"
+        self.ctx.event("phase_stalled", phase=ph.index, seconds=round(idle, 1), stacks=str(folder),
+                       reason=f"no progress for {idle:.0f} s")
+        return Stalled(f"{what} stalled: no progress for {idle:.0f} s (launch.stall_seconds "
+                       f"{self.ctx.stall_seconds:g}); it was ended, earlier checkpoints are intact; run the same command "
+                       f"again to resume.\nevery rank's stacks: {folder}\nrank 0 was in:\n{frames or '  (no rank had started)'}")
 
     def _failed(self, end: Path) -> PhaseFailed:
         work, ph, rc = self.work, self.phase, self.rc
