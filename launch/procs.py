@@ -15,7 +15,8 @@ from typing import Callable
 
 import psutil
 
-from launch.contract import DUMP_STACKS, GO, PhaseDir, rank_name
+from launch.contract.channels import GO
+from launch.contract.files import DUMP_STACKS, PhaseDir, rank_name
 
 PR_SET_PDEATHSIG = 1
 

@@ -19,7 +19,7 @@ from typing import Callable
 
 import psutil
 
-from launch.contract import RunDir
+from launch.contract.files import RunDir
 from orchestrator import procs
 
 BACKSTOP_SECONDS = 5.0

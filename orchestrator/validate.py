@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from launch.contract import is_template_path
+from launch.contract.spec import is_template_path
 from orchestrator.errors import ScheduleError
 from orchestrator.modelcheck import (
     check_weights, need_file, num_layers_of, path_is, path_kind, position_limit, read_model_config, resolve_path,

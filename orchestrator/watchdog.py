@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from launch.contract import DUMP_STACKS, RANK, PhaseDir
+from launch.contract.files import DUMP_STACKS, RANK, PhaseDir
 from orchestrator import procs
 from shard_tools.store import Checkpoints
 

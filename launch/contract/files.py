@@ -1,0 +1,252 @@
+"""RUN_DIR's and each phase directory's files that the orchestrator and the phase processes both
+use, with their one writer and one reader."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
+
+from shard_tools.files import write_atomic, write_new
+
+DATA_CACHE = "data-cache"
+"""RUN_DIR/data-cache: the prepared data, made by the orchestrator's data step (or the first phase
+process that finds it missing) and read by every phase process."""
+PHASES = "phases"
+RANK = "rank-"
+"""How the pid, exit and error files of a rank start (``rank-N``); a launcher's pid is ``launcher``."""
+DUMP_STACKS = signal.SIGUSR2
+"""On it, every phase process appends all its threads' Python stacks to ``PhaseDir.stacks``/rank-N.txt."""
+
+
+BLOB = ".bin"
+"""How a rank's offered bytes (the host transport of the handover) end: ``handover/rank-N.bin``."""
+
+
+def rank_name(rank: int) -> str:
+    return f"{RANK}{rank}"
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True)
+
+
+_R = TypeVar("_R", bound=_Record)
+
+
+class PidRecord(_Record):
+    """pids/NAME.json."""
+
+    pid: PositiveInt
+    create_time: float
+    """The process's start time: with the pid, a process that no pid reuse can impersonate."""
+
+
+class ExitRecord(_Record):
+    """exit/rank-N.json."""
+
+    rc: int
+    time: float = 0.0
+    """When the fork server reaped the rank."""
+
+
+class RunDir:
+    """RUN_DIR's files that the orchestrator and the phase processes both use."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.zygote_fifo = self.path / "zygote.fifo"
+        """The fork server's requests (``FORK_REQUESTS``)."""
+        self.zygote_log = self.path / "zygote.log"
+        self.zygote_error = self.path / "zygote.error"
+        """Why the fork server failed (``write_reason``)."""
+        self.metrics = self.path / "metrics.jsonl"  # a line a step, by rank 0; the orchestrator tails it
+
+    def phase(self, index: int) -> PhaseDir:
+        return PhaseDir(self.path / PHASES / f"phase-{index:04d}")
+
+    def phase_dirs(self) -> list[PhaseDir]:
+        return [PhaseDir(p) for p in sorted((self.path / PHASES).glob("phase-*"))]
+
+
+class PhaseDir:
+    """RUN_DIR/phases/phase-NNNN: what one phase's processes and the orchestrator leave each other.
+
+    Every file here is written whole (renamed into place) or appended by lines, and every reader
+    takes a missing or unreadable file as "not there yet": the writer may still be starting, or
+    may have been killed.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.spec = self.path / "spec.json"
+        """The ``PhaseSpec``, written by the orchestrator before the phase's processes start."""
+        self.log = self.path / "worker.log"
+        """Every process of the phase logs here (stdout and stderr)."""
+        self.go = self.path / "go"
+        """A pre-warmed phase's go channel (``GO``), a FIFO."""
+        self.records = self.path / "records.json"
+        """Rank 0's timings and measurements, written once at its end."""
+        self.stages = self.path / "stages.jsonl"
+        """What rank 0 is doing before its first step, one JSON object a line, for the display."""
+        self.pids = self.path / "pids"
+        self.exits = self.path / "exit"
+        """Forked ranks' exit codes, written by the fork server that reaped them."""
+        self.errors = self.path / "errors"
+        self.stacks = self.path / "stacks"  # rank-N.txt: rank N's Python stacks, appended at each DUMP_STACKS
+        self.handover = self.path / "handover"
+        """The phase's offers to its successor (``Offer``), their answers (``Answer``) and, for
+        the host transport, the offered bytes; all 0600."""
+
+    def clear(self) -> None:
+        """Removes what an earlier attempt at the phase left, before a new one starts."""
+        for stale in (self.pids, self.errors, self.exits, self.handover):
+            shutil.rmtree(stale, ignore_errors=True)
+        self.records.unlink(missing_ok=True)
+        self.stages.unlink(missing_ok=True)
+
+    def record_pid(self, name: str, pid: int, create_time: float) -> None:
+        """pids/NAME.json, so that the orchestrator can find the process (and reap it)."""
+        self.pids.mkdir(parents=True, exist_ok=True)
+        record = PidRecord(pid=pid, create_time=create_time)
+        write_atomic(self.pids / f"{name}.json", record.model_dump_json(), durable=False)
+
+    def pid_records(self, prefix: str = "") -> list[PidRecord]:
+        """The readable pid files whose names start with ``prefix``, in name order."""
+        records = (_read(PidRecord, f) for f in sorted(self.pids.glob(f"{prefix}*.json")))
+        return [r for r in records if r is not None]
+
+    def write_exit(self, rank: int, rc: int, at: float) -> None:
+        self.exits.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.exits / f"{rank_name(rank)}.json", ExitRecord(rc=rc, time=at).model_dump_json(),
+                     durable=False)
+
+    def read_exit(self, rank: int) -> ExitRecord | None:
+        """How a forked rank ended; None until the fork server has reaped it."""
+        return _read(ExitRecord, self.exits / f"{rank_name(rank)}.json")
+
+    def write_error(self, rank: int, error: BaseException) -> None:
+        """errors/rank-N.txt: the reason a rank failed, where the orchestrator looks for it."""
+        write_reason(self.errors / f"{rank_name(rank)}.txt", error)
+
+    def error_reasons(self) -> list[str]:
+        return read_reasons(sorted(self.errors.glob(f"{RANK}*.txt")))
+
+    def write_records(self, records: dict[str, Any]) -> None:
+        # Read by the orchestrator while it runs only: a power cut loses it with the phase anyway.
+        write_atomic(self.records, json.dumps(records, indent=1), durable=False)
+
+    def read_records(self) -> dict[str, Any]:
+        """The records, or {} where the phase wrote none (it failed, or was killed first)."""
+        try:
+            records = json.loads(self.records.read_bytes())
+        except (OSError, ValueError):
+            return {}
+        return records if isinstance(records, dict) else {}
+
+    # -- the handover (``HandoverPart``): written by the phase, its successor, the orchestrator
+    def offer_path(self, rank: int) -> Path:
+        return self.handover / f"offer-{rank_name(rank)}.json"
+
+    def answer_path(self, rank: int) -> Path:
+        return self.handover / f"answer-{rank_name(rank)}.json"
+
+    def blob_path(self, rank: int) -> Path:
+        """The host transport's bytes of rank N's offer."""
+        return self.handover / f"{rank_name(rank)}{BLOB}"
+
+    def blobs(self) -> list[Path]:
+        """Every rank's host-transport bytes that are there (removed once the phase is gone)."""
+        return sorted(self.handover.glob(f"{RANK}*{BLOB}"))
+
+    def write_offer(self, rank: int, offer: Offer) -> None:
+        self.handover.mkdir(mode=0o700, exist_ok=True)
+        write_atomic(self.offer_path(rank), offer.model_dump_json(), mode=0o600, durable=False)
+
+    def read_offer(self, rank: int) -> Offer | None:
+        return _read(Offer, self.offer_path(rank))
+
+    def offered(self, nproc: int) -> bool:
+        """Every rank has made its offer (the orchestrator's cue for the successor's go)."""
+        return all(self.read_offer(r) is not None for r in range(nproc))
+
+    def write_answer(self, rank: int, answer: Answer) -> bool:
+        """Answers rank N's offer; False where it was answered already (the first answer stands)."""
+        self.handover.mkdir(mode=0o700, exist_ok=True)
+        return write_new(self.answer_path(rank), answer.model_dump_json(), mode=0o600)
+
+    def read_answer(self, rank: int) -> Answer | None:
+        return _read(Answer, self.answer_path(rank))
+
+    def append_stage(self, name: str) -> None:
+        with open(self.stages, "a") as f:
+            f.write(json.dumps({"time": time.time(), "stage": name}) + "\n")
+
+
+class TensorRef(_Record):
+    """One tensor of an offer: a view into one of its blocks (``dtype`` as in ``torch.bfloat16``,
+    ``offset`` in elements)."""
+
+    name: str
+    block: int
+    dtype: str
+    shape: list[int]
+    stride: list[int]
+    offset: int
+
+
+class Offer(_Record):
+    """handover/offer-rank-N.json: rank N's state for the successor's rank N, where it lies: its
+    weights, buffers and fp32 state, named as ``launch.handover`` packs them."""
+
+    pid: int
+    device: str
+    """The device's UUID; "host" for the host transport."""
+    transport: Literal["cuda", "host"]
+    blocks: list[dict[str, Any]]
+    """Per shared block, how to map it: CUDA IPC's fields (bytes in base64), or offset and size."""
+    tensors: list[TensorRef]
+    carried: dict[str, Any]
+    """What a checkpoint's manifest and state file would tell the successor: the steps, the loss
+    scale, the checkpoint the predecessor is about to commit."""
+
+
+class Answer(_Record):
+    """handover/answer-rank-N.json: the successor's rank N has its copy (``taken``) or will read the
+    checkpoint instead; the orchestrator answers "not taken" for a successor that is gone."""
+
+    taken: bool
+    by: Literal["successor", "orchestrator"]
+    reason: str = ""
+
+
+def write_reason(path: Path, error: BaseException) -> None:
+    """One line naming the error, for the orchestrator to name in the failure it reports."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, f"{type(error).__name__}: {error}\n", durable=False)
+
+
+def read_reasons(paths: list[Path]) -> list[str]:
+    """The distinct reasons in errors files (one per rank that failed; ranks often agree)."""
+    reasons: list[str] = []
+    for path in paths:
+        try:
+            text = path.read_text(errors="replace").strip()
+        except OSError:
+            continue
+        if text and text not in reasons:
+            reasons.append(text)
+    return reasons
+
+
+def _read(kind: type[_R], path: Path) -> _R | None:
+    """The record in ``path``, or None: missing, unreadable, torn, or not one."""
+    try:
+        return kind.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError):
+        return None
