@@ -6,8 +6,8 @@ PYTHONPATH (tests/faults/); the fork server imports it before it forks, so its c
 the handlers. Points:
 
 - ``checkpoint.file_written`` (``name``: the file): one checkpoint file is written in full.
-- ``phase.first_step`` (``prewarm``: whether the phase was pre-warmed): a phase is about to take
-  its first step.
+- ``phase.first_step`` (``prewarm``: whether the phase was pre-warmed; ``phase``: its index): a
+  phase is about to take its first step.
 - ``handover.offered`` (``rank``): a finished phase's rank has written its offer
   (``launch.handover``), before it waits for the answer.
 - ``handover.copying`` (``rank``): a successor's rank has mapped its predecessor's offer, before

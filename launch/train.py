@@ -41,7 +41,7 @@ def train(ph: Phase, stop: dict) -> bool:
     metrics = RunDir(ph.run_dir).metrics
     step_times: list[float] = []
     ph.step = spec.start_step
-    faults.point("phase.first_step", prewarm=spec.prewarm)
+    faults.point("phase.first_step", prewarm=spec.prewarm, phase=spec.phase)
     ph.stage("first step")
     while ph.step < spec.end_step:
         stop_asked = _step(ph, stop, metrics, step_times)

@@ -197,11 +197,12 @@ def run_state(run_dir: Path, events: list[dict]) -> str:
         finally:
             os.close(fd)
     last = next((e for e in reversed(events) if e["event"] in
-                 ("run_done", "preempted", "phase_failed", "run_failed", "phase_started", "run_started", "resumed")),
-                {"event": None})
-    if last["event"] in ("phase_failed", "run_failed"):
-        where = f"phase {last['phase']}: " if last["event"] == "phase_failed" else ""
-        return f"failed ({where}{last.get('reason') or 'no reason recorded'})"
+                 ("run_done", "preempted", "phase_failed", "phase_stalled", "run_failed", "phase_started", "run_started",
+                  "resumed")), {"event": None})
+    if last["event"] in ("phase_failed", "phase_stalled", "run_failed"):
+        where = f"phase {last['phase']}: " if last["event"] != "run_failed" else ""
+        how = "stalled" if last["event"] == "phase_stalled" else "failed"
+        return f"{how} ({where}{last.get('reason') or 'no reason recorded'})"
     return {"run_done": "done", "preempted": "preempted", None: "not started"}.get(
         last["event"], "stopped (the orchestrator was killed; run again to resume)")
 

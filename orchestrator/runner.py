@@ -15,7 +15,7 @@ from typing import Callable
 
 from launch.contract.files import RunDir
 
-from orchestrator import devmem, final, procs
+from orchestrator import backstop, devmem, final, procs
 from orchestrator.datastep import adopt_data, stage_data
 from orchestrator.groups import Group, PhaseProcesses, Work
 from orchestrator.errors import PhaseFailed, Preempted, RelayerError
@@ -99,7 +99,7 @@ class Runner:
             run_dir=self.run_dir, grace=loaded.schedule.launch.grace_seconds, groups=self.groups,
             pauser=self.pauser, event=self._event, stop_signal=lambda: self.stop_signal, abort=self._abort,
             checkpoints=self.checkpoints, observer=observer or Observer(), tick=self.committer.poll,
-            flush=self._commit_all)
+            flush=self._commit_all, stall_seconds=loaded.schedule.launch.stall_seconds)
 
     # -- entry ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -130,6 +130,7 @@ class Runner:
             old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
             for s in STOP_SIGNALS:
                 signal.signal(s, self._on_signal)
+            disarm = backstop.arm(self.run_dir, self.loaded.schedule.launch.grace_seconds, STOP_SIGNALS)
             try:
                 self._loop(fresh)
             except (PhaseFailed, Preempted):
@@ -140,6 +141,7 @@ class Runner:
             finally:
                 self._commit_all()  # a phase done before a failure or a stop is journaled done
                 self.groups.stop_fork_server()
+                disarm()
                 for s, h in old.items():
                     signal.signal(s, h)
 

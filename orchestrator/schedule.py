@@ -218,6 +218,11 @@ class LaunchSection(Section):
     """How long a phase's processes may take to meet before it fails, naming the address they waited at."""
     grace_seconds: Annotated[float, Field(gt=0)] = 30.0
     """How long a phase gets to stop after SIGTERM before SIGKILL."""
+    stall_seconds: Annotated[float, Field(gt=0)] = 600.0
+    """A phase that makes no progress (no step, no start-up stage, no checkpoint byte written) this
+    long is stalled: its ranks' stacks are written, it is ended, the run exits 1. Before its first
+    step and while it writes a checkpoint, where a phase may be quiet for long, it gets 4 times this
+    (and at least 300 s for its imports, until its first start-up stage)."""
     prewarm: bool = True
     """Start each phase's processes while earlier ones train, to hide imports and setup."""
     prewarm_depth: PositiveInt = 3
@@ -232,7 +237,7 @@ class LaunchSection(Section):
     or 2 and the overlap fits, else through the checkpoint; "on" also without a GPU (through a
     file: for testing the choreography on a CPU); "off" always through the checkpoint."""
 
-    @field_validator("grace_seconds", "pause_preparing_seconds", "rendezvous_seconds", mode="before")
+    @field_validator("grace_seconds", "stall_seconds", "pause_preparing_seconds", "rendezvous_seconds", mode="before")
     @classmethod
     def _int_is_float(cls, v: Any) -> Any:
         return float(v) if isinstance(v, int) and not isinstance(v, bool) else v

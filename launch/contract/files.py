@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -19,6 +20,8 @@ process that finds it missing) and read by every phase process."""
 PHASES = "phases"
 RANK = "rank-"
 """How the pid, exit and error files of a rank start (``rank-N``); a launcher's is ``launcher``, an agent's ``agent-N``."""
+DUMP_STACKS = signal.SIGUSR2
+"""On it, every phase process appends all its threads' Python stacks to ``PhaseDir.stacks``/rank-N.txt."""
 
 
 BLOB = ".bin"
@@ -96,6 +99,7 @@ class PhaseDir:
         self.exits = self.path / "exit"
         """Forked ranks' exit codes, written by the fork server that reaped them."""
         self.errors = self.path / "errors"
+        self.stacks = self.path / "stacks"  # rank-N.txt: rank N's Python stacks, appended at each DUMP_STACKS
         self.handover = self.path / "handover"
         """The phase's offers to its successor (``Offer``), their answers (``Answer``) and, for
         the host transport, the offered bytes; all 0600."""
