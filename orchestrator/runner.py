@@ -191,10 +191,13 @@ class Runner:
             self._journal_failure(e)
 
     def _event_start(self, fresh: bool, step: int, ckpt: Path | None) -> None:
+        warmup_from = self.loaded.schedule.lr_schedule.warmup_from  # for changes.warmup_ran
         if fresh:
-            self._event("run_started", phases=len(self.phases), total_steps=self.phases[-1].end_step, pid=os.getpid())
+            self._event("run_started", phases=len(self.phases), total_steps=self.phases[-1].end_step, pid=os.getpid(),
+                        warmup_from=warmup_from)
         else:
-            self._event("resumed", step=step, checkpoint=str(ckpt) if ckpt else None, pid=os.getpid())
+            self._event("resumed", step=step, checkpoint=str(ckpt) if ckpt else None, pid=os.getpid(),
+                        warmup_from=warmup_from)
             self._journal_recovered(step)
 
     def _journal_recovered(self, step: int) -> None:

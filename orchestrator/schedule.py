@@ -160,7 +160,11 @@ class LrScheduleSection(Section):
     kind: Literal["constant", "linear", "cosine"] = "constant"
     """How the lr moves over the run's global steps after the warm-up: constant, linear or cosine decay to 0."""
     warmup_steps: NonNegInt = 0
-    """Steps of linear warm-up from lr / warmup_steps to lr."""
+    """Steps of linear warm-up to lr, from where warmup_from says."""
+    warmup_from: Literal["zero", "one_step"] = "zero"
+    """zero: step s of the warm-up trains at lr x s / warmup_steps, so step 0 at 0, as Hugging
+    Face's get_scheduler; one_step: at lr x (s + 1) / warmup_steps, so step 0 already at lr /
+    warmup_steps (relayer's only warm-up before this key: runs started then resume with it)."""
 
 
 class PhaseEntry(Section):

@@ -103,3 +103,39 @@ def test_resume_from_sets_later_checkpoints_aside(done):
     again = read_manifest(ckpts / "step-00000004")
     assert {n: f.sha256_chunked for n, f in again.files.items()} == {n: f.sha256_chunked for n, f in before.files.items()}
     assert (run / "final" / "config.json").is_file()
+
+
+def test_the_warmup_starts_at_zero_as_hugging_face(done):
+    """Step 0 of a one-step warm-up trains at lr 0, then the cosine decay: transformers' curve."""
+    import torch
+    from transformers import get_scheduler
+
+    *_, run = done
+    logged = {m["step"]: m["lr"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "lr" in m}
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-3)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=1, num_training_steps=4)
+    theirs = []
+    for _ in range(4):
+        theirs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert [logged[s + 1] for s in range(4)] == pytest.approx(theirs, abs=1e-15)  # metrics count steps done
+
+
+def test_a_run_from_before_warmup_from_resumes_only_with_its_own_warmup(done, tmp_path):
+    """A run whose journal does not record lr_schedule.warmup_from warmed up from one step: resuming
+    it under the new default would change the lr of steps taken, so it is refused, naming the key."""
+    import shutil
+
+    _, _, _, sched, run = done
+    old = tmp_path / "old-run"
+    shutil.copytree(run, old)
+    journal = old / "journal.jsonl"
+    journal.write_text("".join(json.dumps({k: v for k, v in e.items() if k != "warmup_from"}) + "\n"
+                               for e in events(run)))
+    r = cli("orchestrator", "run", str(sched), *SET, "--output-dir", str(old))
+    assert r.returncode == 2, r.stderr
+    assert "lr of step 0, already taken, would change: 0.002 -> 0 " in r.stderr, r.stderr
+    assert "--set lr_schedule.warmup_from=one_step" in r.stderr
+    r = cli("orchestrator", "run", str(sched), *SET, "--set", "lr_schedule.warmup_from=one_step", "--output-dir", str(old))
+    assert r.returncode == 0, r.stderr
