@@ -97,6 +97,7 @@ def _step(ph: Phase, stop: dict, metrics: Path, step_times: list[float]) -> bool
     step_times.append(dt)
     if ph.step == spec.start_step + 1:
         ph.timeline.mark("t_first_step_end")  # before the orchestrator can see the step
+        ph.timeline.add(first_step_seconds=dt)  # for the switch's overhead (orchestrator.history)
         ph.timeline.add(nice=os.getpriority(os.PRIO_PROCESS, 0))  # the priority it trains at
         if ph.staging is not None:
             ph.staging.unregister_later()  # the host weights are on the device: unpinned off the switch
