@@ -114,7 +114,8 @@ def _echo_data_line(data: dict) -> None:
 @click.option("--show", type=click.IntRange(min=1), metavar="N", help="Also print the first N training rows, in the run's order.")
 @click.option("--json", "as_json", is_flag=True,
               help="JSON: with --show, a list of the rows ({text, target, input_ids, target_ids}); else the statistics.")
-def data(schedule: Path, show: int | None, as_json: bool) -> None:
+@set_option
+def data(schedule: Path, show: int | None, as_json: bool, overrides: tuple[str, ...]) -> None:
     """The training data of SCHEDULE as the run will see it: statistics and, with --show N, rows
     with their decoded input and the tokens that carry loss. Writes nothing."""
     import json
@@ -122,7 +123,7 @@ def data(schedule: Path, show: int | None, as_json: bool) -> None:
     from orchestrator.datastep import check_data
     from orchestrator.validate import load_schedule
 
-    out = check_data(load_schedule(schedule), show or 0)
+    out = check_data(load_schedule(schedule, overrides=overrides), show or 0)
     if as_json:
         if show:  # one row a line
             click.echo("[\n" + ",\n".join(json.dumps(r) for r in out["rows"]) + "\n]")

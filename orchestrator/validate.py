@@ -75,11 +75,14 @@ def load_schedule(
         raise ScheduleError(f"{path}: TOML syntax error: {e}") from None
     except RecursionError:
         raise ScheduleError(f"{path}: TOML nested too deeply") from None
-    if overrides:
-        from orchestrator.overrides import apply_overrides
+    if not overrides:
+        return validate_schedule(raw, source, output_dir=output_dir, nproc=nproc)
+    from orchestrator.overrides import apply_overrides, blame_overrides
 
-        raw = apply_overrides(raw, overrides)
-    return validate_schedule(raw, source, output_dir=output_dir, nproc=nproc)
+    try:
+        return validate_schedule(apply_overrides(raw, overrides), source, output_dir=output_dir, nproc=nproc)
+    except ScheduleError as e:
+        raise ScheduleError(blame_overrides(str(e), source, overrides)) from None
 
 
 def validate_schedule(
