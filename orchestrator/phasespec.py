@@ -40,7 +40,7 @@ def phase_spec(loaded: LoadedSchedule, phases: list[Phase], work: Work, phase_di
         layers=list(ph.layers), restore=str(work.restore) if work.restore else None,
         model=_model_part(loaded), data=DataPart(**data_spec(loaded)),
         optimizer=_optimizer_part(loaded, total_steps=phases[-1].end_step),
-        zero_stage=s.deepspeed.zero_stage, deepspeed_config=s.deepspeed.config,
+        zero_stage=s.deepspeed.zero_stage, deepspeed_config=loaded.deepspeed_config,
         every_steps=s.checkpoint.every_steps, launcher=s.launch.launcher, nproc=ph.nproc, nnodes=s.launch.nnodes,
         hostfile=str((loaded.source.parent / s.launch.hostfile).resolve()) if s.launch.hostfile else None,
         master_port=free_port(), orchestrator_pid=os.getpid(), orchestrator_host=socket.gethostname(),

@@ -216,44 +216,16 @@ class ScheduleSection(Section):
         return self
 
 
-# DeepSpeed config keys that relayer derives from the schedule; setting them twice would disagree.
-DERIVED_DEEPSPEED_KEYS = {
-    "train_batch_size": "data.batch_size",
-    "train_micro_batch_size_per_gpu": "data.micro_batch_size",
-    "gradient_accumulation_steps": "data.batch_size / (data.micro_batch_size x processes)",
-    "gradient_clipping": "optimizer.grad_clip",
-    "optimizer": "[optimizer] (relayer builds its own AdamW)",
-    "scheduler": "[lr_schedule]",
-    "zero_optimization.stage": "deepspeed.zero_stage",
-    "bf16.enabled": "model.dtype",
-    "fp16.enabled": "model.dtype",
-}
-
-
-# Sections of the generated DeepSpeed config that deepspeed.config merges into, key by key.
-MERGED_DEEPSPEED_TABLES = ("zero_optimization", "bf16", "fp16")
-
-
 class DeepSpeedSection(Section):
     zero_stage: Literal[1, 2, 3] = 2
     """DeepSpeed ZeRO stage; checkpoints are the same for every stage."""
-    config: dict[str, Any] = Field(default_factory=dict)
-    """Merged into the generated DeepSpeed config."""
-
-    @model_validator(mode="after")
-    def _not_derived(self) -> DeepSpeedSection:
-        for section in MERGED_DEEPSPEED_TABLES:
-            if section in self.config and not isinstance(self.config[section], dict):
-                raise KeyProblem(f"deepspeed.config.{section}",
-                                 f"expected a table (merged into relayer's), got {_show(self.config[section])}")
-        for dotted, source in DERIVED_DEEPSPEED_KEYS.items():
-            *parents, key = dotted.split(".")
-            table = self.config
-            for parent in parents:
-                table = table.get(parent) if isinstance(table, dict) else None
-            if isinstance(table, dict) and key in table:
-                raise KeyProblem(f"deepspeed.config.{dotted}", f"set by {source}; set it there")
-        return self
+    config: dict[str, Any] | str = Field(default_factory=dict)
+    """Merged into the generated DeepSpeed config: a table, or a DeepSpeed JSON file (relative to
+    the schedule file) such as LMFlow, axolotl and LLaMA-Factory use. A key relayer derives from
+    the schedule (train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
+    gradient_clipping, optimizer, scheduler, zero_optimization.stage, bf16.enabled, fp16.enabled)
+    may appear only as "auto" or as relayer sets it; any other "auto" is dropped (relayer's or
+    DeepSpeed's default stands)."""
 
 
 class LaunchSection(Section):
@@ -343,6 +315,8 @@ class LoadedSchedule(BaseModel):
     output_dir: Path
     nproc_override: int | None = None
     """--nproc: the process count of every phase, over launch.nproc and per-phase nproc."""
+    deepspeed_config: dict[str, Any] = {}
+    """deepspeed.config as merged: its table, or its file's, checked (``orchestrator.dsconfig``)."""
 
 
 

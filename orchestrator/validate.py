@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from launch.contract import is_template_path
+from orchestrator.dsconfig import deepspeed_config
 from orchestrator.errors import ScheduleError
 from orchestrator.modelcheck import (
     check_weights, need_file, num_layers_of, path_is, path_kind, position_limit, read_model_config, resolve_path,
@@ -97,7 +98,8 @@ def validate_schedule(
         source=source, schedule=sched, raw=raw, num_layers=n_layers, model_path=model_path, data_path=data_path,
         output_dir=_output_dir(sched, base, source, output_dir), nproc_override=nproc,
     )
-    for ph in plan_phases(loaded):
+    phases = plan_phases(loaded)
+    for ph in phases:
         for layer in ph.layers:
             if layer >= n_layers:
                 key = f"schedule.phases[{ph.index}].layers" if sched.schedule.phases else "schedule.layers_per_phase"
@@ -106,7 +108,7 @@ def validate_schedule(
         check_batch(sched.data, ph.nproc, source, ph.index, nnodes=sched.launch.nnodes)
     if sched.launch.launcher == "slurm" and shutil.which("srun") is None:
         raise ScheduleError(f'{source}: launch.launcher: "slurm" starts each phase with srun, which is not on PATH')
-    return loaded
+    return loaded.model_copy(update={"deepspeed_config": deepspeed_config(sched, base, source, phases)})
 
 
 def _parse(raw: dict[str, Any], source: Path, nproc: int | None) -> Schedule:
