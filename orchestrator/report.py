@@ -4,18 +4,19 @@
     orchestrator report runs/tiny --out tiny.png
     orchestrator report runs/tiny --json               # the phase rows as JSON; writes nothing
 
-Three panels: the loss against the global step with the phase boundaries and each phase's
-layers; the memory each phase recorded (device memory on CUDA, the process's RSS elsewhere); and
-the overhead of each switch as ``orchestrator.history`` defines it: the time from the last step of
-phase k to the first step of phase k+1, less one ordinary step of phase k+1, within one go of the
-orchestrator. matplotlib (the ``report`` extra) is imported only here.
+Three panels: the loss against the global step (and the eval loss, and the lr on an axis of its
+own) with the phase boundaries and each phase's layers; the memory each phase recorded (device
+memory on CUDA, the process's RSS elsewhere); and the overhead of each switch as
+``orchestrator.history`` defines it: the time from the last step of phase k to the first step of
+phase k+1, less one ordinary step of phase k+1, within one go of the orchestrator. matplotlib
+(the ``report`` extra) is imported only here.
 """
 
 from __future__ import annotations
 
 import io
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,10 @@ class RunReport:
     loss: dict[int, float]
     """Global step (steps done) -> mean loss; a step run again after a restart keeps its last value."""
     phases: list[PhaseRow]
+    eval_loss: dict[int, float] = field(default_factory=dict)
+    """Global step -> mean loss over the validation data, where it was evaluated."""
+    lr: dict[int, float] = field(default_factory=dict)
+    """Global step -> the lr its step trained at."""
 
     @property
     def switch_seconds(self) -> dict[int, float]:
@@ -42,7 +47,8 @@ class RunReport:
         return {p.index: p.switch_seconds for p in self.phases if p.switch_seconds is not None}
 
 
-def read_metrics(run_dir: Path) -> dict[int, float]:
+def read_metrics(run_dir: Path, key: str = "loss") -> dict[int, float]:
+    """Global step -> the value of ``key`` (loss, eval_loss, lr) of metrics.jsonl's lines that have one."""
     loss: dict[int, float] = {}
     path = RunDir(run_dir).metrics
     if not path.exists():
@@ -50,7 +56,7 @@ def read_metrics(run_dir: Path) -> dict[int, float]:
     for line in path.read_text().splitlines():
         try:
             m = json.loads(line)
-            loss[int(m["step"])] = float(m["loss"])
+            loss[int(m["step"])] = float(m[key])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             continue  # a torn last line from a killed writer
     return dict(sorted(loss.items()))
@@ -61,7 +67,8 @@ def read_run(run_dir: Path) -> RunReport:
     loss = read_metrics(run_dir)
     if not loss:
         raise ScheduleError(f"{run_dir}: no training steps recorded yet ({RunDir(run_dir).metrics} is missing or empty)")
-    return RunReport(loss=loss, phases=phases)
+    return RunReport(loss=loss, phases=phases, eval_loss=read_metrics(run_dir, "eval_loss"),
+                     lr=read_metrics(run_dir, "lr"))
 
 
 def history_json(run_dir: Path) -> dict[str, Any]:
@@ -100,11 +107,7 @@ def plot(report: RunReport, out: Path, title: str) -> None:
     ax_loss, ax_mem, ax_switch = fig.subplots(3, 1, height_ratios=[2, 1, 1])
     fig.suptitle(title)
 
-    steps, losses = list(report.loss), list(report.loss.values())
-    ax_loss.plot(steps, losses, color="tab:blue", linewidth=1.2, marker="." if len(steps) <= 100 else None)
-    ax_loss.set_xlabel("global step")
-    ax_loss.set_ylabel("loss")
-    ax_loss.grid(alpha=0.3)
+    _plot_curves(ax_loss, report)
     many = len(report.phases) > 12
     for row in report.phases:
         if row.start_step > 0:
@@ -133,8 +136,8 @@ def plot(report: RunReport, out: Path, title: str) -> None:
     ax_switch.bar([f"{k - 1}→{k}" for k in switches], list(switches.values()), color="tab:orange")
     ax_switch.set_xlabel("switch (phase k → k+1)")
     ax_switch.set_ylabel("seconds")
-    ax_switch.set_title("switch overhead: first step of k+1 ends − last step of k ends − median step of k+1",
-                        fontsize=10)
+    ax_switch.set_title("switch overhead: first step of k+1 ends − last step of k ends − an ordinary step of k+1 "
+                        "(its median, at most its first)", fontsize=10)
     ax_switch.grid(alpha=0.3, axis="y")
     if not switches:
         ax_switch.text(0.5, 0.5, "no switch measured in one go", transform=ax_switch.transAxes, ha="center")
@@ -145,6 +148,25 @@ def plot(report: RunReport, out: Path, title: str) -> None:
     fig.savefig(png, format="png", dpi=100)
     # Any file's mode (0666 less the umask), as savefig gives; not fsynced: a report is redrawn at will.
     write_atomic(out, png.getvalue(), mode=0o666, durable=False)
+
+
+def _plot_curves(ax_loss, report: RunReport) -> None:
+    """The loss and the eval loss on one axis, the lr on one of its own (right)."""
+    steps = list(report.loss)
+    ax_loss.plot(steps, list(report.loss.values()), color="tab:blue", linewidth=1.2, label="loss",
+                 marker="." if len(steps) <= 100 else None)
+    if report.eval_loss:
+        ax_loss.plot(list(report.eval_loss), list(report.eval_loss.values()), color="tab:red", marker="o",
+                     linewidth=1.2, label="eval loss")
+    ax_loss.set_xlabel("global step")
+    ax_loss.set_ylabel("loss")
+    ax_loss.grid(alpha=0.3)
+    ax_lr = ax_loss.twinx()
+    ax_lr.plot(list(report.lr), list(report.lr.values()), color="tab:green", linewidth=1.0, linestyle=":", label="lr")
+    ax_lr.set_ylabel("lr")
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    handles = [h for ax in (ax_loss, ax_lr) for h in ax.get_legend_handles_labels()[0]]
+    ax_loss.legend(handles=handles, loc="lower left", fontsize=8)
 
 
 def write_report(run_dir: Path, out: Path | None = None) -> Path:
