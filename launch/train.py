@@ -142,7 +142,9 @@ def log(ph: Phase, metrics: Path, record: dict) -> None:
         if ph.tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            ph.tb = SummaryWriter(str(ph.run_dir / "tensorboard"))
+            # What an earlier attempt logged from this phase's first step on (a branch --resume-from
+            # set aside, steps a kill made train again) is hidden: the curves show one history.
+            ph.tb = SummaryWriter(str(ph.run_dir / "tensorboard"), purge_step=ph.spec.start_step + 1)
         for key in ("loss", "eval_loss", "lr", "tokens_per_s", "step_seconds"):
             if key in record:
                 ph.tb.add_scalar(key, record[key], record["step"], walltime=record["time"])

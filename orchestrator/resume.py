@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
 from typing import Callable
+
+from launch.contract import RunDir
 
 from orchestrator import final
 from orchestrator.errors import ScheduleError
@@ -17,6 +20,7 @@ from shard_tools.manifest import (
     STEP_DIR_SHAPE, CheckpointError, Manifest, checkpoints_dir, fsync_path, is_checkpoint_dir, layer_sources, list_checkpoints,
     read_manifest, step_of, verify_checkpoint,
 )
+from shard_tools.files import write_atomic
 
 
 def next_work(phases: list[Phase], ckpt: Path | None, manifest: Manifest | None) -> Work | None:
@@ -90,9 +94,11 @@ def resume_point(run_dir: Path, given: Path) -> Path:
 
 def set_aside_after(run_dir: Path, chosen: Path, verified: set[Path], event: Callable[..., None]) -> None:
     """--resume-from: the checkpoints after ``chosen`` move to checkpoints/.set-aside-<time>/, where
-    readers and retention do not look and nothing deletes them."""
+    readers and retention do not look and nothing deletes them, and so do the lines of metrics.jsonl
+    after its step (into a metrics.jsonl there), so that the run's metrics hold one history."""
     later = [c for c in list_checkpoints(run_dir) if step_of(c) > step_of(chosen)]
-    if not later and not (run_dir / final.FINAL).exists():
+    keep, metrics_after = metrics_split(RunDir(run_dir).metrics, step_of(chosen))
+    if not later and not metrics_after and not (run_dir / final.FINAL).exists():
         return
     aside = checkpoints_dir(run_dir) / f".set-aside-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     aside.mkdir(mode=0o750)
@@ -100,6 +106,24 @@ def set_aside_after(run_dir: Path, chosen: Path, verified: set[Path], event: Cal
         os.replace(ckpt, aside / ckpt.name)
     if (run_dir / final.FINAL).exists():  # made from the later checkpoints; the run writes it anew
         os.replace(run_dir / final.FINAL, aside / final.FINAL)
+    if metrics_after:
+        write_atomic(aside / RunDir(run_dir).metrics.name, b"".join(metrics_after))
+        write_atomic(RunDir(run_dir).metrics, b"".join(keep))
     fsync_path(checkpoints_dir(run_dir))
     verified.add(chosen)
-    event("checkpoints_set_aside", resume_from=str(chosen), to=str(aside), checkpoints=[c.name for c in later])
+    event("checkpoints_set_aside", resume_from=str(chosen), to=str(aside), checkpoints=[c.name for c in later],
+          metrics_lines=len(metrics_after))
+
+
+def metrics_split(path: Path, step: int) -> tuple[list[bytes], list[bytes]]:
+    """metrics.jsonl's lines as (those up to ``step``, those of later steps); a line that is not a
+    record with a step (a torn one) stays."""
+    keep, after = [], []
+    lines = path.read_bytes().splitlines(keepends=True) if path.is_file() else []
+    for line in lines:
+        try:
+            at = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            at = None
+        (after if isinstance(at, int) and at > step else keep).append(line)
+    return keep, after

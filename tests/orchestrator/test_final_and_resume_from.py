@@ -25,7 +25,7 @@ def make_example_model(out: Path) -> Path:
 
 
 def cosine(tmp: Path, model: Path, data: Path, name: str, phases: list[dict]) -> Path:
-    return write_schedule(tmp / name, schedule_dict(model, data, run={"final_model": True},
+    return write_schedule(tmp / name, schedule_dict(model, data, run={"final_model": True, "report_to": ["tensorboard"]},
                                                     lr_schedule={"kind": "cosine", "warmup_steps": 1},
                                                     schedule={"phases": phases}))
 
@@ -86,10 +86,21 @@ def test_lr_change_of_steps_taken_is_refused(done):
     assert "--force" in r.stderr
 
 
+def loss_steps(run: Path) -> tuple[list[int], list[int]]:
+    """The steps of metrics.jsonl's loss lines, and of TensorBoard's loss curve as it shows it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run / "tensorboard"))
+    board.Reload()
+    logged = [m["step"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
+    return logged, [e.step for e in board.Scalars("loss")]
+
+
 def test_resume_from_sets_later_checkpoints_aside(done):
     tmp, model, data, sched, run = done
     ckpts = run / "checkpoints"
     before = read_manifest(ckpts / "step-00000004")
+    assert loss_steps(run) == ([1, 2, 3, 4], [1, 2, 3, 4])
     r = cli("orchestrator", "run", str(sched), *SET, "--resume-from", str(tmp / "elsewhere"))
     assert r.returncode == 2 and "--resume-from: expected a checkpoint of this run" in r.stderr
     r = cli("orchestrator", "run", str(sched), *SET, "--resume-from", str(ckpts / "step-00000002"))
@@ -103,6 +114,11 @@ def test_resume_from_sets_later_checkpoints_aside(done):
     again = read_manifest(ckpts / "step-00000004")
     assert {n: f.sha256_chunked for n, f in again.files.items()} == {n: f.sha256_chunked for n, f in before.files.items()}
     assert (run / "final" / "config.json").is_file()
+    # One history: the set-aside branch's steps 3 and 4 left metrics.jsonl (kept beside its
+    # checkpoints) and TensorBoard's curve; the steps trained again are there once.
+    assert loss_steps(run) == ([1, 2, 3, 4], [1, 2, 3, 4])
+    assert [json.loads(m)["step"] for m in (aside / "metrics.jsonl").read_text().splitlines()] == [3, 4]
+    assert e["metrics_lines"] == 2
 
 
 def test_the_warmup_starts_at_zero_as_hugging_face(done):
