@@ -67,6 +67,7 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
     from orchestrator.display import print_plan
     from orchestrator.estimate import EstimateError, estimate_plan, size_option
     from orchestrator.handover import plan_switches
+    from orchestrator.machine import this_machine
     from shard_tools.sizes import format_bytes
     from orchestrator.plan import plan_phases
     from orchestrator.validate import load_schedule
@@ -82,15 +83,18 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
     except EstimateError as e:
         estimate, failure = None, e
     switches = plan_switches(loaded, phases, estimate, device)
+    machine = this_machine()
+    here = (_machine_words(machine), plan_switches(loaded, phases, estimate, machine.memory, not machine.gpus,
+                                                   "this GPU's"))
     if device is None:
-        print_plan(loaded, phases, switches)
+        print_plan(loaded, phases, switches, here=here)
         _echo_data_line(data)
         return
     if estimate is None:
-        print_plan(loaded, phases, switches)
+        print_plan(loaded, phases, switches, here=here)
         click.echo(f"orchestrator: warning: no memory estimate: {failure}", err=True)
         return
-    print_plan(loaded, phases, switches, estimate, device)
+    print_plan(loaded, phases, switches, estimate, device, here=here)
     _echo_data_line(data)
     if estimate.unsized:
         click.echo(f"orchestrator: warning: the estimate counts nothing for model.persistent "
@@ -101,6 +105,16 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
         click.echo(f"orchestrator: warning: phase{'s' if len(over) > 1 else ''} {named} will not fit: "
                    f"estimated {format_bytes(max(t for _, t in over))} per process, more than --device-memory "
                    f"{format_bytes(device)}", err=True)
+
+
+def _machine_words(machine) -> str:
+    """What plan says this machine offers the phases: ``no GPU: DS_ACCELERATOR=cpu``, ``1 GPU of 140 GiB (NVML)``."""
+    from shard_tools.sizes import format_bytes
+
+    if not machine.gpus:
+        return f"no GPU: {machine.told_by}"
+    memory = f" of {format_bytes(machine.memory)}" if machine.memory is not None else ", memory unknown to the orchestrator"
+    return f"{machine.gpus} GPU{'s' if machine.gpus > 1 else ''}{memory} ({machine.told_by})"
 
 
 def _echo_data_line(data: dict) -> None:

@@ -30,9 +30,11 @@ console = Console(stderr=True, soft_wrap=True)
 
 
 def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switch],
-               estimate: PlanEstimate | None = None, device_memory: int | None = None) -> None:
+               estimate: PlanEstimate | None = None, device_memory: int | None = None,
+               here: tuple[str, list[Switch]] | None = None) -> None:
     """The phase table (with ``estimate``, each phase's memory per process), the run's settings,
-    and how its ``switches`` hand over."""
+    and how its switches hand over: on this machine (``here``: what it offers, and its switches),
+    then ``switches`` on a GPU (of ``device_memory``)."""
     s = loaded.schedule
     table = Table(title=f"{loaded.source.name}: {len(phases)} phases, {phases[-1].end_step} steps, "
                         f"model of {loaded.num_layers} layers")
@@ -53,8 +55,15 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switc
     out.print(table)
     out.print(f"ZeRO stage {s.deepspeed.zero_stage}, {s.model.dtype}, launcher {s.launch.launcher}, "
               f"batch {s.data.batch_size} (micro {s.data.micro_batch_size}), run directory {loaded.output_dir}")
-    for line in switch_lines(switches, host=s.launch.handover == "on"):
-        out.print(line, markup=False, highlight=False)
+    sections = [] if here is None else [(f"on this machine ({here[0]})", here[1], s.launch.handover == "on")]
+    if here is None or switches != here[1]:
+        size = f" of {format_bytes(device_memory)} (--device-memory)" if device_memory is not None else \
+            " (--device-memory SIZE checks each overlap against it)"
+        sections.append((f"on a GPU{size}", switches, False))
+    for title, listed, host in sections:
+        out.print(f"{title}:", markup=False, highlight=False)
+        for line in switch_lines(listed, host=host):
+            out.print(f"  {line}", markup=False, highlight=False)
     if estimate:
         device = f", device {format_bytes(device_memory)}" if device_memory is not None else ""
         out.print(f"estimated device memory per process: {estimate.count.total:,} parameters, activations without "
