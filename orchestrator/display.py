@@ -153,6 +153,8 @@ class Display(Observer):
             "killed": lambda: f"stopped leftover processes {e['pids']}",
             "stop_requested": lambda: f"stopping (signal {e['signal']}): phase {e['phase']} finishes its step and "
                                       "writes a checkpoint",
+            "stop_repeated": lambda: f"still stopping: waiting for {e['waiting_for']}; a third stop signal "
+                                     "(Ctrl-C) ends the run at once, losing what is being written",
             "run_done": lambda: f"all {e['step']} steps done",
             "checkpoints_set_aside": lambda: f"resuming from {e['resume_from']}: moved {', '.join(e['checkpoints'])} "
                                              f"aside to {e['to']}",

@@ -30,7 +30,7 @@ from orchestrator.phasespec import phase_spec, plan_estimate
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.supervisor import Context, Observer, State, Supervisor
-from shard_tools.manifest import checkpoints_dir, remove_stray_temporaries, step_dir_name
+from shard_tools.manifest import checkpoints_dir, newest_valid, remove_stray_temporaries, step_dir_name
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -47,6 +47,11 @@ class Runner:
         self.force = force
         self.on_event = on_event or (lambda e: None)
         self.stop_signal: int | None = None
+        self.stops = 0
+        """Stop signals so far: the first stops at a checkpoint, the second says what that waits for,
+        the third ends the run at once."""
+        self.supervisor: Supervisor | None = None
+        """The supervisor of the phase running now, whose stop path a second stop signal describes."""
         self.verified: set[Path] = set()
         self.live_pending: list[Group] = []
         estimate = plan_estimate(loaded, self.phases)  # the handovers' planned peaks
@@ -112,7 +117,31 @@ class Runner:
             pass  # the journal is what failed (a full disk): the message still reaches the user
 
     def _on_signal(self, signum, _frame) -> None:
-        self.stop_signal = signum
+        self.stops += 1
+        if self.stops == 1:
+            self.stop_signal = signum
+        elif self.stops == 2:
+            self._event("stop_repeated", signal=signum, waiting_for=self._waiting_for())
+        else:
+            self._end_now(signum)
+
+    def _waiting_for(self) -> str:
+        live = self.supervisor is not None and self.supervisor.state not in (State.DONE, State.FAILED,
+                                                                            State.PREEMPTED)
+        return self.supervisor.waiting_for() if live else "the orchestrator to journal what is done and exit"
+
+    def _end_now(self, signum: int) -> None:
+        """A third stop signal: every process of the run is killed now, as a SIGKILLed orchestrator's
+        would be; what they were writing is lost, and running again resumes from the newest whole
+        checkpoint."""
+        what = self._waiting_for()
+        for files in RunDir(self.run_dir).phase_dirs():
+            procs.signal_all(procs.recorded(files.path), signal.SIGKILL)
+        _, manifest, _ = newest_valid(self.run_dir, checksums=False)
+        step = manifest.global_step if manifest else 0
+        self._event("preempted", step=step, signal=signum, forced=True, abandoned=what)
+        raise Preempted(f"ended at once by a third stop signal; abandoned: {what}; kept: the checkpoints up to "
+                        f"step {step}; run the same command again to resume")
 
     # -- run directory -------------------------------------------------------------------------
     def _prepare_run_dir(self) -> bool:
@@ -319,7 +348,8 @@ class Runner:
             self.verified.add(done.end)
             self._after_switch(done, group)
 
-        supervisor = Supervisor(self.supervision, group, pending, later, predecessor, predecessor_done)
+        supervisor = self.supervisor = Supervisor(self.supervision, group, pending, later, predecessor,
+                                                  predecessor_done)
         supervisor.run()
         if supervisor.state is not State.HANDING_OVER:
             self.verified.add(group.end)

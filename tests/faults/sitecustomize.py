@@ -11,6 +11,8 @@ A test puts this folder on PYTHONPATH and its plan in RELAYER_TEST_FAULTS (JSON)
   ``{"point": "handover.copying", "rank": 1}`` (the successor's rank 1 while it copies) or
   ``{"point": "checkpoint.file_written", "name": "layers.safetensors"}``.
 - ``hold_first_step``: seconds a pre-warmed phase waits before its first step.
+- ``hold_at``: ``{"point": NAME, "seconds": S, **context}``: the process that reaches NAME with
+  that context sleeps S seconds there (a checkpoint write that takes long).
 """
 
 import json
@@ -32,6 +34,15 @@ if _plan:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         faults.install(point, _kill)
+    hold_at = dict(_plan.get("hold_at") or {})
+    if hold_point := hold_at.pop("point", None):
+        seconds = float(hold_at.pop("seconds"))
+
+        def _sleep(**context: object) -> None:
+            if all(context.get(k) == v for k, v in hold_at.items()):
+                time.sleep(seconds)
+
+        faults.install(hold_point, _sleep)
     if hold := float(_plan.get("hold_first_step", 0)):
         def _hold(prewarm: bool) -> None:
             if prewarm:
