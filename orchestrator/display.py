@@ -152,9 +152,9 @@ class Display(Observer):
                                      f"removed an unfinished file of a writer that was stopped: {e['path']}",
             "killed": lambda: f"stopped leftover processes {e['pids']}",
             "stop_requested": lambda: f"stopping (signal {e['signal']}): phase {e['phase']} finishes its step and "
-                                      "writes a checkpoint",
-            "stop_repeated": lambda: f"still stopping: waiting for {e['waiting_for']}; a third stop signal "
-                                     "(Ctrl-C) ends the run at once, losing what is being written",
+                                      "writes a checkpoint; a second Ctrl-C ends the run at once, without it",
+            "stop_repeated": lambda: f"still stopping (signal {e['signal']}): waiting for {e['waiting_for']}; "
+                                     "Ctrl-C ends the run at once",
             "run_done": lambda: f"all {e['step']} steps done",
             "checkpoints_set_aside": lambda: f"resuming from {e['resume_from']}: moved {', '.join(e['checkpoints'])} "
                                              f"aside to {e['to']}",

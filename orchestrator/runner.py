@@ -47,11 +47,9 @@ class Runner:
         self.force = force
         self.on_event = on_event or (lambda e: None)
         self.stop_signal: int | None = None
-        self.stops = 0
-        """Stop signals so far: the first stops at a checkpoint, the second says what that waits for,
-        the third ends the run at once."""
+        """The first stop signal, which stops at a checkpoint; a SIGINT after it ends the run at once."""
         self.supervisor: Supervisor | None = None
-        """The supervisor of the phase running now, whose stop path a second stop signal describes."""
+        """The supervisor of the phase running now, whose stop a second Ctrl-C cuts short."""
         self.verified: set[Path] = set()
         self.live_pending: list[Group] = []
         estimate = plan_estimate(loaded, self.phases)  # the handovers' planned peaks
@@ -117,13 +115,12 @@ class Runner:
             pass  # the journal is what failed (a full disk): the message still reaches the user
 
     def _on_signal(self, signum, _frame) -> None:
-        self.stops += 1
-        if self.stops == 1:
+        if self.stop_signal is None:
             self.stop_signal = signum
-        elif self.stops == 2:
-            self._event("stop_repeated", signal=signum, waiting_for=self._waiting_for())
-        else:
+        elif signum == signal.SIGINT:  # Ctrl-C again: the user means it, as torchrun takes it (issue #24)
             self._end_now(signum)
+        else:  # a scheduler's repeated SIGTERM (LSF sends SIGINT, then SIGTERM) waits for the checkpoint
+            self._event("stop_repeated", signal=signum, waiting_for=self._waiting_for())
 
     def _waiting_for(self) -> str:
         live = self.supervisor is not None and self.supervisor.state not in (State.DONE, State.FAILED,
@@ -131,7 +128,7 @@ class Runner:
         return self.supervisor.waiting_for() if live else "the orchestrator to journal what is done and exit"
 
     def _end_now(self, signum: int) -> None:
-        """A third stop signal: every process of the run is killed now, as a SIGKILLed orchestrator's
+        """A second Ctrl-C: every process of the run is killed now, as a SIGKILLed orchestrator's
         would be; what they were writing is lost, and running again resumes from the newest whole
         checkpoint."""
         what = self._waiting_for()
@@ -139,9 +136,10 @@ class Runner:
             procs.signal_all(procs.recorded(files.path), signal.SIGKILL)
         _, manifest, _ = newest_valid(self.run_dir, checksums=False)
         step = manifest.global_step if manifest else 0
-        self._event("preempted", step=step, signal=signum, forced=True, abandoned=what)
-        raise Preempted(f"ended at once by a third stop signal; abandoned: {what}; kept: the checkpoints up to "
-                        f"step {step}; run the same command again to resume")
+        self._event("preempted", step=step, signal=signum, forced=True, waiting_for=what)
+        kept = f"the checkpoints up to step {step}" if manifest else "no checkpoint yet (it starts again from step 0)"
+        raise Preempted(f"ended at once by a second Ctrl-C (SIGINT), while waiting for {what}; kept: {kept}; "
+                        "run the same command again to resume")
 
     # -- run directory -------------------------------------------------------------------------
     def _prepare_run_dir(self) -> bool:

@@ -285,12 +285,11 @@ class Supervisor:
         self.ctx.event("stop_requested", phase=self.phase.index, signal=self.ctx.stop_signal())
 
     def waiting_for(self) -> str:
-        """What the stop of this phase waits for now, in words (a second stop signal prints them)."""
+        """What the stop of this phase waits for now, in words (a repeated stop signal says them)."""
         ph = self.phase.index
         if self.state is State.STOPPING and self.stop_at is not None:
             left = max(0.0, self.stop_at + self.ctx.grace - time.time())
-            return (f"phase {ph} to finish its step and write its checkpoint (at most {left:.0f} s more, "
-                    "launch.grace_seconds; then it is killed)")
+            return f"phase {ph} to finish its step and write its checkpoint ({left:.0f} s of launch.grace_seconds left)"
         if self.handed_over:
             return f"phase {ph} to write its end checkpoint"
         return f"phase {ph}'s processes to exit" if self.state is State.REAPING else f"phase {ph} to stop"

@@ -11,8 +11,9 @@ A test puts this folder on PYTHONPATH and its plan in RELAYER_TEST_FAULTS (JSON)
   ``{"point": "handover.copying", "rank": 1}`` (the successor's rank 1 while it copies) or
   ``{"point": "checkpoint.file_written", "name": "layers.safetensors"}``.
 - ``hold_first_step``: seconds a pre-warmed phase waits before its first step.
-- ``hold_at``: ``{"point": NAME, "seconds": S, **context}``: the process that reaches NAME with
-  that context sleeps S seconds there (a checkpoint write that takes long).
+- ``hold_at``: ``{"point": NAME, "seconds": S, "skip": K, **context}``: the process that reaches
+  NAME with that context sleeps S seconds there (a checkpoint write that takes long), from its
+  K+1-th time there on (``skip``, default 0).
 """
 
 import json
@@ -36,11 +37,13 @@ if _plan:
         faults.install(point, _kill)
     hold_at = dict(_plan.get("hold_at") or {})
     if hold_point := hold_at.pop("point", None):
-        seconds = float(hold_at.pop("seconds"))
+        seconds, passes = float(hold_at.pop("seconds")), [int(hold_at.pop("skip", 0))]
 
         def _sleep(**context: object) -> None:
             if all(context.get(k) == v for k, v in hold_at.items()):
-                time.sleep(seconds)
+                if passes[0] == 0:
+                    time.sleep(seconds)
+                passes[0] = max(0, passes[0] - 1)
 
         faults.install(hold_point, _sleep)
     if hold := float(_plan.get("hold_first_step", 0)):
