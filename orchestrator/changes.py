@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 from launch.contract import lr_at
 
+from orchestrator.dsconfig import recorded_raw
 from orchestrator.errors import ScheduleError
 from orchestrator.journal import read_journal
 from orchestrator.rundir import SCHEDULE_COPY
@@ -69,7 +70,7 @@ def check_same_schedule(loaded: LoadedSchedule, phases: list[Phase], old_raw: di
     """Refuses ``loaded`` (the schedule given now, planned as ``phases``) where it differs from the
     run's copy ``old_raw`` in ways that alter completed work, unless ``force``."""
     run_dir = loaded.output_dir
-    diffs = schedule_differences(without_output_dir(old_raw), without_output_dir(loaded.raw))
+    diffs = schedule_differences(without_output_dir(old_raw), without_output_dir(recorded_raw(loaded)))
     ran_from = warmup_ran(run_dir)
     if not diffs and ran_from in (None, loaded.schedule.lr_schedule.warmup_from):
         return

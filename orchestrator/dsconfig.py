@@ -6,7 +6,11 @@ relayer derives some keys from the schedule (``DERIVED``); where deepspeed.confi
 the two would disagree. Such a key may stay where it says ``"auto"`` (the Hugging Face Trainer's
 word for "the trainer fills it in", which those files are full of) or what relayer derives;
 anything else is refused, naming the key and where to set it. Every other ``"auto"`` (bucket
-sizes, say) is dropped too: relayer's own value, or DeepSpeed's default, stands.
+sizes, say) is dropped too: relayer's own value, or DeepSpeed's default, stands. A ``null``, which
+a table cannot hold (and which DeepSpeed reads as a value, not as a key left out), is refused.
+
+The run's copy of its schedule holds a file's table inlined (``recorded_raw``), so a resume
+compares what is merged, as for a table: an edited file is a changed schedule, a moved one is not.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 
 from orchestrator.errors import ScheduleError
 from orchestrator.modelcheck import need_file, resolve_path
-from orchestrator.schedule import Phase, Schedule, _show
+from orchestrator.schedule import LoadedSchedule, Phase, Schedule, _show
 from shard_tools.files import describe, read_regular
 
 DERIVED = {
@@ -68,7 +72,30 @@ def _read(path: Path, source: Path) -> dict[str, Any]:
         raise ScheduleError(f"{path}: expected a DeepSpeed JSON config (deepspeed.config): {e}") from None
     if not isinstance(table, dict):
         raise ScheduleError(f"{path}: expected a JSON object (deepspeed.config), got {type(table).__name__}")
+    if null := _null_key(table):
+        raise ScheduleError(f"{path}: {null}: expected a value, got null (leave the key out for DeepSpeed's default)")
     return table
+
+
+def _null_key(table: dict[str, Any], prefix: str = "") -> str | None:
+    """The dotted key of the first null in ``table``, lists included, or None."""
+    items = table.items() if isinstance(table, dict) else enumerate(table)
+    for key, value in items:
+        dotted = f"{prefix}[{key}]" if isinstance(key, int) else f"{prefix}{'.' if prefix else ''}{key}"
+        if value is None:
+            return dotted
+        if isinstance(value, (dict, list)) and (inner := _null_key(value, dotted)):
+            return inner
+    return None
+
+
+def recorded_raw(loaded: LoadedSchedule) -> dict[str, Any]:
+    """The schedule as the run records it (its schedule.toml): ``loaded.raw``, with a deepspeed.config
+    file inlined as the table it merges."""
+    ds = loaded.raw.get("deepspeed")
+    if not isinstance(ds, dict) or not isinstance(ds.get("config"), str):
+        return loaded.raw
+    return {**loaded.raw, "deepspeed": {**ds, "config": loaded.deepspeed_config}}
 
 
 def _no_constant(name: str) -> float:

@@ -16,6 +16,7 @@ from launch.contract import PhaseDir, RunDir
 
 from orchestrator import devmem, final, procs
 from orchestrator.datastep import adopt_data, stage_data
+from orchestrator.dsconfig import recorded_raw
 from orchestrator.groups import Group, PhaseProcesses, Work
 from orchestrator.errors import PhaseFailed, Preempted, RelayerError
 from orchestrator.changes import check_same_schedule
@@ -146,10 +147,11 @@ class Runner:
         """Creates the run directory (atomically) or checks that it belongs to this schedule."""
         copy = self.run_dir / SCHEDULE_COPY
         text = self.loaded.source.read_text()
-        if tomllib.loads(text) != self.loaded.raw:  # --set overrides: the copy records what runs
+        raw = recorded_raw(self.loaded)
+        if tomllib.loads(text) != raw:  # --set overrides, a deepspeed.config file: the copy records what runs
             import tomli_w
 
-            text = f"# {self.loaded.source} with --set overrides\n" + tomli_w.dumps(self.loaded.raw)
+            text = f"# {self.loaded.source} with --set overrides and deepspeed.config merged in\n" + tomli_w.dumps(raw)
         if copy.exists():
             check_same_schedule(self.loaded, self.phases, read_copy(copy), self.force)
             return False

@@ -80,3 +80,38 @@ def test_a_bad_file_exits_2_naming_the_file_and_the_key(tmp_path, tiny_model, ti
     assert r.exit_code == 2, r.output
     assert r.stderr.startswith("orchestrator: " + message.format(file=file, sched=sched)), r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_null_is_refused_naming_its_key(tmp_path, tiny_model, tiny_data):
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"offload_optimizer": None}}))
+    r = CliRunner().invoke(main, ["plan", str(sched_with(tmp_path, tiny_model, tiny_data, "ds.json"))])
+    assert r.exit_code == 2
+    assert f"{tmp_path / 'ds.json'}: zero_optimization.offload_optimizer: expected a value, got null" in r.stderr
+
+
+def test_a_resume_compares_what_the_file_merges_not_where_it_lies(tmp_path, tiny_model, tiny_data):
+    """The run's copy holds the file's table: an edited file changes the schedule as an edited table
+    does (refused without --force); the same file moved elsewhere changes nothing."""
+    from orchestrator.changes import check_same_schedule
+    from orchestrator.errors import ScheduleError
+    from orchestrator.rundir import SCHEDULE_COPY, read_copy
+    from orchestrator.runner import Runner
+
+    (tmp_path / "ds.json").write_text(json.dumps(LMFLOW_ZERO2))
+    sched = sched_with(tmp_path, tiny_model, tiny_data, "ds.json")
+    Runner(load_schedule(sched))._prepare_run_dir()
+    copy = read_copy(tmp_path / "run" / SCHEDULE_COPY)
+    assert copy["deepspeed"]["config"] == load_schedule(sched).deepspeed_config
+
+    def resume(*overrides: str, force: bool = False) -> None:
+        loaded = load_schedule(sched, overrides=overrides)
+        check_same_schedule(loaded, plan_phases(loaded), read_copy(loaded.output_dir / SCHEDULE_COPY), force)
+
+    (tmp_path / "moved.json").write_text(json.dumps(LMFLOW_ZERO2))
+    resume("deepspeed.config=moved.json")
+    edited = {**LMFLOW_ZERO2, "zero_optimization": {**LMFLOW_ZERO2["zero_optimization"], "allgather_bucket_size": 5e5}}
+    (tmp_path / "ds.json").write_text(json.dumps(edited))
+    with pytest.raises(ScheduleError) as e:
+        resume()
+    assert "deepspeed.config.zero_optimization.allgather_bucket_size: 200000000.0 -> 500000.0" in str(e.value)
+    resume(force=True)
