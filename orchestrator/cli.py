@@ -67,8 +67,6 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
     from orchestrator.display import print_plan
     from orchestrator.estimate import EstimateError, estimate_plan, size_option
     from orchestrator.handover import plan_switches
-    from orchestrator.machine import this_machine
-    from shard_tools.sizes import format_bytes
     from orchestrator.plan import plan_phases
     from orchestrator.validate import load_schedule
 
@@ -83,9 +81,7 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
     except EstimateError as e:
         estimate, failure = None, e
     switches = plan_switches(loaded, phases, estimate, device)
-    machine = this_machine()
-    here = (_machine_words(machine), plan_switches(loaded, phases, estimate, machine.memory, not machine.gpus,
-                                                   "this GPU's"))
+    here = _on_this_machine(loaded, phases, estimate)
     if device is None:
         print_plan(loaded, phases, switches, here=here)
         _echo_data_line(data)
@@ -96,6 +92,12 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
         return
     print_plan(loaded, phases, switches, estimate, device, here=here)
     _echo_data_line(data)
+    _warn_what_will_not_fit(phases, estimate, device)
+
+
+def _warn_what_will_not_fit(phases, estimate, device: int) -> None:
+    from shard_tools.sizes import format_bytes
+
     if estimate.unsized:
         click.echo(f"orchestrator: warning: the estimate counts nothing for model.persistent "
                    f"{', '.join(estimate.unsized)}", err=True)
@@ -105,6 +107,16 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
         click.echo(f"orchestrator: warning: phase{'s' if len(over) > 1 else ''} {named} will not fit: "
                    f"estimated {format_bytes(max(t for _, t in over))} per process, more than --device-memory "
                    f"{format_bytes(device)}", err=True)
+
+
+def _on_this_machine(loaded, phases, estimate) -> tuple[str, list]:
+    """What this machine is, in words, and how each switch goes on it (no GPU: through the checkpoint)."""
+    from orchestrator.handover import plan_switches
+    from orchestrator.machine import this_machine
+
+    machine = this_machine()
+    return _machine_words(machine), plan_switches(loaded, phases, estimate, machine.memory, not machine.gpus,
+                                                  "this GPU's")
 
 
 def _machine_words(machine) -> str:
