@@ -9,12 +9,12 @@ from launch.contract import lr_at
 
 from orchestrator.dsconfig import recorded_raw
 from orchestrator.errors import ScheduleError
-from orchestrator.journal import read_journal
 from orchestrator.rundir import SCHEDULE_COPY
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.validate import validate_schedule
-from shard_tools.manifest import newest_valid
+from shard_tools.history import read_journal
+from shard_tools.store import Checkpoints
 
 # Where and how the work runs does not change what it computes, nor do evaluation (its cadence, its
 # data), reporting and retention; phases and the lr are compared apart.
@@ -74,7 +74,7 @@ def check_same_schedule(loaded: LoadedSchedule, phases: list[Phase], old_raw: di
     ran_from = warmup_ran(run_dir)
     if not diffs and ran_from in (None, loaded.schedule.lr_schedule.warmup_from):
         return
-    _, manifest, _ = newest_valid(run_dir, checksums=False)
+    _, manifest, _ = Checkpoints(run_dir).newest_whole(checksums=False)
     done_step = manifest.global_step if manifest else 0
     try:
         old_loaded = validate_schedule(old_raw, loaded.source)

@@ -21,8 +21,7 @@ from orchestrator.groups import Group, PhaseProcesses, Work
 from orchestrator.errors import PhaseFailed, Preempted, RelayerError
 from orchestrator.changes import check_same_schedule
 from orchestrator.commit import Committer
-from orchestrator.history import replay
-from orchestrator.journal import Journal, read_journal
+from orchestrator.journal import Journal
 from orchestrator.quiet import Pauser
 from orchestrator.resume import next_work, restore_point, resume_point, set_aside_after
 from orchestrator.retention import retain
@@ -31,7 +30,8 @@ from orchestrator.phasespec import phase_spec, plan_estimate
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.supervisor import Context, Observer, State, Supervisor
-from shard_tools.manifest import checkpoints_dir, newest_valid, remove_stray_temporaries, step_dir_name
+from shard_tools.history import read_journal, replay
+from shard_tools.store import Checkpoints
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -51,7 +51,7 @@ class Runner:
         """The first stop signal, which stops at a checkpoint; a SIGINT after it ends the run at once."""
         self.supervisor: Supervisor | None = None
         """The supervisor of the phase running now, whose stop a second Ctrl-C cuts short."""
-        self.verified: set[Path] = set()
+        self.checkpoints = Checkpoints(self.run_dir)
         self.live_pending: list[Group] = []
         estimate = plan_estimate(loaded, self.phases)  # the handovers' planned peaks
         self.groups = PhaseProcesses(self.run_dir, loaded.schedule.launch, self._event,
@@ -88,7 +88,7 @@ class Runner:
         with RunLock(self.run_dir):
             adopt_data(self.loaded, staged)
             if chosen is not None:
-                set_aside_after(self.run_dir, chosen, self.verified, self._event)
+                set_aside_after(self.checkpoints, chosen, self._event)
             old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
             for s in STOP_SIGNALS:
                 signal.signal(s, self._on_signal)
@@ -135,7 +135,7 @@ class Runner:
         what = self._waiting_for()
         for files in RunDir(self.run_dir).phase_dirs():
             procs.signal_all(procs.recorded(files.path), signal.SIGKILL)
-        _, manifest, _ = newest_valid(self.run_dir, checksums=False)
+        _, manifest, _ = self.checkpoints.newest_whole(checksums=False)
         step = manifest.global_step if manifest else 0
         self._event("preempted", step=step, signal=signum, forced=True, waiting_for=what)
         kept = f"the checkpoints up to step {step}" if manifest else "no checkpoint yet (it starts again from step 0)"
@@ -165,7 +165,7 @@ class Runner:
             killed = procs.reap(files.path, None, grace=self.loaded.schedule.launch.grace_seconds)
             if killed:
                 self._event("killed", phase_dir=str(files.path), pids=killed)
-        for stray in remove_stray_temporaries(self.run_dir):  # once no process can still write them
+        for stray in self.checkpoints.remove_stray_temporaries():  # once no process can still write them
             self._event("stray_removed", path=str(stray))
         first = True
         pending: list[Group] = []  # pre-warmed groups of the next phases, in order
@@ -175,7 +175,7 @@ class Runner:
             if handing is not None:
                 work = self._successor_work(handing)
             else:
-                ckpt, manifest = restore_point(self.run_dir, self.verified, self._event)
+                ckpt, manifest = restore_point(self.checkpoints, self._event)
                 work = next_work(self.phases, ckpt, manifest)
                 if first:
                     self._event_start(fresh, manifest.global_step if manifest else 0, ckpt)
@@ -244,7 +244,7 @@ class Runner:
         checkpoint the finished one is about to commit."""
         done = handing.phase
         nxt = self._after(done)
-        end = checkpoints_dir(self.run_dir) / step_dir_name(done.end_step)
+        end = self.checkpoints.at(done.end_step)
         return None if nxt is None else Work(nxt, done.end_step, end)
 
     def _after(self, phase: Phase) -> Phase | None:
@@ -261,7 +261,7 @@ class Runner:
     def _release(self, handing: Supervisor, reason: str) -> Group:
         """A finished phase whose offer nobody takes: it writes its checkpoint, and is done."""
         handing.finish(reason)
-        self.verified.add(handing.group.end)
+        self.checkpoints.trust(handing.group.end)
         return handing.group
 
     def _final_model(self) -> None:
@@ -298,7 +298,7 @@ class Runner:
         finished.end = None
         self._event("device_after_phase", phase=ph.index, nvml=devmem.snapshot(finished.pids))
         protect = {g.preload for g in (current, *self.live_pending) if g is not None and g.preload}
-        retain(self.run_dir, self.loaded.schedule.checkpoint.keep_last, protect, self._event)
+        retain(self.checkpoints, self.loaded.schedule.checkpoint.keep_last, protect, self._event)
 
     def _take(self, pending: list[Group], work: Work, handing: Supervisor | None = None) -> Group:
         """The group to run ``work``: the first pre-warmed one when it was made for it, else a new one
@@ -345,14 +345,14 @@ class Runner:
         later = (lambda: self._prewarm_ahead(pending, group.work)) if ahead else None
 
         def predecessor_done(done: Group) -> None:
-            self.verified.add(done.end)
+            self.checkpoints.trust(done.end)
             self._after_switch(done, group)
 
         supervisor = self.supervisor = Supervisor(self.supervision, group, pending, later, predecessor,
                                                   predecessor_done)
         supervisor.run()
         if supervisor.state is not State.HANDING_OVER:
-            self.verified.add(group.end)
+            self.checkpoints.trust(group.end)
         return supervisor
 
 
