@@ -30,13 +30,12 @@ COMM_BUFFER = "deepspeed_allreduce_buffer"
 
 def extensions_dir() -> Path:
     """Where this environment's JIT builds go: ``TORCH_EXTENSIONS_DIR``, else a folder of torch's
-    default root named after this environment (``sys.prefix``, links resolved)."""
+    default root named after this environment (``sys.prefix``)."""
     if "TORCH_EXTENSIONS_DIR" in os.environ:
         return Path(os.environ["TORCH_EXTENSIONS_DIR"])
     from torch.utils.cpp_extension import get_default_build_root
 
-    env = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
-    return Path(get_default_build_root()) / f"relayer-{env}"
+    return Path(get_default_build_root()) / f"relayer-{hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]}"
 
 
 def load_comm_ops() -> None:

@@ -39,16 +39,6 @@ def test_each_environment_builds_in_a_folder_of_its_own(monkeypatch):
     assert extensions_dir() == Path("/chosen")
 
 
-def test_an_environment_reached_through_a_link_shares_its_build(tmp_path, monkeypatch):
-    """A checkout whose .venv links to another's (tests/test_first_run.py's copy of the project)
-    reuses that environment's build, minutes on a busy CPU, rather than building it again."""
-    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
-    mine = extensions_dir()
-    (tmp_path / ".venv").symlink_to(sys.prefix)
-    monkeypatch.setattr(sys, "prefix", str(tmp_path / ".venv"))
-    assert extensions_dir() == mine
-
-
 def waiting_on(lock: Path, pid: int) -> bool:
     """Whether ``pid`` is blocked in flock on ``lock`` (a "->" line of /proc/locks)."""
     inode = os.stat(lock).st_ino
