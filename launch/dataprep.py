@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from launch.contract import DataPart, is_template_path
+from launch.contract.spec import DataPart, is_template_path
 from launch.rows import IGNORE, pack, pad, ragged
 from shard_tools.tokenizer import TOKENIZER_FILES
 

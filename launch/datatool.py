@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.dataprep import IGNORE, DataError, _where, load_tokenizer, prepare, read_stats
-from launch.contract import DataPart
+from launch.contract.spec import DataPart
 from shard_tools.tokenizer import TOKENIZER_FILES
 
 

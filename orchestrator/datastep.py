@@ -13,19 +13,19 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from launch.contract import DATA_CACHE
+from launch.contract.channels import DATA_TOOL, python_m
+from launch.contract.files import DATA_CACHE
 from orchestrator.errors import Preempted, RelayerError, ScheduleError
 from orchestrator.modelcheck import read_model_config
 from orchestrator.schedule import LoadedSchedule
 from orchestrator.validate import chat_template_of, tokenizer_of
 
 def data_spec(loaded: LoadedSchedule) -> dict[str, Any]:
-    """The phase spec's data part (launch/contract.py DataPart): what keys the cache."""
+    """The phase spec's data part (``launch.contract.spec.DataPart``): what keys the cache."""
     d, base = loaded.schedule.data, loaded.source.parent
     return {"path": str(loaded.data_path), "format": d.format, "seq_len": d.seq_len, "pack": d.pack,
             "train_on_prompt": d.train_on_prompt, "fields": d.fields, "chat_template": chat_template_of(d, base),
@@ -43,7 +43,7 @@ def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0, reuse:
     tok = tokenizer_of(s.model, loaded.source.parent)
     req = {"data": data_spec(loaded), "tokenizer": str(tok) if tok else None, "cache_root": str(cache_root),
            "reuse": [str(p) for p in reuse], "seed": s.run.seed, "show": show, "vocab_size": config.get("vocab_size")}
-    proc = subprocess.run([sys.executable, "-m", "launch.datatool"], input=json.dumps(req), capture_output=True,
+    proc = subprocess.run(python_m(DATA_TOOL), input=json.dumps(req), capture_output=True,
                           text=True)
     if proc.returncode == 2:
         raise ScheduleError(f"data: {proc.stderr.strip()}")

@@ -20,9 +20,10 @@ from orchestrator.groups import Group
 from orchestrator.handover import Switch
 from orchestrator.pace import Pace, clock
 from orchestrator.plan import plan_phases
+from orchestrator.rundir import LOCK
 from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.supervisor import Observer, State
-from shard_tools.history import read_journal
+from shard_tools.history import JOURNAL, read_journal
 from shard_tools.sizes import format_bytes
 
 # Off a terminal, lines are logs: never wrap them (rich would at 80 columns).
@@ -196,7 +197,7 @@ class Display(Observer):
 
 
 def run_state(run_dir: Path, events: list[dict]) -> str:
-    lock = run_dir / "orchestrator.lock"
+    lock = run_dir / LOCK
     if lock.exists():
         fd = os.open(lock, os.O_RDONLY)
         try:
@@ -218,8 +219,8 @@ def run_state(run_dir: Path, events: list[dict]) -> str:
 def print_status(run_dir: Path) -> None:
     from shard_tools.store import Checkpoints
 
-    if not (run_dir / "journal.jsonl").exists():
-        raise ScheduleError(f"{run_dir}: not a relayer run directory (no journal.jsonl)")
+    if not (run_dir / JOURNAL).exists():
+        raise ScheduleError(f"{run_dir}: not a relayer run directory (no {JOURNAL})")
     events = read_journal(run_dir)
     ckpt, manifest, skipped = Checkpoints(run_dir).newest_whole(checksums=False)
     out = Console()

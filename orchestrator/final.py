@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shard_tools.manifest import FINAL
+from shard_tools.manifest import EXPORT_MARKER, FINAL
 
 EXPORTER = "from shard_tools.cli import main; main(prog_name='shard-tools')"
 
@@ -16,7 +16,7 @@ EXPORTER = "from shard_tools.cli import main; main(prog_name='shard-tools')"
 def is_current(run_dir: Path, step: int) -> bool:
     """Whether RUN_DIR/final already holds the weights of ``step`` (a complete run resumed again)."""
     try:
-        return json.loads((run_dir / FINAL / "relayer.json").read_text())["global_step"] == step
+        return json.loads((run_dir / FINAL / EXPORT_MARKER).read_text())["global_step"] == step
     except (OSError, ValueError, KeyError, TypeError):
         return False
 

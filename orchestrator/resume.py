@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from launch.contract import RunDir
+from launch.contract.files import RunDir
 
 from orchestrator.errors import ScheduleError
 from orchestrator.groups import Work

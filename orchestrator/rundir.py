@@ -9,7 +9,7 @@ import shutil
 import tomllib
 from pathlib import Path
 
-from launch.contract import PHASES
+from launch.contract.files import PHASES
 
 from orchestrator.errors import RunLocked, ScheduleError
 from shard_tools.store import Checkpoints

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from launch.contract import is_template_path
+from launch.contract.spec import is_template_path
 from orchestrator.dsconfig import deepspeed_config
 from orchestrator.errors import ScheduleError
 from orchestrator.modelcheck import (

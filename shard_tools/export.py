@@ -23,7 +23,7 @@ from torch import nn
 from shard_tools.errors import CheckpointError, InputError
 from shard_tools.files import TMP_PREFIX, read_regular, regular_fault
 from shard_tools.history import JOURNAL
-from shard_tools.manifest import CHECKPOINTS, FINAL, MANIFEST, Manifest, path_kind, step_of
+from shard_tools.manifest import CHECKPOINTS, EXPORT_MARKER, FINAL, MANIFEST, Manifest, path_kind, step_of
 from shard_tools.model import DTYPES, ModelSpec, build_base_model
 from shard_tools.sizes import parse_size
 from shard_tools.state import run_weights
@@ -33,8 +33,6 @@ from shard_tools.verify import trusted_checkpoint
 
 COPIED_FILES = (*TOKENIZER_FILES, "generation_config.json")
 """Copied from the run's tokenizer folder (else the base model's) into an export, where present."""
-EXPORT_MARKER = "relayer.json"
-"""Written into every export: what it was exported from. ``--force`` replaces only a folder that has one."""
 # Shards of a few GB download and load piece by piece; one file per model would be up to 50 GB.
 MAX_SHARD_SIZE = "5GB"
 
