@@ -11,15 +11,18 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
+	@echo "make: installing relayer and what it runs on (torch for the CPU, DeepSpeed, transformers, datasets, pytest) into $(VENV)/: 2-3 minutes, pip says what it fetches"
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,report]'
+	$(BIN)/pip install --progress-bar on -c constraints.txt -e '.[test,report]'
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python examples/tiny/run_demo.py
 
+# A line per test file as it runs (the fast tests first), every failure reported at the end, and the
+# slowest tests; PYTEST_ARGS="-m 'not multiprocess'" runs the fast ones only.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) examples/tiny/runs examples/tiny/model examples/tiny/export \

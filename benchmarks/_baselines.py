@@ -109,10 +109,13 @@ class Trainer:
 
         from launch.data import SampleOrder, load_examples, prepare
         from launch.contract.data import DataPart, SourcePart
+        from launch.ops import load_comm_ops, unlink_comm_buffers
 
         self.setup, self.way_dir = setup, way_dir
         accel = get_accelerator()
+        load_comm_ops()  # under relayer's lock, as every phase loads it: never a race over the JIT build
         deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
+        unlink_comm_buffers(int(os.environ["RANK"]))  # its 69 MB in /dev/shm would outlive it
         self.cuda = accel.device_name() == "cuda"
         if self.cuda:
             torch.cuda.set_device(0)

@@ -1,4 +1,5 @@
-"""DeepSpeed's JIT-built ops, loaded so that a killed process cannot hang every later one.
+"""DeepSpeed's JIT-built ops, loaded so that a killed process cannot hang every later one, and
+no two processes of one machine race over a build.
 
 On the CPU, ``deepspeed.init_distributed`` loads the shared-memory comm op through torch's JIT
 build, which guards the build directory with a lock *file* (torch's FileBaton). A process killed
@@ -7,18 +8,38 @@ process waits on it forever. relayer serialises the load under an flock, which t
 when its holder dies: whoever holds the flock knows any baton file is stale and removes it.
 Loaded once, the op is cached in the process (and in everything the fork server forks), which then
 never takes the flock again: a phase paused while it held it (``orchestrator.quiet``, SIGSTOP)
-stalled the next phase's start at "starting the process group" until the pause ended.
+stalled the next phase's start at "starting the process group" until the pause ended. Every
+process that loads the op takes the flock (the benchmarks' baselines too): one that held only the
+baton would have it removed under it.
+
+torch builds into one folder per user (``~/.cache/torch_extensions/py311_cpu``) whatever the
+environment, and a build from another virtual environment (other include paths) makes ninja
+build again: two checkouts on one machine would rebuild the op for each other all day, each
+build minutes on a busy CPU. Each environment builds into a folder of its own instead, unless
+``TORCH_EXTENSIONS_DIR`` says where.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
+import sys
 from pathlib import Path
 
 COMM_BUFFER = "deepspeed_allreduce_buffer"
 _loaded = False
 """The comm op is loaded in this process (or in the fork server it was forked from)."""
+
+
+def extensions_dir() -> Path:
+    """Where this environment's JIT builds go: ``TORCH_EXTENSIONS_DIR``, else a folder of torch's
+    default root named after this environment (``sys.prefix``)."""
+    if "TORCH_EXTENSIONS_DIR" in os.environ:
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root()) / f"relayer-{hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]}"
 
 
 def load_comm_ops() -> None:
@@ -30,6 +51,7 @@ def load_comm_ops() -> None:
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None:
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_dir())  # read by torch's build, in this process
         build_dir = build_directory(builder.NAME)
         with open(build_lock(builder.NAME), "w") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)

@@ -79,7 +79,7 @@ def _step(ph: Phase, stop: dict, metrics: Path, step_times: list[float]) -> bool
     dt = time.perf_counter() - t0
     step_times.append(dt)
     if ph.step == spec.start_step + 1:
-        _first_step_done(ph)
+        _first_step_done(ph, dt)
     if ph.rank == 0:
         log(ph, metrics, {
             "time": time.time(), "step": ph.step, "phase": spec.phase, "layers": spec.layers,
@@ -115,8 +115,9 @@ def _accumulate(ph: Phase, lr: float) -> tuple[float, int]:
     return loss_sum, n_global
 
 
-def _first_step_done(ph: Phase) -> None:
+def _first_step_done(ph: Phase, seconds: float) -> None:
     ph.timeline.mark("t_first_step_end")  # before the orchestrator can see the step
+    ph.timeline.add(first_step_seconds=seconds)  # for the switch's overhead (shard_tools.history)
     ph.timeline.add(nice=os.getpriority(os.PRIO_PROCESS, 0))  # the priority it trains at
     if ph.made.staging is not None:
         ph.made.staging.unregister_later()  # the host weights are on the device: unpinned off the switch
@@ -154,7 +155,9 @@ def log(ph: Phase, metrics: Path, record: dict) -> None:
         if ph.tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            ph.tb = SummaryWriter(str(ph.run_dir / "tensorboard"))
+            # What an earlier attempt logged from this phase's first step on (a branch --resume-from
+            # set aside, steps a kill made train again) is hidden: the curves show one history.
+            ph.tb = SummaryWriter(str(ph.run_dir / "tensorboard"), purge_step=ph.spec.start_step + 1)
         for key in ("loss", "eval_loss", "lr", "tokens_per_s", "step_seconds"):
             if key in record:
                 ph.tb.add_scalar(key, record[key], record["step"], walltime=record["time"])

@@ -7,16 +7,20 @@ from types import SimpleNamespace
 
 from launch.contract.spec import lr_at
 
+from orchestrator.dsconfig import recorded_raw
 from orchestrator.errors import ScheduleError
 from orchestrator.rundir import SCHEDULE_COPY
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.validate import validate_schedule
+from shard_tools.history import read_journal
 from shard_tools.store import Checkpoints
 
-# Where and how the work runs does not change what it computes; phases and the lr are compared apart.
+# Where and how the work runs does not change what it computes, nor do evaluation (its cadence, its
+# data), reporting and retention; phases and the lr are compared apart.
 HARMLESS = ("schedule.", "launch.", "checkpoint.", "deepspeed.zero_stage", "lr_schedule.", "optimizer.lr:",
-            "run.final_model", "run.group_readable", "run.report_to", "run.tensorboard")
+            "run.final_model", "run.group_readable", "run.report_to", "run.tensorboard",
+            "data.eval_every", "data.validation_path")
 
 
 def schedule_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -36,20 +40,29 @@ def without_output_dir(raw: dict) -> dict:
     return {**raw, "run": {k: v for k, v in run.items() if k != "output_dir"}} if isinstance(run, dict) else raw
 
 
+def warmup_ran(run_dir) -> str | None:
+    """The lr_schedule.warmup_from the run's last start trained with, as its journal says; "one_step"
+    where it says none (started before the key: its warm-up was that); None before any start."""
+    starts = [e for e in read_journal(run_dir) if e["event"] in ("run_started", "resumed")]
+    return starts[-1].get("warmup_from", "one_step") if starts else None
+
+
 def changed_lr(old: LoadedSchedule, old_phases: list[Phase], new: LoadedSchedule, new_phases: list[Phase],
-               done_step: int) -> str | None:
-    """How the lr of a step already taken would change (a new total_steps moves a decaying lr), or None."""
-    def opt(loaded: LoadedSchedule, phases: list[Phase]) -> SimpleNamespace:
+               done_step: int, old_warmup_from: str | None = None) -> str | None:
+    """How the lr of a step already taken would change (a new total_steps moves a decaying lr), or None.
+    ``old_warmup_from``: the warm-up the run trained with, where not its schedule's (``warmup_ran``)."""
+    def opt(loaded: LoadedSchedule, phases: list[Phase], warmup_from: str | None = None) -> SimpleNamespace:
         s = loaded.schedule
         return SimpleNamespace(lr=s.optimizer.lr, lr_kind=s.lr_schedule.kind, warmup_steps=s.lr_schedule.warmup_steps,
-                               total_steps=phases[-1].end_step)
+                               total_steps=phases[-1].end_step, warmup_from=warmup_from or s.lr_schedule.warmup_from)
 
-    a, b = opt(old, old_phases), opt(new, new_phases)
+    a, b = opt(old, old_phases, old_warmup_from), opt(new, new_phases)
     for step in range(done_step):
         if lr_at(step, a) != lr_at(step, b):
             return (f"lr of step {step}, already taken, would change: {lr_at(step, a):.6g} -> {lr_at(step, b):.6g} "
-                    f"(lr {a.lr:g}, {a.lr_kind}, warmup_steps {a.warmup_steps}, total_steps {a.total_steps} -> "
-                    f"lr {b.lr:g}, {b.lr_kind}, warmup_steps {b.warmup_steps}, total_steps {b.total_steps})")
+                    f"(lr {a.lr:g}, {a.lr_kind}, warmup_steps {a.warmup_steps} from {a.warmup_from}, total_steps "
+                    f"{a.total_steps} -> lr {b.lr:g}, {b.lr_kind}, warmup_steps {b.warmup_steps} from "
+                    f"{b.warmup_from}, total_steps {b.total_steps})")
     return None
 
 
@@ -57,8 +70,9 @@ def check_same_schedule(loaded: LoadedSchedule, phases: list[Phase], old_raw: di
     """Refuses ``loaded`` (the schedule given now, planned as ``phases``) where it differs from the
     run's copy ``old_raw`` in ways that alter completed work, unless ``force``."""
     run_dir = loaded.output_dir
-    diffs = schedule_differences(without_output_dir(old_raw), without_output_dir(loaded.raw))
-    if not diffs:
+    diffs = schedule_differences(without_output_dir(old_raw), without_output_dir(recorded_raw(loaded)))
+    ran_from = warmup_ran(run_dir)
+    if not diffs and ran_from in (None, loaded.schedule.lr_schedule.warmup_from):
         return
     _, manifest, _ = Checkpoints(run_dir).newest_whole(checksums=False)
     done_step = manifest.global_step if manifest else 0
@@ -72,7 +86,9 @@ def check_same_schedule(loaded: LoadedSchedule, phases: list[Phase], old_raw: di
     old_phases = [p for p in old_planned if p.start_step < done_step]
     new_phases = [p for p in phases if p.start_step < done_step]
     changes_done = [d for d in diffs if not d.startswith(HARMLESS)]
-    lr_change = changed_lr(old_loaded, old_planned, loaded, phases, done_step)
+    lr_change = changed_lr(old_loaded, old_planned, loaded, phases, done_step, ran_from)
+    if lr_change and ran_from != loaded.schedule.lr_schedule.warmup_from:
+        lr_change += f"; its warm-up ran from {ran_from}: --set lr_schedule.warmup_from={ran_from} resumes it so"
     if lr_change:
         changes_done.append(lr_change)
     same_done = [(p.start_step, p.end_step, p.layers) for p in old_phases] == [

@@ -76,7 +76,6 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
     from orchestrator.display import print_plan
     from orchestrator.estimate import EstimateError, estimate_plan, size_option
     from orchestrator.handover import plan_switches
-    from shard_tools.sizes import format_bytes
     from orchestrator.plan import plan_phases
     from orchestrator.validate import load_schedule
 
@@ -91,16 +90,23 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
     except EstimateError as e:
         estimate, failure = None, e
     switches = plan_switches(loaded, phases, estimate, device)
+    here = _on_this_machine(loaded, phases, estimate)
     if device is None:
-        print_plan(loaded, phases, switches)
+        print_plan(loaded, phases, switches, here=here)
         _echo_data_line(loaded, phases, data)
         return
     if estimate is None:
-        print_plan(loaded, phases, switches)
+        print_plan(loaded, phases, switches, here=here)
         click.echo(f"orchestrator: warning: no memory estimate: {failure}", err=True)
         return
-    print_plan(loaded, phases, switches, estimate, device)
+    print_plan(loaded, phases, switches, estimate, device, here=here)
     _echo_data_line(loaded, phases, data)
+    _warn_what_will_not_fit(phases, estimate, device)
+
+
+def _warn_what_will_not_fit(phases, estimate, device: int) -> None:
+    from shard_tools.sizes import format_bytes
+
     if estimate.unsized:
         click.echo(f"orchestrator: warning: the estimate counts nothing for model.persistent "
                    f"{', '.join(estimate.unsized)}", err=True)
@@ -110,6 +116,26 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
         click.echo(f"orchestrator: warning: phase{'s' if len(over) > 1 else ''} {named} will not fit: "
                    f"estimated {format_bytes(max(t for _, t in over))} per process, more than --device-memory "
                    f"{format_bytes(device)}", err=True)
+
+
+def _on_this_machine(loaded, phases, estimate) -> tuple[str, list]:
+    """What this machine is, in words, and how each switch goes on it (no GPU: through the checkpoint)."""
+    from orchestrator.handover import plan_switches
+    from orchestrator.machine import this_machine
+
+    machine = this_machine()
+    return _machine_words(machine), plan_switches(loaded, phases, estimate, machine.memory, not machine.gpus,
+                                                  "this GPU's")
+
+
+def _machine_words(machine) -> str:
+    """What plan says this machine offers the phases: ``no GPU: DS_ACCELERATOR=cpu``, ``1 GPU of 140 GiB (NVML)``."""
+    from shard_tools.sizes import format_bytes
+
+    if not machine.gpus:
+        return f"no GPU: {machine.told_by}"
+    memory = f" of {format_bytes(machine.memory)}" if machine.memory is not None else ", memory unknown to the orchestrator"
+    return f"{machine.gpus} GPU{'s' if machine.gpus > 1 else ''}{memory} ({machine.told_by})"
 
 
 LAYOUTS = {"pad": "one example a row, padded or cut to", "stream": "one stream cut into rows of",
@@ -152,7 +178,8 @@ def _source_line(src: dict) -> str:
 @click.option("--show", type=click.IntRange(min=1), metavar="N", help="Also print the first N training rows, in the run's order.")
 @click.option("--json", "as_json", is_flag=True,
               help="JSON: with --show, a list of the rows ({text, target, input_ids, target_ids}); else the statistics.")
-def data(schedule: Path, show: int | None, as_json: bool) -> None:
+@set_option
+def data(schedule: Path, show: int | None, as_json: bool, overrides: tuple[str, ...]) -> None:
     """The training data of SCHEDULE as the run will see it: statistics and, with --show N, rows
     with their decoded input and the tokens that carry loss. Writes nothing."""
     import json
@@ -160,7 +187,7 @@ def data(schedule: Path, show: int | None, as_json: bool) -> None:
     from orchestrator.datastep import check_data
     from orchestrator.validate import load_schedule
 
-    out = check_data(load_schedule(schedule), show or 0)
+    out = check_data(load_schedule(schedule, overrides=overrides), show or 0)
     st = out["stats"]
     if as_json:
         if show:  # one row a line

@@ -32,9 +32,11 @@ console = Console(stderr=True, soft_wrap=True)
 
 
 def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switch],
-               estimate: PlanEstimate | None = None, device_memory: int | None = None) -> None:
+               estimate: PlanEstimate | None = None, device_memory: int | None = None,
+               here: tuple[str, list[Switch]] | None = None) -> None:
     """The phase table (with ``estimate``, each phase's memory per process), the run's settings,
-    and how its ``switches`` hand over."""
+    and how its switches hand over: on this machine (``here``: what it offers, and its switches),
+    then ``switches`` on a GPU (of ``device_memory``)."""
     s = loaded.schedule
     table = Table(title=f"{loaded.source.name}: {len(phases)} phases, {phases[-1].end_step} steps, "
                         f"model of {loaded.num_layers} layers")
@@ -55,12 +57,24 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switc
     out.print(table)
     out.print(f"ZeRO stage {s.deepspeed.zero_stage}, {s.model.dtype}, launcher {s.launch.launcher}, "
               f"batch {s.data.batch_size} (micro {s.data.micro_batch_size}), run directory {loaded.output_dir}")
-    for line in [*switch_lines(switches, host=s.launch.handover == "on"), *plan_lines(s.launch)]:
+    for line in [*_switch_sections(loaded, switches, device_memory, here), *plan_lines(s.launch)]:
         out.print(line, markup=False, highlight=False)
     if estimate:
         device = f", device {format_bytes(device_memory)}" if device_memory is not None else ""
         out.print(f"estimated device memory per process: {estimate.count.total:,} parameters, activations without "
                   f"gradient checkpointing; CUDA context, buffers and logits not counted{device}")
+
+
+def _switch_sections(loaded: LoadedSchedule, switches: list[Switch], device_memory: int | None,
+                     here: tuple[str, list[Switch]] | None) -> list[str]:
+    """How the switches go on this machine (``here``), then on a GPU where that differs."""
+    sections = [] if here is None else [(f"on this machine ({here[0]})", here[1], loaded.schedule.launch.handover == "on")]
+    if here is None or switches != here[1]:
+        size = f" of {format_bytes(device_memory)} (--device-memory)" if device_memory is not None else \
+            " (--device-memory SIZE checks each overlap against it)"
+        sections.append((f"on a GPU{size}", switches, False))
+    return [line for title, listed, host in sections
+            for line in [f"{title}:", *(f"  {x}" for x in switch_lines(listed, host=host))]]
 
 
 def switch_lines(switches: list[Switch], *, host: bool = False) -> list[str]:
@@ -145,7 +159,9 @@ class Display(Observer):
                                      f"removed an unfinished file of a writer that was stopped: {e['path']}",
             "killed": lambda: f"stopped leftover processes {e['pids']}",
             "stop_requested": lambda: f"stopping (signal {e['signal']}): phase {e['phase']} finishes its step and "
-                                      "writes a checkpoint",
+                                      "writes a checkpoint; a second Ctrl-C ends the run at once, without it",
+            "stop_repeated": lambda: f"still stopping (signal {e['signal']}): waiting for {e['waiting_for']}; "
+                                     "Ctrl-C ends the run at once",
             "run_done": lambda: f"all {e['step']} steps done",
             "checkpoints_set_aside": lambda: f"resuming from {e['resume_from']}: moved {', '.join(e['checkpoints'])} "
                                              f"aside to {e['to']}",

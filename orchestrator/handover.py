@@ -73,15 +73,21 @@ class Switch:
 
 
 def plan_switches(loaded: LoadedSchedule, phases: list[Phase], estimate: PlanEstimate | None,
-                  device_memory: int | None = None) -> list[Switch]:
-    """Every switch of the run; with ``device_memory`` (plan's --device-memory), one whose overlap
-    would not fit falls back, as the worker's own check against its device will make it."""
+                  device_memory: int | None = None, no_gpu: bool = False,
+                  memory_name: str = "--device-memory") -> list[Switch]:
+    """Every switch of the run; with ``device_memory`` (plan's --device-memory, or this machine's
+    GPU: ``memory_name``), one whose overlap would not fit falls back, as the worker's own check
+    against its device will make it. With ``no_gpu`` (the phases will see none), one goes through
+    the checkpoint, as the worker will, unless ``launch.handover = "on"`` hands over through a file."""
     out = []
+    host = loaded.schedule.launch.handover == "on"
     for i in range(len(phases) - 1):
         peak = estimate.overlaps[i] if estimate is not None else None
         reason = boundary_reason(loaded, phases, i)
+        if reason is None and no_gpu and not host:
+            reason = 'no GPU: a handover needs both phases on one GPU (launch.handover = "on" tests it through a file)'
         if reason is None and None not in (peak, device_memory) and peak > device_memory:
-            reason = (f"overlap peak {format_bytes(peak)} per device, more than --device-memory "
+            reason = (f"overlap peak {format_bytes(peak)} per device, more than {memory_name} "
                       f"{format_bytes(device_memory)}")
         out.append(Switch(after=i, reason=reason, peak=peak))
     return out

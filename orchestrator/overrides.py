@@ -72,3 +72,24 @@ def apply_overrides(raw: dict[str, Any], items: list[str] | tuple[str, ...]) -> 
 
 def _dotted(path: list[str | int]) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else ("." if i else "") + p for i, p in enumerate(path))
+
+
+def blame_overrides(message: str, source: object, items: list[str] | tuple[str, ...]) -> str:
+    """``message`` (a ScheduleError's, a line per problem as ``SOURCE: KEY: what``) with each line
+    about a key that an item of ``items`` set, or a table holding it or held by it, blaming that
+    ``--set`` instead of the schedule file ``source``."""
+    keys = []
+    for item in items:
+        key = item.partition("=")[0].strip()
+        keys.append((item, _dotted(parse_key(key, item))))
+    head, lines = f"{source}: ", []
+    for line in message.split("\n"):
+        rest = line.removeprefix(head)
+        key = rest.split(": ", 1)[0]
+        item = next((i for i, k in reversed(keys) if _within(key, k) or _within(k, key)), None)
+        lines.append(f"--set {item}: {rest}" if line.startswith(head) and item is not None else line)
+    return "\n".join(lines)
+
+
+def _within(key: str, table: str) -> bool:
+    return key == table or key.startswith((f"{table}.", f"{table}["))

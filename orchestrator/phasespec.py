@@ -41,7 +41,7 @@ def phase_spec(loaded: LoadedSchedule, phases: list[Phase], work: Work, phase_di
         layers=list(ph.layers), restore=str(work.restore) if work.restore else None,
         model=_model_part(loaded), data=DataPart(**data_spec(loaded)),
         optimizer=_optimizer_part(loaded, total_steps=phases[-1].end_step),
-        zero_stage=s.deepspeed.zero_stage, deepspeed_config=s.deepspeed.config,
+        zero_stage=s.deepspeed.zero_stage, deepspeed_config=loaded.deepspeed_config,
         every_steps=s.checkpoint.every_steps, launcher=s.launch.launcher, nproc=ph.nproc, nnodes=s.launch.nnodes,
         hostfile=str((loaded.source.parent / s.launch.hostfile).resolve()) if s.launch.hostfile else None,
         master_port=free_port(), master_addr=master_addr(s.launch), rendezvous_seconds=s.launch.rendezvous_seconds,
@@ -72,4 +72,5 @@ def _optimizer_part(loaded: LoadedSchedule, total_steps: int) -> OptimizerPart:
     s = loaded.schedule
     return OptimizerPart(lr=s.optimizer.lr, weight_decay=s.optimizer.weight_decay, betas=tuple(s.optimizer.betas),
                          eps=s.optimizer.eps, grad_clip=s.optimizer.grad_clip, lr_kind=s.lr_schedule.kind,
-                         warmup_steps=s.lr_schedule.warmup_steps, total_steps=total_steps)
+                         warmup_steps=s.lr_schedule.warmup_steps, total_steps=total_steps,
+                         warmup_from=s.lr_schedule.warmup_from)

@@ -4,18 +4,19 @@
     orchestrator report runs/tiny --out tiny.png
     orchestrator report runs/tiny --json               # the phase rows as JSON; writes nothing
 
-Three panels: the loss against the global step with the phase boundaries and each phase's
-layers; the memory each phase recorded (device memory on CUDA, the process's RSS elsewhere); and
-the overhead of each switch as ``shard_tools.history`` defines it: the time from the last step of
-phase k to the first step of phase k+1, less one ordinary step of phase k+1, within one go of the
-orchestrator. matplotlib (the ``report`` extra) is imported only here.
+Three panels: the loss against the global step (and the eval loss, and the lr on an axis of its
+own) with the phase boundaries and each phase's layers; the memory each phase recorded (device
+memory on CUDA, the process's RSS elsewhere); and the overhead of each switch as
+``shard_tools.history`` defines it: the time from the last step of phase k to the first step of
+phase k+1, less one ordinary step of phase k+1, within one go of the orchestrator. matplotlib
+(the ``report`` extra) is imported only here.
 """
 
 from __future__ import annotations
 
 import io
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,10 @@ class RunReport:
     loss: dict[int, float]
     """Global step (steps done) -> mean loss; a step run again after a restart keeps its last value."""
     phases: list[PhaseRow]
+    eval_loss: dict[int, float] = field(default_factory=dict)
+    """Global step -> mean loss over the validation data, where it was evaluated."""
+    lr: dict[int, float] = field(default_factory=dict)
+    """Global step -> the lr its step trained at."""
 
     @property
     def switch_seconds(self) -> dict[int, float]:
@@ -42,7 +47,8 @@ class RunReport:
         return {p.index: p.switch_seconds for p in self.phases if p.switch_seconds is not None}
 
 
-def read_metrics(run_dir: Path) -> dict[int, float]:
+def read_metrics(run_dir: Path, key: str = "loss") -> dict[int, float]:
+    """Global step -> the value of ``key`` (loss, eval_loss, lr) of metrics.jsonl's lines that have one."""
     loss: dict[int, float] = {}
     path = RunDir(run_dir).metrics
     if not path.exists():
@@ -50,7 +56,7 @@ def read_metrics(run_dir: Path) -> dict[int, float]:
     for line in path.read_text().splitlines():
         try:
             m = json.loads(line)
-            loss[int(m["step"])] = float(m["loss"])
+            loss[int(m["step"])] = float(m[key])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             continue  # a torn last line from a killed writer
     return dict(sorted(loss.items()))
@@ -61,7 +67,8 @@ def read_run(run_dir: Path) -> RunReport:
     loss = read_metrics(run_dir)
     if not loss:
         raise ScheduleError(f"{run_dir}: no training steps recorded yet ({RunDir(run_dir).metrics} is missing or empty)")
-    return RunReport(loss=loss, phases=phases)
+    return RunReport(loss=loss, phases=phases, eval_loss=read_metrics(run_dir, "eval_loss"),
+                     lr=read_metrics(run_dir, "lr"))
 
 
 def history_json(run_dir: Path) -> dict[str, Any]:
@@ -110,12 +117,8 @@ def plot(report: RunReport, out: Path, title: str) -> None:
 
 
 def _plot_loss(ax, report: RunReport) -> None:
-    """Loss per step, with the phases' bounds and layers."""
-    steps, losses = list(report.loss), list(report.loss.values())
-    ax.plot(steps, losses, color="tab:blue", linewidth=1.2, marker="." if len(steps) <= 100 else None)
-    ax.set_xlabel("global step")
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
+    """Loss and eval loss per step, the lr on an axis of its own, with the phases' bounds and layers."""
+    _plot_curves(ax, report)
     many = len(report.phases) > 12
     for row in report.phases:
         if row.start_step > 0:
@@ -124,6 +127,25 @@ def _plot_loss(ax, report: RunReport) -> None:
         ax.text((row.start_step + row.end_step + 1) / 2, 0.98, _layers_label(row.layers),
                 transform=ax.get_xaxis_transform(), ha="center", va="top",
                 fontsize=7 if many else 9, rotation=90 if many else 0, color="tab:gray")
+
+
+def _plot_curves(ax_loss, report: RunReport) -> None:
+    """The loss and the eval loss on one axis, the lr on one of its own (right)."""
+    steps = list(report.loss)
+    ax_loss.plot(steps, list(report.loss.values()), color="tab:blue", linewidth=1.2, label="loss",
+                 marker="." if len(steps) <= 100 else None)
+    if report.eval_loss:
+        ax_loss.plot(list(report.eval_loss), list(report.eval_loss.values()), color="tab:red", marker="o",
+                     linewidth=1.2, label="eval loss")
+    ax_loss.set_xlabel("global step")
+    ax_loss.set_ylabel("loss")
+    ax_loss.grid(alpha=0.3)
+    ax_lr = ax_loss.twinx()
+    ax_lr.plot(list(report.lr), list(report.lr.values()), color="tab:green", linewidth=1.0, linestyle=":", label="lr")
+    ax_lr.set_ylabel("lr")
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    handles = [h for ax in (ax_loss, ax_lr) for h in ax.get_legend_handles_labels()[0]]
+    ax_loss.legend(handles=handles, loc="lower left", fontsize=8)
 
 
 def _plot_memory(ax, report: RunReport) -> None:
@@ -149,7 +171,8 @@ def _plot_switches(ax, report: RunReport) -> None:
     ax.bar([f"{k - 1}→{k}" for k in switches], list(switches.values()), color="tab:orange")
     ax.set_xlabel("switch (phase k → k+1)")
     ax.set_ylabel("seconds")
-    ax.set_title("switch overhead: first step of k+1 ends − last step of k ends − median step of k+1", fontsize=10)
+    ax.set_title("switch overhead: first step of k+1 ends − last step of k ends − an ordinary step of k+1 "
+                 "(its median, at most its first)", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     if not switches:
         ax.text(0.5, 0.5, "no switch measured in one go", transform=ax.transAxes, ha="center")

@@ -3,15 +3,19 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable
+
+from launch.contract.files import RunDir
 
 from orchestrator.errors import ScheduleError
 from orchestrator.groups import Work
 from orchestrator.rundir import SCHEDULE_COPY
 from orchestrator.schedule import Phase
 from shard_tools.errors import InputError
-from shard_tools.manifest import Manifest
+from shard_tools.files import write_atomic
+from shard_tools.manifest import Manifest, step_of
 from shard_tools.store import Checkpoints
 
 
@@ -60,7 +64,29 @@ def resume_point(run_dir: Path, given: Path) -> Path:
 
 def set_aside_after(store: Checkpoints, chosen: Path, event: Callable[..., None]) -> None:
     """--resume-from: the checkpoints after ``chosen`` move to checkpoints/.set-aside-<time>/, where
-    readers and retention do not look and nothing deletes them."""
+    readers and retention do not look and nothing deletes them, and so do the lines of metrics.jsonl
+    after its step (into a metrics.jsonl there), so that the run's metrics hold one history."""
     aside = store.set_aside_after(chosen)
-    if aside is not None:
-        event("checkpoints_set_aside", resume_from=str(chosen), to=str(aside.folder), checkpoints=aside.checkpoints)
+    if aside is None:
+        return
+    metrics = RunDir(store.run_dir).metrics
+    keep, after = metrics_split(metrics, step_of(chosen))
+    if after:
+        write_atomic(aside.folder / metrics.name, b"".join(after))
+        write_atomic(metrics, b"".join(keep))
+    event("checkpoints_set_aside", resume_from=str(chosen), to=str(aside.folder), checkpoints=aside.checkpoints,
+          metrics_lines=len(after))
+
+
+def metrics_split(path: Path, step: int) -> tuple[list[bytes], list[bytes]]:
+    """metrics.jsonl's lines as (those up to ``step``, those of later steps); a line that is not a
+    record with a step (a torn one) stays."""
+    keep, after = [], []
+    lines = path.read_bytes().splitlines(keepends=True) if path.is_file() else []
+    for line in lines:
+        try:
+            at = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            at = None
+        (after if isinstance(at, int) and at > step else keep).append(line)
+    return keep, after

@@ -17,6 +17,7 @@ from launch.contract.files import RunDir
 
 from orchestrator import backstop, devmem, final, procs
 from orchestrator.datastep import adopt_data, stage_data
+from orchestrator.dsconfig import recorded_raw
 from orchestrator.groups import Group, PhaseProcesses, Work
 from orchestrator.errors import PhaseFailed, Preempted, RelayerError
 from orchestrator.changes import check_same_schedule
@@ -87,6 +88,9 @@ class Runner:
         self.force = force
         self.on_event = on_event or (lambda e: None)
         self.stop_signal: int | None = None
+        """The first stop signal, which stops at a checkpoint; a SIGINT after it ends the run at once."""
+        self.supervisor: Supervisor | None = None
+        """The supervisor of the phase running now, whose stop a second Ctrl-C cuts short."""
         self.checkpoints = Checkpoints(self.run_dir)
         self.ahead: list[Group] = []
         """The pre-warmed groups of the next phases, in order."""
@@ -156,17 +160,42 @@ class Runner:
             pass  # the journal is what failed (a full disk): the message still reaches the user
 
     def _on_signal(self, signum, _frame) -> None:
-        self.stop_signal = signum
+        if self.stop_signal is None:
+            self.stop_signal = signum
+        elif signum == signal.SIGINT:  # Ctrl-C again: the user means it, as torchrun takes it (issue #24)
+            self._end_now(signum)
+        else:  # a scheduler's repeated SIGTERM (LSF sends SIGINT, then SIGTERM) waits for the checkpoint
+            self._event("stop_repeated", signal=signum, waiting_for=self._waiting_for())
+
+    def _waiting_for(self) -> str:
+        live = self.supervisor is not None and self.supervisor.state not in (State.DONE, State.FAILED,
+                                                                            State.PREEMPTED)
+        return self.supervisor.waiting_for() if live else "the orchestrator to journal what is done and exit"
+
+    def _end_now(self, signum: int) -> None:
+        """A second Ctrl-C: every process of the run is killed now, as a SIGKILLed orchestrator's
+        would be; what they were writing is lost, and running again resumes from the newest whole
+        checkpoint."""
+        what = self._waiting_for()
+        for files in RunDir(self.run_dir).phase_dirs():
+            procs.signal_all(procs.recorded(files.path), signal.SIGKILL)
+        _, manifest, _ = self.checkpoints.newest_whole(checksums=False)
+        step = manifest.global_step if manifest else 0
+        self._event("preempted", step=step, signal=signum, forced=True, waiting_for=what)
+        kept = f"the checkpoints up to step {step}" if manifest else "no checkpoint yet (it starts again from step 0)"
+        raise Preempted(f"ended at once by a second Ctrl-C (SIGINT), while waiting for {what}; kept: {kept}; "
+                        "run the same command again to resume")
 
     # -- run directory -------------------------------------------------------------------------
     def _prepare_run_dir(self) -> bool:
         """Creates the run directory (atomically) or checks that it belongs to this schedule."""
         copy = self.run_dir / SCHEDULE_COPY
         text = self.loaded.source.read_text()
-        if tomllib.loads(text) != self.loaded.raw:  # --set overrides: the copy records what runs
+        raw = recorded_raw(self.loaded)
+        if tomllib.loads(text) != raw:  # --set overrides, a deepspeed.config file: the copy records what runs
             import tomli_w
 
-            text = f"# {self.loaded.source} with --set overrides\n" + tomli_w.dumps(self.loaded.raw)
+            text = f"# {self.loaded.source} with --set overrides and deepspeed.config merged in\n" + tomli_w.dumps(raw)
         if copy.exists():
             check_same_schedule(self.loaded, self.phases, read_copy(copy), self.force)
             return False
@@ -205,10 +234,13 @@ class Runner:
         """The run's first work, from the newest whole checkpoint; the run journaled started or resumed."""
         ckpt, manifest = restore_point(self.checkpoints, self._event)
         step = manifest.global_step if manifest else 0
+        warmup_from = self.loaded.schedule.lr_schedule.warmup_from  # for changes.warmup_ran
         if fresh:
-            self._event("run_started", phases=len(self.phases), total_steps=self.phases[-1].end_step, pid=os.getpid())
+            self._event("run_started", phases=len(self.phases), total_steps=self.phases[-1].end_step, pid=os.getpid(),
+                        warmup_from=warmup_from)
         else:
-            self._event("resumed", step=step, checkpoint=str(ckpt) if ckpt else None, pid=os.getpid())
+            self._event("resumed", step=step, checkpoint=str(ckpt) if ckpt else None, pid=os.getpid(),
+                        warmup_from=warmup_from)
             self._journal_recovered(step)
         return next_work(self.phases, ckpt, manifest)
 
@@ -346,8 +378,8 @@ class Runner:
         deferred = group.prewarmed and bool(self.ahead) and self.pauser.limit > 0
         if not deferred:
             start_ahead()
-        supervisor = Supervisor(self.supervision, group, self.ahead, start_ahead if deferred else None, predecessor,
-                                lambda done: self.committer.submit(done, group))
+        supervisor = self.supervisor = Supervisor(self.supervision, group, self.ahead, start_ahead if deferred else None,
+                                                  predecessor, lambda done: self.committer.submit(done, group))
         try:
             supervisor.run()
         except BaseException:

@@ -98,7 +98,11 @@ class LrScheduleSection(Section):
     kind: Literal["constant", "linear", "cosine"] = "constant"
     """How the lr moves over the run's global steps after the warm-up: constant, linear or cosine decay to 0."""
     warmup_steps: NonNegInt = 0
-    """Steps of linear warm-up from lr / warmup_steps to lr."""
+    """Steps of linear warm-up to lr, from where warmup_from says."""
+    warmup_from: Literal["zero", "one_step"] = "zero"
+    """zero: step s of the warm-up trains at lr x s / warmup_steps, so step 0 at 0, as Hugging
+    Face's get_scheduler; one_step: at lr x (s + 1) / warmup_steps, so step 0 already at lr /
+    warmup_steps (relayer's only warm-up before this key: runs started then resume with it)."""
 
 
 class PhaseEntry(Section):
@@ -162,44 +166,16 @@ class ScheduleSection(Section):
         return self
 
 
-# DeepSpeed config keys that relayer derives from the schedule; setting them twice would disagree.
-DERIVED_DEEPSPEED_KEYS = {
-    "train_batch_size": "data.batch_size",
-    "train_micro_batch_size_per_gpu": "data.micro_batch_size",
-    "gradient_accumulation_steps": "data.batch_size / (data.micro_batch_size x processes)",
-    "gradient_clipping": "optimizer.grad_clip",
-    "optimizer": "[optimizer] (relayer builds its own AdamW)",
-    "scheduler": "[lr_schedule]",
-    "zero_optimization.stage": "deepspeed.zero_stage",
-    "bf16.enabled": "model.dtype",
-    "fp16.enabled": "model.dtype",
-}
-
-
-# Sections of the generated DeepSpeed config that deepspeed.config merges into, key by key.
-MERGED_DEEPSPEED_TABLES = ("zero_optimization", "bf16", "fp16")
-
-
 class DeepSpeedSection(Section):
     zero_stage: Literal[1, 2, 3] = 2
     """DeepSpeed ZeRO stage; checkpoints are the same for every stage."""
-    config: dict[str, Any] = Field(default_factory=dict)
-    """Merged into the generated DeepSpeed config."""
-
-    @model_validator(mode="after")
-    def _not_derived(self) -> DeepSpeedSection:
-        for section in MERGED_DEEPSPEED_TABLES:
-            if section in self.config and not isinstance(self.config[section], dict):
-                raise KeyProblem(f"deepspeed.config.{section}",
-                                 f"expected a table (merged into relayer's), got {_show(self.config[section])}")
-        for dotted, source in DERIVED_DEEPSPEED_KEYS.items():
-            *parents, key = dotted.split(".")
-            table = self.config
-            for parent in parents:
-                table = table.get(parent) if isinstance(table, dict) else None
-            if isinstance(table, dict) and key in table:
-                raise KeyProblem(f"deepspeed.config.{dotted}", f"set by {source}; set it there")
-        return self
+    config: dict[str, Any] | str = Field(default_factory=dict)
+    """Merged into the generated DeepSpeed config: a table, or a DeepSpeed JSON file (relative to
+    the schedule file) such as LMFlow, axolotl and LLaMA-Factory use. A key relayer derives from
+    the schedule (train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
+    gradient_clipping, optimizer, scheduler, zero_optimization.stage, bf16.enabled, fp16.enabled)
+    may appear only as "auto" or as relayer sets it; any other "auto" is dropped (relayer's or
+    DeepSpeed's default stands)."""
 
 
 class LaunchSection(Section):
@@ -302,6 +278,8 @@ class LoadedSchedule(BaseModel):
     """--nproc: the process count of every phase, over launch.nproc and per-phase nproc."""
     data_check: dict[str, Any] | None = None
     """The data step's answer (``orchestrator.datastep``), where loading needed it: schedule.epochs."""
+    deepspeed_config: dict[str, Any] = {}
+    """deepspeed.config as merged: its table, or its file's, checked (``orchestrator.dsconfig``)."""
 
     @property
     def total_steps(self) -> int | None:

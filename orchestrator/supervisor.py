@@ -317,6 +317,16 @@ class Supervisor:
             self._enter(State.STOPPING)
         self.ctx.event("stop_requested", phase=self.phase.index, signal=self.ctx.stop_signal())
 
+    def waiting_for(self) -> str:
+        """What the stop of this phase waits for now, in words (a repeated stop signal says them)."""
+        ph = self.phase.index
+        left = f" ({max(0.0, self.deadline - time.time()):.0f} s of launch.grace_seconds left)" if self.deadline else ""
+        if self.state is State.STOPPING:
+            return f"phase {ph} to finish its step and write its checkpoint{left}"
+        if self.state is State.HANDING_OVER:
+            return f"phase {ph} to write its end checkpoint{left}"
+        return f"phase {ph}'s processes to exit" if self.state is State.REAPING else f"phase {ph} to stop"
+
     def _stopping(self) -> bool:
         """Forwards the stop to every rank; False once the deadline has passed."""
         # Ranks catch SIGTERM, finish their step and write a checkpoint. Launchers do not

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from launch.contract.data import TEMPLATE_NAMES, is_template_path
+from orchestrator.dsconfig import deepspeed_config
 from orchestrator.errors import ScheduleError
 from orchestrator.modelcheck import (
     check_weights, need_file, num_layers_of, path_is, path_kind, position_limit, read_model_config, resolve_path,
@@ -64,11 +65,14 @@ def load_schedule(
         raise ScheduleError(f"{path}: TOML syntax error: {e}") from None
     except RecursionError:
         raise ScheduleError(f"{path}: TOML nested too deeply") from None
-    if overrides:
-        from orchestrator.overrides import apply_overrides
+    if not overrides:
+        return validate_schedule(raw, source, output_dir=output_dir, nproc=nproc)
+    from orchestrator.overrides import apply_overrides, blame_overrides
 
-        raw = apply_overrides(raw, overrides)
-    return validate_schedule(raw, source, output_dir=output_dir, nproc=nproc)
+    try:
+        return validate_schedule(apply_overrides(raw, overrides), source, output_dir=output_dir, nproc=nproc)
+    except ScheduleError as e:
+        raise ScheduleError(blame_overrides(str(e), source, overrides)) from None
 
 
 def validate_schedule(
@@ -87,7 +91,8 @@ def validate_schedule(
         from orchestrator.datastep import check_data  # it runs the data tool, which needs a loaded schedule
 
         loaded = loaded.model_copy(update={"data_check": check_data(loaded)})
-    for ph in plan_phases(loaded):
+    phases = plan_phases(loaded)
+    for ph in phases:
         for layer in ph.layers:
             if layer >= n_layers:
                 key = f"schedule.phases[{ph.index}].layers" if sched.schedule.phases else "schedule.layers_per_phase"
@@ -95,7 +100,7 @@ def validate_schedule(
                                     f"layers (0..{n_layers - 1})")
         check_batch(sched.data, ph.nproc, source, ph.index, nnodes=sched.launch.nnodes)
     check_launch(sched.launch, source)
-    return loaded
+    return loaded.model_copy(update={"deepspeed_config": deepspeed_config(sched, base, source, phases)})
 
 
 def _parse(raw: dict[str, Any], source: Path, nproc: int | None) -> Schedule:

@@ -119,11 +119,22 @@ def export(source: Path, out: Path, dtype: str | None = None, force: bool = Fals
             "export": "relayer", "run": str(run_dir.resolve()), "checkpoint": str(ckpt.resolve()),
             "global_step": manifest.global_step, "phase": manifest.phase, "dtype": dtype,
             "versions": manifest.versions}, indent=2) + "\n")
+        _one_mode(tmp)
         _replace_dir(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ckpt
+
+
+def _one_mode(folder: Path) -> None:
+    """Every file of an export gets the mode a new file gets under the umask (a run's final/ the
+    run's own): safetensors writes 0600, Python 0666 less the umask, a copy keeps its source's."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in folder.iterdir():
+        if f.is_file():
+            os.chmod(f, 0o666 & ~umask)
 
 
 def shard_size(value: str | int) -> int:

@@ -8,8 +8,12 @@ orchestrator's (``orchestrator.journal``).
 
 The overhead of the switch into phase k+1 is what changing phases cost the run's wall clock: from
 the end of phase k's last step to the end of phase k+1's first step, less one ordinary step of
-phase k+1 (its median step). It is measured only within one go of the orchestrator: the processes
-that finished phase k and phase k+1 were started by the same go, the latter where phase k ended.
+phase k+1: its median step, or its first step's own time where that was shorter. A first step
+slower than the median (a cold one) counts its excess as switch; one faster than the median (the
+phases further ahead stay paused until it is done, and a loaded machine makes steps vary) must
+not make the switch look shorter than the wait before that step began, let alone negative. It is
+measured only within one go of the orchestrator: the processes that finished phase k and phase
+k+1 were started by the same go, the latter where phase k ended.
 Downtime between two goes (a preemption, a kill, a ``--resume-from``) is no switch: a phase
 whose finishing process started after the orchestrator came back has no overhead, and its row
 says ``resumed``.
@@ -165,7 +169,9 @@ def switch_overhead(started: dict, before: dict, done: dict) -> float | None:
     if None in times:
         return None
     last, first, median = times
-    return first - last - median
+    # Records from before first_step_seconds: the median alone, which could exceed the first step.
+    first_step = _finite(rec.get("first_step_seconds"))
+    return first - last - (median if first_step is None else min(median, first_step))
 
 
 def _finite(value: Any) -> float | None:

@@ -103,3 +103,10 @@ def tiny_run(tmp_path_factory, tiny_model, tiny_data) -> Path:
     r = cli("orchestrator", "run", str(sched))
     assert r.returncode == 0, r.stderr
     return d / "run"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The fast tests first, then those that start phase processes, each kind in file order: a
+    whole run (``make test``) shows progress from its first minute, not after the first
+    multiprocess file. The order within a file stays (module fixtures are built once)."""
+    items.sort(key=lambda item: item.get_closest_marker("multiprocess") is not None)

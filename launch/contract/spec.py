@@ -40,6 +40,7 @@ class OptimizerPart(_Spec):
     warmup_steps: int
     total_steps: int
     """The run's last global step, for the decay schedules."""
+    warmup_from: Literal["zero", "one_step"] = "zero"  # lr_schedule.warmup_from
 
 
 class HandoverPart(_Spec):
@@ -108,9 +109,9 @@ class PhaseSpec(_Spec):
 
 
 def lr_at(step: int, opt) -> float:
-    """``opt``: lr, lr_kind, warmup_steps, total_steps (the phase spec's optimizer part)."""
+    """Step ``step``'s lr (from 0; "zero": transformers' get_scheduler's); ``opt``: an OptimizerPart."""
     if opt.warmup_steps and step < opt.warmup_steps:
-        return opt.lr * (step + 1) / opt.warmup_steps
+        return opt.lr * (step + (opt.warmup_from == "one_step")) / opt.warmup_steps
     if opt.lr_kind == "constant":
         return opt.lr
     span = max(1, opt.total_steps - opt.warmup_steps)

@@ -16,6 +16,9 @@ A test puts this folder on PYTHONPATH and its plan in RELAYER_TEST_FAULTS (JSON)
 - ``hold_first_step``: seconds a pre-warmed phase waits before its first step.
 - ``cross_examples``: micro-batches of rows packed whole lose their position ids, so that their
   examples' positions run on and their attention crosses from one example to the next.
+- ``hold_at``: ``{"point": NAME, "seconds": S, "skip": K, **context}``: the process that reaches
+  NAME with that context sleeps S seconds there (a checkpoint write that takes long), from its
+  K+1-th time there on (``skip``, default 0).
 """
 
 import json
@@ -51,6 +54,17 @@ if _plan:
         kill_at = {"point": "checkpoint.file_written", "name": kill_after}
     if "point" in kill_at:
         _matching(kill_at, lambda name: os.kill(os.getpid(), signal.SIGKILL))
+    hold_at = dict(_plan.get("hold_at") or {})
+    if hold_point := hold_at.pop("point", None):
+        seconds, passes = float(hold_at.pop("seconds")), [int(hold_at.pop("skip", 0))]
+
+        def _sleep(**context: object) -> None:
+            if all(context.get(k) == v for k, v in hold_at.items()):
+                if passes[0] == 0:
+                    time.sleep(seconds)
+                passes[0] = max(0, passes[0] - 1)
+
+        faults.install(hold_point, _sleep)
     if hold := float(_plan.get("hold_first_step", 0)):
         def _hold(prewarm: bool, **_: object) -> None:
             if prewarm:

@@ -16,14 +16,37 @@ from launch.contract.data import FIELDS, DataFormat
 from launch.contract.spec import OptimizerPart, PhaseSpec, lr_at
 
 
-def opt(kind: str, warmup: int = 0) -> OptimizerPart:
+def opt(kind: str, warmup: int = 0, **kw) -> OptimizerPart:
     return OptimizerPart(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, grad_clip=1.0, lr_kind=kind,
-                         warmup_steps=warmup, total_steps=110)
+                         warmup_steps=warmup, total_steps=110, **kw)
 
 
-def test_warmup_ramps_linearly_to_the_peak():
+def test_warmup_ramps_linearly_to_the_peak_from_zero():
     o = opt("constant", warmup=10)
+    assert [lr_at(s, o) for s in (0, 4, 9, 10, 100)] == pytest.approx([0.0, 4e-4, 9e-4, 1e-3, 1e-3])
+
+
+def test_warmup_from_one_step_is_the_ramp_of_runs_before_the_key():
+    o = opt("constant", warmup=10, warmup_from="one_step")
     assert [lr_at(s, o) for s in (0, 4, 9, 10, 100)] == pytest.approx([1e-4, 5e-4, 1e-3, 1e-3, 1e-3])
+
+
+@pytest.mark.parametrize("kind, hf", [("constant", "constant_with_warmup"), ("linear", "linear"), ("cosine", "cosine")])
+@pytest.mark.parametrize("warmup", [0, 1, 10])
+def test_every_step_matches_hugging_face_get_scheduler(kind, hf, warmup):
+    """A curve ported from the Trainer is the same curve: transformers' scheduler, stepped after each
+    optimizer step as the Trainer does, gives step s the lr relayer gives it."""
+    import torch
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    scheduler = get_scheduler(hf, optimizer, num_warmup_steps=warmup, num_training_steps=110)
+    theirs = []
+    for _ in range(110):
+        theirs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert [lr_at(s, opt(kind, warmup)) for s in range(110)] == pytest.approx(theirs, abs=1e-15)
 
 
 @pytest.mark.parametrize("kind, mid, end", [("linear", 0.5e-3, 0.0), ("cosine", 0.5e-3, 0.0), ("constant", 1e-3, 1e-3)])

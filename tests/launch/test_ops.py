@@ -1,19 +1,83 @@
-"""DeepSpeed's CPU comm op (launch.ops): a process forked after the op was loaded (every phase rank
-of the fork server) never waits for the build lock, so a phase paused while it holds that lock
-(orchestrator.quiet) cannot stall another phase's start."""
+"""DeepSpeed's JIT-built comm op (``launch.ops``): one lock for every process that loads it, the
+benchmarks' baselines too, a build folder per environment, so that runs, test suites and benchmarks
+of several checkouts on one machine never race over a build nor rebuild for each other; and a
+process forked after the op was loaded (every phase rank of the fork server) never waits for the
+build lock, so a phase paused while it holds that lock (orchestrator.quiet) cannot stall another
+phase's start."""
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from launch.ops import extensions_dir
+from tests.conftest import ROOT, make_tokens
 
-pytestmark = pytest.mark.multiprocess  # imports DeepSpeed in a process of its own
+# The baseline as switch.py starts it: Trainer's start (its distributed init), then a word.
+BASELINE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from benchmarks._baselines import Trainer
+Trainer(json.loads(sys.argv[2]), __import__("pathlib").Path(sys.argv[3]))
+print("initialised", flush=True)
+"""
+
+
+def test_each_environment_builds_in_a_folder_of_its_own(monkeypatch):
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    from torch.utils.cpp_extension import get_default_build_root
+
+    mine = extensions_dir()
+    assert mine.parent == Path(get_default_build_root()) and mine.name.startswith("relayer-")
+    monkeypatch.setattr(sys, "prefix", "/elsewhere/.venv")
+    assert extensions_dir() != mine
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/chosen")
+    assert extensions_dir() == Path("/chosen")
+
+
+def waiting_on(lock: Path, pid: int) -> bool:
+    """Whether ``pid`` is blocked in flock on ``lock`` (a "->" line of /proc/locks)."""
+    inode = os.stat(lock).st_ino
+    for line in Path("/proc/locks").read_text().splitlines():
+        parts = line.split()
+        if "->" in parts and "FLOCK" in parts:
+            rest = parts[parts.index("->") + 1:]
+            if int(rest[3]) == pid and int(rest[4].split(":")[-1]) == inode:
+                return True
+    return False
+
+
+@pytest.mark.multiprocess
+def test_the_benchmark_baseline_waits_for_relayers_build_lock(tmp_path):
+    """Seen: the baseline of tests/benchmarks/test_switch_smoke.py held torch's baton without the
+    lock, a phase process that held it removed the "stale" baton, and the baseline's own release
+    failed (FileNotFoundError: .../deepspeed_shm_comm/lock)."""
+    setup = {"data_path": str(make_tokens(tmp_path / "tokens.jsonl")), "seq_len": 16, "batch_size": 4,
+             "micro_batch_size": 2, "seed": 0}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29400 + os.getpid() % 500)}
+    lock = extensions_dir() / ".relayer-deepspeed_shm_comm.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = subprocess.Popen([sys.executable, "-c", BASELINE, str(ROOT), json.dumps(setup), str(tmp_path)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            while not waiting_on(lock, proc.pid):
+                assert proc.poll() is None, "the baseline never waited for the lock: " + proc.communicate()[1][-2000:]
+                time.sleep(0.1)
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "initialised" in out, err[-2000:]
+
 
 # Loads the op, names its lock file (as torch's build folder places it), then, once the test
 # holds that lock, forks a child that loads the op again, as a forked phase rank does.
@@ -35,6 +99,7 @@ print("forked child", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=Tr
 """
 
 
+@pytest.mark.multiprocess  # imports DeepSpeed in a process of its own
 def test_a_forked_process_loads_the_op_without_the_build_lock():
     proc = subprocess.Popen([sys.executable, "-c", FORKS], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})

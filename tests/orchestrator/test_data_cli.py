@@ -54,8 +54,9 @@ def sched(tmp: Path, model: Path, records: list, fmt: str, name: str = "s.toml",
                                                     **(sections or {})))
 
 
-def shown(schedule: Path, n: int = 8) -> list[dict]:
-    r = CliRunner().invoke(main, ["data", str(schedule), "--show", str(n), "--json"])
+def shown(schedule: Path, n: int = 8, *overrides: str) -> list[dict]:
+    r = CliRunner().invoke(main, ["data", str(schedule), "--show", str(n), "--json",
+                                  *(a for item in overrides for a in ("--set", item))])
     assert r.exit_code == 0, r.output
     return json.loads(r.output)
 
@@ -74,6 +75,14 @@ def test_instruction_train_on_prompt_makes_the_prompt_a_target(tmp_path, model):
     for row, rec in zip(rows, INSTRUCTIONS):
         assert rec["instruction"] in row["target"] and row["target"].endswith(rec["output"] + "<|end|>\n")
         assert row["text"].endswith(row["target"])  # every token but the first
+
+
+def test_data_takes_set_to_try_a_template_option(tmp_path, model):
+    """The quickest check of a masking option: data --show with --set, the file untouched."""
+    path = sched(tmp_path, model, INSTRUCTIONS, "instruction", shuffle=False)
+    rows = shown(path, 8, "data.train_on_prompt=true")
+    assert all(rec["instruction"] in row["target"] for row, rec in zip(rows, INSTRUCTIONS))
+    assert all(rec["instruction"] not in row["target"] for row, rec in zip(shown(path), INSTRUCTIONS))
 
 
 def test_chat_targets_are_the_assistant_turns(tmp_path, model):

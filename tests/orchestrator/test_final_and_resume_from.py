@@ -25,7 +25,7 @@ def make_example_model(out: Path) -> Path:
 
 
 def cosine(tmp: Path, model: Path, data: Path, name: str, phases: list[dict]) -> Path:
-    return write_schedule(tmp / name, schedule_dict(model, data, run={"final_model": True},
+    return write_schedule(tmp / name, schedule_dict(model, data, run={"final_model": True, "report_to": ["tensorboard"]},
                                                     lr_schedule={"kind": "cosine", "warmup_steps": 1},
                                                     schedule={"phases": phases}))
 
@@ -86,10 +86,21 @@ def test_lr_change_of_steps_taken_is_refused(done):
     assert "--force" in r.stderr
 
 
+def loss_steps(run: Path) -> tuple[list[int], list[int]]:
+    """The steps of metrics.jsonl's loss lines, and of TensorBoard's loss curve as it shows it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run / "tensorboard"))
+    board.Reload()
+    logged = [m["step"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
+    return logged, [e.step for e in board.Scalars("loss")]
+
+
 def test_resume_from_sets_later_checkpoints_aside(done):
     tmp, model, data, sched, run = done
     ckpts = run / "checkpoints"
     before = read_manifest(ckpts / "step-00000004")
+    assert loss_steps(run) == ([1, 2, 3, 4], [1, 2, 3, 4])
     r = cli("orchestrator", "run", str(sched), *SET, "--resume-from", str(tmp / "elsewhere"))
     assert r.returncode == 2 and "--resume-from: expected a checkpoint of this run" in r.stderr
     r = cli("orchestrator", "run", str(sched), *SET, "--resume-from", str(ckpts / "step-00000002"))
@@ -103,3 +114,44 @@ def test_resume_from_sets_later_checkpoints_aside(done):
     again = read_manifest(ckpts / "step-00000004")
     assert {n: f.sha256_chunked for n, f in again.files.items()} == {n: f.sha256_chunked for n, f in before.files.items()}
     assert (run / "final" / "config.json").is_file()
+    # One history: the set-aside branch's steps 3 and 4 left metrics.jsonl (kept beside its
+    # checkpoints) and TensorBoard's curve; the steps trained again are there once.
+    assert loss_steps(run) == ([1, 2, 3, 4], [1, 2, 3, 4])
+    assert [json.loads(m)["step"] for m in (aside / "metrics.jsonl").read_text().splitlines()] == [3, 4]
+    assert e["metrics_lines"] == 2
+
+
+def test_the_warmup_starts_at_zero_as_hugging_face(done):
+    """Step 0 of a one-step warm-up trains at lr 0, then the cosine decay: transformers' curve."""
+    import torch
+    from transformers import get_scheduler
+
+    *_, run = done
+    logged = {m["step"]: m["lr"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "lr" in m}
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-3)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=1, num_training_steps=4)
+    theirs = []
+    for _ in range(4):
+        theirs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert [logged[s + 1] for s in range(4)] == pytest.approx(theirs, abs=1e-15)  # metrics count steps done
+
+
+def test_a_run_from_before_warmup_from_resumes_only_with_its_own_warmup(done, tmp_path):
+    """A run whose journal does not record lr_schedule.warmup_from warmed up from one step: resuming
+    it under the new default would change the lr of steps taken, so it is refused, naming the key."""
+    import shutil
+
+    _, _, _, sched, run = done
+    old = tmp_path / "old-run"
+    shutil.copytree(run, old)
+    journal = old / "journal.jsonl"
+    journal.write_text("".join(json.dumps({k: v for k, v in e.items() if k != "warmup_from"}) + "\n"
+                               for e in events(run)))
+    r = cli("orchestrator", "run", str(sched), *SET, "--output-dir", str(old))
+    assert r.returncode == 2, r.stderr
+    assert "lr of step 0, already taken, would change: 0.002 -> 0 " in r.stderr, r.stderr
+    assert "--set lr_schedule.warmup_from=one_step" in r.stderr
+    r = cli("orchestrator", "run", str(sched), *SET, "--set", "lr_schedule.warmup_from=one_step", "--output-dir", str(old))
+    assert r.returncode == 0, r.stderr

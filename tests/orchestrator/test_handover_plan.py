@@ -179,9 +179,55 @@ def test_switch_lines_group_the_switches_and_name_runs_of_phases():
         "switches after phases 0-1: hand over on the device (through a file without a GPU), overlap peak not estimated"]
 
 
-def plan_lines(*args: str) -> tuple[int, list[str], str]:
+def plan_sections(*args: str) -> tuple[int, dict[str, list[str]], str]:
+    """plan's exit code, its switch lines under each heading ("on this machine (...)", "on a GPU ..."), stderr."""
     r = CliRunner().invoke(main, ["plan", *args])
-    return r.exit_code, [line for line in r.stdout.splitlines() if line.startswith("switch")], r.stderr
+    sections: dict[str, list[str]] = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("on ") and line.endswith(":"):
+            sections[line[:-1]] = heading = []
+        elif line.startswith("  switch"):
+            heading.append(line.strip())
+    return r.exit_code, sections, r.stderr
+
+
+def plan_lines(*args: str) -> tuple[int, list[str], str]:
+    """The switch lines of a GPU (of --device-memory); this machine's where they are the same."""
+    code, sections, err = plan_sections(*args)
+    return code, next((lines for title, lines in reversed(sections.items())), []), err
+
+
+def test_plan_says_first_how_each_switch_goes_on_this_machine(tmp_path, tiny_data, monkeypatch):
+    """Seen: plan on a CPU said "hands over on the device, overlap peak 12.3 GiB" of a run that then
+    (rightly) went through the checkpoint."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    path = schedule_file(tmp_path, tiny_data)
+    code, sections, _ = plan_sections(str(path), "--device-memory", "80GiB")
+    assert code == 0
+    assert list(sections) == ["on this machine (no GPU: DS_ACCELERATOR=cpu)", "on a GPU of 80.0 GiB (--device-memory)"]
+    assert sections["on this machine (no GPU: DS_ACCELERATOR=cpu)"] == [
+        'switches after phases 0-1: through the checkpoint: no GPU: a handover needs both phases on one GPU '
+        '(launch.handover = "on" tests it through a file)']
+    assert all("hands over on the device" in line for line in sections["on a GPU of 80.0 GiB (--device-memory)"])
+    code, sections, _ = plan_sections(str(path), "--set", 'launch.handover="off"')
+    assert list(sections) == ["on this machine (no GPU: DS_ACCELERATOR=cpu)"]  # the same everywhere: said once
+    code, sections, _ = plan_sections(str(path), "--set", 'launch.handover="on"')
+    assert sections["on this machine (no GPU: DS_ACCELERATOR=cpu)"][0].startswith(
+        "switch after phase 0: hands over on the device (through a file without a GPU)")
+
+
+def test_this_machine_is_told_without_torch(monkeypatch, tmp_path):
+    from orchestrator import machine
+
+    assert machine.this_machine({"DS_ACCELERATOR": "cpu"}) == machine.Machine(0, None, "DS_ACCELERATOR=cpu")
+    assert machine.this_machine({"CUDA_VISIBLE_DEVICES": ""}).gpus == 0
+    monkeypatch.setattr(machine.devmem, "snapshot", lambda: None)
+    monkeypatch.setattr(machine, "DRIVER_GPUS", tmp_path / "gpus")
+    assert machine.this_machine({}) == machine.Machine(0, None, "no NVIDIA driver")
+    (tmp_path / "gpus" / "0000:19:00.0").mkdir(parents=True)
+    assert machine.this_machine({}) == machine.Machine(1, None, str(tmp_path / "gpus"))
+    monkeypatch.setattr(machine.devmem, "snapshot", lambda: {"devices": [{"total": 150 << 30}, {"total": 140 << 30}]})
+    assert machine.this_machine({"DS_ACCELERATOR": "cuda"}) == machine.Machine(2, 140 << 30, "NVML")
 
 
 def test_plan_names_each_switch_and_its_fallback(tmp_path, tiny_data):

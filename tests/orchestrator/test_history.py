@@ -34,6 +34,17 @@ def test_downtime_between_goes_is_no_switch():
     assert [r.resumed for r in rows] == [False, True, False]
 
 
+def test_a_first_step_faster_than_the_median_never_makes_a_switch_negative():
+    """Seen on a loaded machine: phase 2's first step took 0.585 s, ending 0.761 s after phase 1's
+    last, and its median step 0.890 s (the phases ahead resumed preparing after its first step):
+    -0.13 s. The ordinary step is never more than the first step took: 0.176 s, the wait before it."""
+    journal = [{"event": "run_started", "time": 0.0}, *_phase(0, 0, 0.0), *_phase(1, 10, 8.0)]
+    journal[-1]["records"].update(t_first_step_end=7.0 + 0.761, step_seconds_median=0.890, first_step_seconds=0.585)
+    assert replay(journal)[1].switch_seconds == pytest.approx(0.176)
+    journal[-1]["records"].update(t_first_step_end=7.0 + 2.0, first_step_seconds=1.5)  # a cold one: its excess counts
+    assert replay(journal)[1].switch_seconds == pytest.approx(2.0 - 0.890)
+
+
 def test_a_rewound_phase_keeps_the_switch_of_its_last_attempt():
     journal = [{"event": "run_started", "time": 0.0}, *_phase(0, 0, 0.0), *_phase(1, 10, 8.0),
                {"event": "resumed", "step": 10, "time": 100.0}, *_phase(1, 10, 101.0)]

@@ -60,6 +60,26 @@ def test_what_the_report_plots(tiny_run):
     assert all(sorted(s) == [0, 1, 2] for s in series.values())
 
 
+def test_the_report_plots_the_eval_loss_and_the_lr(run_copy, monkeypatch):
+    from matplotlib.figure import Figure
+
+    metrics = run_copy / "metrics.jsonl"
+    with metrics.open("a") as f:
+        for step, value in ((10, 4.5), (20, 4.25), (30, 4.0)):
+            f.write(json.dumps({"time": 0.0, "step": step, "phase": step // 10 - 1, "eval_loss": value}) + "\n")
+    report = read_run(run_copy)
+    assert report.eval_loss == {10: 4.5, 20: 4.25, 30: 4.0}
+    assert list(report.lr) == list(range(1, 31)) and set(report.lr.values()) == {1e-3}
+    drawn: list[Figure] = []
+    saved = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: (drawn.append(fig), saved(fig, *a, **kw)))
+    assert invoke("report", run_copy).exit_code == 0
+    lines = {line.get_label(): line for ax in drawn[0].axes for line in ax.get_lines()}
+    assert list(lines["eval loss"].get_xdata()) == [10, 20, 30] and list(lines["eval loss"].get_ydata()) == [4.5, 4.25, 4.0]
+    assert list(lines["lr"].get_xdata()) == list(range(1, 31))
+    assert list(lines["loss"].get_ydata()) == list(report.loss.values())
+
+
 def test_a_step_run_twice_keeps_its_last_loss(run_copy):
     metrics = run_copy / "metrics.jsonl"
     lines = metrics.read_text().splitlines()

@@ -227,6 +227,24 @@ def test_tokenizer_files_are_copied(tied_run, tmp_path):
     assert AutoTokenizer.from_pretrained(out)("t1 t2")["input_ids"] == [1, 2]
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_an_exports_files_share_one_mode(tied_run, tmp_path, umask):
+    """Seen: the weights 0600 (safetensors' writer), the config 0644, the tokenizer as the base
+    model's: every file gets what a new file gets under the umask (a run's final/: 0600)."""
+    run, base = tied_run
+    for name in COPIED_FILES:
+        if (base / name).exists():
+            os.chmod(base / name, 0o664)
+    old = os.umask(umask)
+    try:
+        export(run, tmp_path / "export")
+    finally:
+        os.umask(old)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "export").iterdir()}
+    assert "model.safetensors" in modes and "tokenizer.json" in modes
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
 def test_the_runs_own_tokenizer_and_chat_template_are_copied(tied_run, tmp_path):
     run, base = tied_run
     manifest = json.loads(next((run / "checkpoints").glob("step-*/manifest.json")).read_text())

@@ -1,0 +1,70 @@
+"""Ctrl-C twice: the first stops at a checkpoint; the second ends the run at once, as torchrun does
+(issue #24), saying what the stop was waiting for and what is kept (exit 75, nothing left
+running), and running again resumes. A scheduler's repeated SIGTERM only says what it waits for."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import psutil
+import pytest
+
+from orchestrator.runner import Runner
+from orchestrator.validate import load_schedule
+from tests.conftest import cli, faults_env, schedule_dict, write_schedule
+from tests.orchestrator.test_preemption import alive, events, metrics_steps, rank_pids, start, wait_for
+
+
+@pytest.mark.multiprocess
+def test_a_second_ctrl_c_ends_the_run_at_once_saying_what_it_waited_for(tmp_path, tiny_model, tiny_data):
+    """Seen: a second Ctrl-C was silently ignored while the checkpoint was written."""
+    sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data, launch={"grace_seconds": 300},
+                                                              checkpoint={"every_steps": 2}))
+    run = tmp_path / "run"
+    # The checkpoint after steps 2 and 4 takes long (the stop's, or the one of step 6): its writer
+    # sleeps once its head file is written.
+    orch = start(sched, faults_env(hold_at={"point": "checkpoint.file_written", "name": "head.safetensors",
+                                            "seconds": 600, "skip": 2}))
+    try:
+        wait_for(lambda: metrics_steps(run) >= 5 or orch.poll() is not None, timeout=600, what="phase 0's steps")
+        orch.send_signal(signal.SIGINT)
+        wait_for(lambda: any(e["event"] == "stop_requested" for e in events(run)), what="the stop")
+        time.sleep(1)  # the ranks got it and write their checkpoint, which holds
+        ranks = rank_pids(run)
+        assert ranks and all(alive(r) for r in ranks) and orch.poll() is None
+        t0 = time.time()
+        orch.send_signal(signal.SIGINT)
+        _, err = orch.communicate(timeout=60)
+    finally:
+        if orch.poll() is None:
+            orch.kill()
+    assert orch.returncode == 75, err
+    assert time.time() - t0 < 30, "the second Ctrl-C did not end the run at once"
+    assert "a second Ctrl-C ends the run at once" in err  # said at the first
+    assert ("ended at once by a second Ctrl-C (SIGINT), while waiting for phase 0 to finish its step and write its "
+            "checkpoint (") in err, err
+    assert "kept: the checkpoints up to step 4; run the same command again to resume" in err, err
+    psutil.wait_procs([psutil.Process(r["pid"]) for r in rank_pids(run) if alive(r)], timeout=10)
+    assert not [r for r in rank_pids(run) if alive(r)]
+    last = [e for e in events(run) if e["event"] == "preempted"][-1]
+    assert last["forced"] and last["signal"] == signal.SIGINT and last["step"] == 4
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_repeated_sigterm_or_sigusr1_waits_for_the_checkpoint_saying_what_it_waits_for(tmp_path, tiny_model,
+                                                                                          tiny_data):
+    """A scheduler repeats its SIGTERM (LSF sends SIGINT, then SIGTERM): the stop's checkpoint still
+    comes; only a Ctrl-C after a stop ends the run without it."""
+    runner = Runner(load_schedule(write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data))))
+    said, ended = [], []
+    runner._event = lambda event, **fields: said.append((event, fields))
+    runner._end_now = ended.append
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        runner._on_signal(signum, None)
+    assert runner.stop_signal == signal.SIGINT and not ended
+    assert said == [("stop_repeated", {"signal": s, "waiting_for": "the orchestrator to journal what is done and exit"})
+                    for s in (signal.SIGTERM, signal.SIGUSR1)]
+    runner._on_signal(signal.SIGINT, None)
+    assert ended == [signal.SIGINT]
