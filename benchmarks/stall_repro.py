@@ -31,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -105,6 +106,14 @@ def fill(args: argparse.Namespace, run_root: Path, room: int) -> None:
         subprocess.run(["fallocate", "-l", str(max(0, free - room)), str(args.work / "filler")], check=True)
     say(f"{args.fill}: {shutil.disk_usage(run_root).free / 1e9:.2f} GB free for the run "
         f"(one end checkpoint ~{checkpoint_bytes(SHAPES[args.shape]) / 1e9:.2f} GB)")
+
+
+def fill_once_started(args: argparse.Namespace, run_root: Path, room: int) -> None:
+    """``fill`` as soon as the run's journal says its first phase started."""
+    journal = run_root / "run" / "journal.jsonl"
+    while not (journal.exists() and b'"phase_started"' in journal.read_bytes()):
+        time.sleep(0.2)
+    fill(args, run_root, room)
 
 
 def run_processes(orch: psutil.Process) -> list[psutil.Process]:
@@ -202,7 +211,12 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     setup = make_inputs(args, shape, cuda)
     run_root = args.work / "fs"
-    fill(args, run_root, 256 << 20 if args.fill == "none" else int(args.room_checkpoints * checkpoint_bytes(shape)) + (256 << 20))
+    room = 256 << 20 if args.fill == "none" else int(args.room_checkpoints * checkpoint_bytes(shape)) + (256 << 20)
+    if args.fill == "filler":  # once the run is past its up-front space check (issue #23), as a disk fills mid-run
+        run_root.mkdir(parents=True, exist_ok=True)
+        threading.Thread(target=fill_once_started, args=(args, run_root, room), daemon=True).start()
+    else:  # a tmpfs of that size: the run now refuses it up front (exit 2), which result.json shows
+        fill(args, run_root, room)
     sched = run_root / "schedule.toml"
     write_schedule(sched, setup)
     keys = {"launch.stall_seconds": args.stall_seconds, "launch.grace_seconds": args.grace,
