@@ -402,7 +402,7 @@ class Supervisor:
                        reason=f"no progress for {idle:.0f} s")
         return Stalled(f"{what} stalled: no progress for {idle:.0f} s (launch.stall_seconds "
                        f"{self.ctx.stall_seconds:g}); it was ended, earlier checkpoints are intact; run the same command "
-                       f"again to resume.\nevery rank's stacks: {folder}\nrank 0 was in:\n{frames or '  (no rank had started)'}")
+                       f"again to resume.\nevery rank's stacks: {folder}\nrank 0 was in:\n{frames}")
 
     def _failed(self, end: Path) -> PhaseFailed:
         work, ph, rc = self.work, self.phase, self.rc

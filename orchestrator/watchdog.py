@@ -30,6 +30,8 @@ DUMP_SECONDS = 3.0
 NATIVE_SECONDS = 30.0
 """How long py-spy gets for all of them."""
 SHOWN_FRAMES = 6
+NEARLY_FULL = 64 << 20
+"""Bytes free under which a stall's message says the phase folder's file system is full."""
 
 
 class Watchdog:
@@ -82,9 +84,18 @@ def dump_stacks(phase_dir: Path) -> tuple[Path, str]:
     end = time.time() + DUMP_SECONDS
     while time.time() < end and sum(f.stat().st_size > n for f, n in before.items()) < len(ranks):
         time.sleep(0.05)
-    _native(ranks, folder)
+    native = _native(ranks, folder)
     first = folder / f"{RANK}0.txt"
-    return folder, innermost(first.read_text(errors="replace")[before.get(first, 0):]) if first.exists() else ""
+    dump = first.read_text(errors="replace")[before.get(first, 0):] if first.exists() else ""
+    if dump.strip():
+        return folder, innermost(dump)
+    if not ranks:
+        return folder, "  (no rank had started)"
+    # Seen on a full disk: the ranks' dumps could not be written there; py-spy's came back in memory.
+    free = shutil.disk_usage(folder).free
+    why = f"; that file system has {free >> 20} MiB free" if free < NEARLY_FULL else ""
+    shown = "\n".join(native.splitlines()[:3 * SHOWN_FRAMES]) if native else "  (py-spy is not installed)"
+    return folder, f"  (rank 0 wrote no stacks within {DUMP_SECONDS:g} s{why}; py-spy of it:)\n{shown}"
 
 
 def innermost(dump: str) -> str:
@@ -94,17 +105,24 @@ def innermost(dump: str) -> str:
     return "\n".join(current.splitlines()[: SHOWN_FRAMES + 1])
 
 
-def _native(ranks: list[psutil.Process], folder: Path) -> None:
-    """py-spy's dumps with native frames, py-spy-PID.txt, all at once and for a bounded time."""
+def _native(ranks: list[psutil.Process], folder: Path) -> str:
+    """py-spy's dumps with native frames, py-spy-PID.txt, all at once and for a bounded time;
+    returns the first rank's (kept in memory too: the folder's disk may be full)."""
     spy = shutil.which("py-spy")
-    if spy is None:
-        return
-    running = [subprocess.Popen([spy, "dump", "--native", "--pid", str(p.pid)], stdout=open(folder / f"py-spy-{p.pid}.txt", "w"),
-                                stderr=subprocess.STDOUT) for p in ranks]
-    end = time.time() + NATIVE_SECONDS
-    for p in running:
+    if spy is None or not ranks:
+        return ""
+    running = [subprocess.Popen([spy, "dump", "--native", "--pid", str(p.pid)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True) for p in ranks]
+    end, dumps = time.time() + NATIVE_SECONDS, []
+    for p, rank in zip(running, ranks):
         try:
-            p.wait(timeout=max(0.0, end - time.time()))
+            out = p.communicate(timeout=max(0.0, end - time.time()))[0]
         except subprocess.TimeoutExpired:
             p.kill()
-            p.wait()
+            out = p.communicate()[0]
+        dumps.append(out)
+        try:
+            (folder / f"py-spy-{rank.pid}.txt").write_text(out)
+        except OSError:
+            pass  # a full disk: the terminal still shows rank 0's
+    return dumps[0]
