@@ -25,7 +25,7 @@ import psutil
 
 from launch import procs
 from launch.contract.channels import FORK_REQUESTS
-from launch.contract.files import DUMP_STACKS, PhaseDir, RunDir, rank_name, write_reason
+from launch.contract.files import DUMP_STACKS, UNRECORDED, PhaseDir, RunDir, rank_name, write_reason
 from launch.contract.spec import PhaseSpec
 
 # Modules a phase's first optimizer and first deepspeed.initialize import; importing them here (no
@@ -77,7 +77,21 @@ class Zygote:
             with self.lock:
                 phase_dir, rank = self.children.pop(pid, (None, None))
             if phase_dir is not None:
-                phase_dir.write_exit(rank, os.waitstatus_to_exitcode(status), time.time())
+                self._record_exit(phase_dir, rank, os.waitstatus_to_exitcode(status))
+
+    @staticmethod
+    def _record_exit(phase_dir: PhaseDir, rank: int, rc: int) -> None:
+        try:
+            phase_dir.write_exit(rank, rc, time.time())
+        except OSError as e:
+            # Seen on the H200 with a full disk: this thread died here, no later end was recorded,
+            # and the orchestrator waited for phases long gone (zombies). Ending is seen at once.
+            try:
+                print(f"relayer: could not record the end of rank {rank} (exit code {rc}) in {phase_dir.exits}: {e}",
+                      file=sys.stderr, flush=True)
+            except OSError:
+                pass  # the log is on that disk too
+            os._exit(UNRECORDED)
 
     def fork_phase(self, spec_path: str, nproc: int, requests_fd: int) -> None:
         spec = PhaseSpec.read(spec_path)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from launch.contract.channels import FORK_REQUESTS, FORK_SERVER, GO, PHASE_LAUNCHER, python_m
-from launch.contract.files import RANK, Answer, PhaseDir, RunDir, read_reasons
+from launch.contract.files import RANK, UNRECORDED, Answer, PhaseDir, RunDir, read_reasons
 from launch.contract.spec import PhaseSpec
 from orchestrator import procs
 from orchestrator.nodes import silent_ranks
@@ -206,7 +206,9 @@ class PhaseProcesses:
         it), else the group's own (a rank or the launcher, all logging to worker.log)."""
         proc = group.proc
         if isinstance(proc, ForkedProc) and proc.server_rc is not None and proc.zygote.pid not in self.stopped:
-            return (f"the fork server (launch.zygote, pid {proc.zygote.pid}) ended {exit_text(proc.server_rc)}",
+            how = exit_text(proc.server_rc) + (": it could not record how a rank ended (in the phase's exit/), "
+                                               "and its ranks ended with it" if proc.server_rc == UNRECORDED else "")
+            return (f"the fork server (launch.zygote, pid {proc.zygote.pid}) ended {how}",
                     self.files.zygote_log, read_reasons([self.files.zygote_error]))
         reasons = PhaseDir(group.phase_dir).error_reasons()
         if not isinstance(proc, ForkedProc):  # a launcher's ranks record how they end, unless killed

@@ -101,6 +101,19 @@ def file_system_of(path: Path) -> FileSystem:
     return FileSystem(mount=mount, free=shutil.disk_usage(path).free)
 
 
+NEARLY_FULL = 64 << 20
+"""Free bytes under which a failure's message says the run directory's file system is full."""
+
+
+def full_disk(path: Path) -> list[str]:
+    """A line saying that ``path``'s file system is (nearly) full, where it is: a fault's likely cause."""
+    try:
+        fs = file_system_of(path)
+    except OSError:
+        return []
+    return [f"the file system of {path} ({fs.mount}) is full: {format_bytes(fs.free)} free"] if fs.free < NEARLY_FULL else []
+
+
 def held_bytes(*roots: Path) -> int:
     """Bytes the files under ``roots`` take now."""
     total = 0

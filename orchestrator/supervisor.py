@@ -55,6 +55,7 @@ from orchestrator.groups import Group, PhaseProcesses, log_tail
 from orchestrator.journal import JsonlTail
 from orchestrator.nodes import stopped_outside
 from orchestrator.quiet import Pauser
+from orchestrator.space import full_disk
 from orchestrator.watchdog import Watchdog, dump_stacks
 from shard_tools.store import Checkpoints
 
@@ -412,6 +413,6 @@ class Supervisor:
         steps = f"steps {work.start_step}-{ph.end_step - 1}"  # numbered as plan numbers them
         self.ctx.event("phase_failed", phase=ph.index, rc=rc, log=str(log), reason="; ".join([who, *reasons]),
                        reasons=reasons)
-        why = "".join(f"\n  {r}" for r in reasons)
+        why = "".join(f"\n  {r}" for r in [*reasons, *full_disk(self.ctx.checkpoints.root)])
         return PhaseFailed(f"phase {ph.index} ({steps}, layers {list(ph.layers)}) failed: {who}; "
                           f"earlier checkpoints are intact.{why}\nlast lines of {log}:\n{log_tail(log)}")

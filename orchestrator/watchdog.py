@@ -21,6 +21,7 @@ import psutil
 
 from launch.contract.files import DUMP_STACKS, RANK, PhaseDir
 from orchestrator import procs
+from orchestrator.space import NEARLY_FULL
 from shard_tools.store import Checkpoints
 
 QUIET_ALLOWANCE = 4
@@ -30,8 +31,6 @@ DUMP_SECONDS = 3.0
 NATIVE_SECONDS = 30.0
 """How long py-spy gets for all of them."""
 SHOWN_FRAMES = 6
-NEARLY_FULL = 64 << 20
-"""Bytes free under which a stall's message says the phase folder's file system is full."""
 
 
 class Watchdog:

@@ -20,6 +20,9 @@ process that finds it missing) and read by every phase process."""
 PHASES = "phases"
 RANK = "rank-"
 """How the pid, exit and error files of a rank start (``rank-N``); a launcher's is ``launcher``, an agent's ``agent-N``."""
+UNRECORDED = 70
+"""The fork server's exit code where it could not record a forked rank's end (``exit/``; its
+disk full): it ends, and every rank it forked with it, rather than leave an end nobody sees."""
 DUMP_STACKS = signal.SIGUSR2
 """On it, every phase process appends all its threads' Python stacks to ``PhaseDir.stacks``/rank-N.txt."""
 
