@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
-from shard_tools.files import write_atomic, write_new
+from shard_tools.files import open_append, read_regular, write_atomic, write_new
 
 
 DATA_CACHE = "data-cache"
@@ -172,6 +172,8 @@ def lr_at(step: int, opt) -> float:
 
 # -- the run and phase directories ------------------------------------------------------------
 PHASES = "phases"
+RECORD_BYTES = 64 << 20
+"""The most a reader takes of a phase's record files (a FIFO or a device there is never read)."""
 RANK = "rank-"
 """How the pid, exit and error files of a rank start (``rank-N``); a launcher's pid is ``launcher``."""
 
@@ -291,8 +293,8 @@ class PhaseDir:
     def read_records(self) -> dict[str, Any]:
         """The records, or {} where the phase wrote none (it failed, or was killed first)."""
         try:
-            records = json.loads(self.records.read_bytes())
-        except (OSError, ValueError):
+            records = json.loads(read_regular(self.records, RECORD_BYTES))
+        except (OSError, ValueError, RecursionError):
             return {}
         return records if isinstance(records, dict) else {}
 
@@ -327,7 +329,7 @@ class PhaseDir:
         return _read(Answer, self.answer_path(rank))
 
     def append_stage(self, name: str) -> None:
-        with open(self.stages, "a") as f:
+        with os.fdopen(open_append(self.stages), "a") as f:
             f.write(json.dumps({"time": time.time(), "stage": name}) + "\n")
 
 
@@ -379,7 +381,7 @@ def read_reasons(paths: list[Path]) -> list[str]:
     reasons: list[str] = []
     for path in paths:
         try:
-            text = path.read_text(errors="replace").strip()
+            text = read_regular(path, RECORD_BYTES).decode(errors="replace").strip()
         except OSError:
             continue
         if text and text not in reasons:
@@ -390,7 +392,7 @@ def read_reasons(paths: list[Path]) -> list[str]:
 def _read(kind: type[_R], path: Path) -> _R | None:
     """The record in ``path``, or None: missing, unreadable, torn, or not one."""
     try:
-        return kind.model_validate_json(path.read_bytes())
+        return kind.model_validate_json(read_regular(path, RECORD_BYTES))
     except (OSError, ValidationError):
         return None
 

@@ -18,6 +18,7 @@ from launch import faults, procs
 from launch.contract import RunDir, lr_at
 from launch.data import micro_batch, rows, step_targets
 from launch.save import FilesLater, prepare_files, save
+from shard_tools.files import open_append
 
 if TYPE_CHECKING:
     from launch.phase import Phase
@@ -135,7 +136,7 @@ def evaluate(ph: Phase, metrics: Path) -> None:
 
 def log(ph: Phase, metrics: Path, record: dict) -> None:
     """One line of metrics.jsonl (rank 0), and the same scalars to TensorBoard when asked for."""
-    with open(metrics, "a") as f:
+    with os.fdopen(open_append(metrics), "a") as f:  # never through a link out of the run
         f.write(json.dumps(record) + "\n")
     if ph.spec.tensorboard:
         if ph.tb is None:

@@ -53,13 +53,14 @@ def changed_lr(old: LoadedSchedule, old_phases: list[Phase], new: LoadedSchedule
     return None
 
 
-def check_same_schedule(loaded: LoadedSchedule, phases: list[Phase], old_raw: dict, force: bool) -> None:
+def check_same_schedule(loaded: LoadedSchedule, phases: list[Phase], old_raw: dict, force: bool) -> list[str]:
     """Refuses ``loaded`` (the schedule given now, planned as ``phases``) where it differs from the
-    run's copy ``old_raw`` in ways that alter completed work, unless ``force``."""
+    run's copy ``old_raw`` in ways that alter completed work, unless ``force``; returns the
+    differences accepted (none where it is the same)."""
     run_dir = loaded.output_dir
     diffs = schedule_differences(without_output_dir(old_raw), without_output_dir(loaded.raw))
     if not diffs:
-        return
+        return diffs
     _, manifest, _ = newest_valid(run_dir, checksums=False)
     done_step = manifest.global_step if manifest else 0
     try:
@@ -85,3 +86,4 @@ def check_same_schedule(loaded: LoadedSchedule, phases: list[Phase], old_raw: di
             f"({run_dir / SCHEDULE_COPY}) in ways that alter completed work:\n  "
             + "\n  ".join(diffs + [lr_change] * bool(lr_change)) + "\nuse --force to go on anyway"
         )
+    return diffs

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -21,6 +19,7 @@ from orchestrator.handover import Switch
 from orchestrator.journal import read_journal
 from orchestrator.pace import Pace, clock
 from orchestrator.plan import plan_phases
+from orchestrator.rundir import lock_held
 from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.supervisor import Observer, State
 from shard_tools.sizes import format_bytes
@@ -185,15 +184,8 @@ class Display(Observer):
 
 
 def run_state(run_dir: Path, events: list[dict]) -> str:
-    lock = run_dir / "orchestrator.lock"
-    if lock.exists():
-        fd = os.open(lock, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return "running"
-        finally:
-            os.close(fd)
+    if lock_held(run_dir):
+        return "running"
     last = next((e for e in reversed(events) if e["event"] in
                  ("run_done", "preempted", "phase_failed", "run_failed", "phase_started", "run_started", "resumed")),
                 {"event": None})

@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Iterator
+
+from orchestrator.errors import ScheduleError
+from shard_tools.files import describe, open_append, open_regular
 
 JOURNAL = "journal.jsonl"
 
@@ -17,7 +21,7 @@ class Journal:
 
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"time": time.time(), "event": event, **fields}
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        fd = open_append(self.path)  # never through a link, never blocked on a FIFO
         try:
             os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
             os.fsync(fd)
@@ -58,18 +62,32 @@ def _number(value: Any) -> bool:
 def read_journal(run_dir: Path) -> list[dict[str, Any]]:
     """Every event; what is not one (a torn last line from a writer killed mid-write, a line edited
     or damaged by hand) is skipped."""
-    path = Path(run_dir) / JOURNAL
-    if not path.is_file():  # nor a FIFO, which would block the read, nor a folder
-        return []
+    with open_run_file(Path(run_dir) / JOURNAL, "the run's journal") as f:
+        data = f.read() if f is not None else b""
     events = []
-    for line in path.read_bytes().decode(errors="replace").splitlines():
+    for line in data.decode(errors="replace").splitlines():
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             continue
         if is_event(record):
             events.append(record)
     return events
+
+
+@contextmanager
+def open_run_file(path: Path, what: str) -> Iterator[BinaryIO | None]:
+    """A run's file for reading (links followed), or None where it is missing; a FIFO, a device, a
+    folder or a link loop is ScheduleError naming it, never a block."""
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
+        yield None
+        return
+    except OSError as e:
+        raise ScheduleError(f"{path}: {describe(e)}; expected {what}") from None
+    with os.fdopen(fd, "rb") as f:
+        yield f
 
 
 class JsonlTail:
@@ -81,19 +99,18 @@ class JsonlTail:
         self.offset = self.path.stat().st_size if self.path.exists() else 0
 
     def new(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return []
+        with open_run_file(self.path, "a file of JSON lines") as f:
+            if f is None:
+                return []
+            f.seek(self.offset)
+            chunk = f.read()
         whole = chunk[: chunk.rfind(b"\n") + 1]
         self.offset += len(whole)
         out = []
         for line in whole.splitlines():
             try:
                 record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
                 continue
             if isinstance(record, dict):
                 out.append(record)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 from launch.contract import RunDir
 from orchestrator.errors import RelayerError, ScheduleError
 from orchestrator.history import PhaseRow, read_history
+from orchestrator.journal import open_run_file
 from shard_tools.files import write_atomic
 
 REPORT = "report.png"
@@ -43,16 +45,20 @@ class RunReport:
 
 
 def read_metrics(run_dir: Path) -> dict[int, float]:
+    """Step -> loss of every line that is a step's record; any other line (torn by a killed writer,
+    damaged, not UTF-8, absurd) is skipped. A metrics.jsonl that is no file is ScheduleError."""
     loss: dict[int, float] = {}
-    path = RunDir(run_dir).metrics
-    if not path.exists():
-        return loss
-    for line in path.read_text().splitlines():
+    with open_run_file(RunDir(run_dir).metrics, "the run's metrics") as f:
+        data = f.read() if f is not None else b""
+    for line in data.decode(errors="replace").splitlines():
         try:
             m = json.loads(line)
-            loss[int(m["step"])] = float(m["loss"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            continue  # a torn last line from a killed writer
+            step, value = m["step"], m["loss"]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            continue
+        if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 2**53 \
+                and isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            loss[step] = float(value)
     return dict(sorted(loss.items()))
 
 

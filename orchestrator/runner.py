@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import tomllib
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
@@ -17,7 +18,7 @@ from launch.contract import PhaseDir, RunDir
 from orchestrator import devmem, final, procs
 from orchestrator.datastep import adopt_data, stage_data
 from orchestrator.groups import Group, PhaseProcesses, Work
-from orchestrator.errors import PhaseFailed, Preempted, RelayerError
+from orchestrator.errors import STOP_SIGNALS, PhaseFailed, Preempted, RelayerError
 from orchestrator.changes import check_same_schedule
 from orchestrator.commit import Committer
 from orchestrator.history import replay
@@ -25,14 +26,13 @@ from orchestrator.journal import Journal, read_journal
 from orchestrator.quiet import Pauser
 from orchestrator.resume import next_work, restore_point, resume_point, set_aside_after
 from orchestrator.retention import retain
-from orchestrator.rundir import SCHEDULE_COPY, RunLock, create_run_dir, read_copy
+from orchestrator.rundir import SCHEDULE_COPY, RunLock, check_entries, create_run_dir, read_copy, write_copy
 from orchestrator.phasespec import phase_spec, plan_estimate
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.supervisor import Context, Observer, State, Supervisor
 from shard_tools.manifest import checkpoints_dir, remove_stray_temporaries, step_dir_name
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 class Runner:
@@ -47,6 +47,8 @@ class Runner:
         self.force = force
         self.on_event = on_event or (lambda e: None)
         self.stop_signal: int | None = None
+        self.changed: list[str] = []
+        """How the schedule given differs from the run's copy, where the change was accepted."""
         self.verified: set[Path] = set()
         self.live_pending: list[Group] = []
         estimate = plan_estimate(loaded, self.phases)  # the handovers' planned peaks
@@ -72,16 +74,18 @@ class Runner:
             os.umask(umask)
 
     def _run(self, chosen: Path | None) -> None:
-        # Prepared once, here; the data of a new run before its directory exists (bad data: exit 2).
+        # Prepared once, here; the data of a new run before its directory exists (bad data: exit 2),
+        # beside it, removed on every way out before it is adopted (bad input, a race lost for the lock).
         staged = None if (self.run_dir / SCHEDULE_COPY).exists() else stage_data(self.loaded, STOP_SIGNALS)
-        try:
-            fresh = self._prepare_run_dir()
-        except BaseException:
+        with ExitStack() as held:
             if staged:
-                shutil.rmtree(staged, ignore_errors=True)
-            raise
-        self.journal = Journal(self.run_dir)
-        with RunLock(self.run_dir):
+                held.callback(shutil.rmtree, staged, ignore_errors=True)
+            fresh = self._prepare_run_dir()
+            self.journal = Journal(self.run_dir)
+            held.enter_context(RunLock(self.run_dir))
+            if self.changed:  # accepted: the copy says what the run goes on with
+                write_copy(self.run_dir, self.copy_text)
+                self._event("schedule_changed", differences=self.changed)
             adopt_data(self.loaded, staged)
             if chosen is not None:
                 set_aside_after(self.run_dir, chosen, self.verified, self._event)
@@ -123,8 +127,10 @@ class Runner:
             import tomli_w
 
             text = f"# {self.loaded.source} with --set overrides\n" + tomli_w.dumps(self.loaded.raw)
+        self.copy_text = text
+        check_entries(self.run_dir)
         if copy.exists():
-            check_same_schedule(self.loaded, self.phases, read_copy(copy), self.force)
+            self.changed = check_same_schedule(self.loaded, self.phases, read_copy(copy), self.force)
             return False
         create_run_dir(self.run_dir, text)
         return True

@@ -44,6 +44,29 @@ def open_regular(path: Path, follow_symlinks: bool = True) -> int:
     return fd
 
 
+def open_append(path: Path, mode: int = 0o640) -> int:
+    """A descriptor appending to ``path``, made if missing, which must be a regular file of its
+    own: a symbolic link is refused (ELOOP), not followed out of the folder, and a FIFO or a
+    device is refused without blocking (``describe`` says why)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:
+        # O_NOFOLLOW: ELOOP for any link; a FIFO without a reader: ENXIO instead of a block.
+        kind = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a directory", errno.ENXIO: "a FIFO"}.get(e.errno)
+        if kind is None:
+            raise
+        raise BadFile(e.errno, f"{kind}, not a file", str(path)) from None
+    try:
+        st_mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(st_mode):
+            raise BadFile(errno.EINVAL, f"{kind_of(st_mode)}, not a file", str(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def regular_fault(path: Path, follow_symlinks: bool = True) -> str | None:
     """Why ``path`` is not a regular file to read (without opening it), or None when it is."""
     try:
