@@ -32,8 +32,10 @@ from typing import Any
 
 import numpy as np
 
+from launch import faults
 from launch.contract import DataPart, is_template_path
 from launch.rows import IGNORE, pack, pad, ragged
+from launch.template import BudgetExceeded, Renderer, TemplateFault
 from shard_tools.tokenizer import TOKENIZER_FILES
 
 CACHE_VERSION = 1
@@ -43,8 +45,16 @@ SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow", ".txt")
 ALPACA = ("Below is an instruction that describes a task{context}. Write a response that appropriately completes "
           "the request.\n\n### Instruction:\n{instruction}\n\n{input}### Response:\n")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+ID_LIMIT = 2 ** 31
+"""Token ids and labels are int32 in the cache; one at or past this is refused, never narrowed."""
+MAX_DEPTH = 100
+"""JSON records nested deeper are refused (``nesting_fault``)."""
 PARALLEL_FROM = 20_000
 """Records from which tokenizing runs in several processes (below it, starting them costs more)."""
+
+
+class StoppedAt(Exception):
+    """Raised out of ``datasets.map`` (its workers too): (message, record index); picklable."""
 
 
 class DataError(ValueError):
@@ -60,7 +70,8 @@ class DataError(ValueError):
 
 
 # -- the cache ---------------------------------------------------------------------------------
-def prepare(data: DataPart, tokenizer: str | None, cache_root: Path, reuse: tuple[Path, ...] = ()) -> Path:
+def prepare(data: DataPart, tokenizer: str | None, cache_root: Path, reuse: tuple[Path, ...] = (), *,
+            vocab_size: int | None = None) -> Path:
     """The cache directory of ``data`` as ``tokenizer`` renders it, made if missing: idempotent.
     ``reuse``: other caches (a run's, read only) whose entry of the same key is taken as it is.
 
@@ -68,19 +79,20 @@ def prepare(data: DataPart, tokenizer: str | None, cache_root: Path, reuse: tupl
     folder itself (no lock files), so the data is prepared once; the entry is written to a temporary
     directory and renamed into place. Under the lock no other preparation runs, so any temporary
     there is a killed one's: it goes. ``tokenizer`` (a Hugging Face tokenizer directory) is needed by
-    every format but ``tokens``. Raises ``DataError`` (nothing is left in the cache then)."""
+    every format but ``tokens``. ``vocab_size``: the model's, which every token id of ``tokens``
+    data must be below (named by its record). Raises ``DataError`` (nothing is left in the cache then)."""
     key = cache_key(data, tokenizer)
     for other in reuse:
-        if (Path(other) / key / STATS).exists():
+        if _made(Path(other) / key):
             return Path(other) / key
     out = Path(cache_root) / key
-    if (out / STATS).exists():
+    if _made(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(out.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        if (out / STATS).exists():
+        if _made(out):
             return out
         for left in out.parent.iterdir():  # killed preparations; lock files of relayer < 2026-12
             if left.name.startswith((".tmp-", ".lock-")):
@@ -88,13 +100,24 @@ def prepare(data: DataPart, tokenizer: str | None, cache_root: Path, reuse: tupl
         tmp = out.parent / f".tmp-{key}-{os.getpid()}"
         tmp.mkdir()
         try:
-            _build(data, tokenizer, tmp)
+            _build(data, tokenizer, tmp, vocab_size)
             os.replace(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     finally:
         os.close(fd)
     return out
+
+
+def _made(entry: Path) -> bool:
+    """Whether a cache entry is there (its stats are written last); DataError where its files are
+    not files (a FIFO would block every process that maps the rows)."""
+    if not (entry / STATS).exists():
+        return False
+    for name in (STATS, ROWS):
+        if not (entry / name).is_file():
+            raise DataError(f"{entry / name}: not a file, where the data cache keeps its rows; remove {entry}")
+    return True
 
 
 def read_stats(cache_dir: Path) -> dict[str, Any]:
@@ -142,7 +165,7 @@ def _template_text(data: DataPart) -> str | None:
 
 
 # -- building an entry -------------------------------------------------------------------------
-def _build(data: DataPart, tokenizer: str | None, out: Path) -> None:
+def _build(data: DataPart, tokenizer: str | None, out: Path, vocab_size: int | None = None) -> None:
     from safetensors.numpy import save_file
 
     path = Path(data.path).resolve()
@@ -150,7 +173,10 @@ def _build(data: DataPart, tokenizer: str | None, out: Path) -> None:
     ds = read_records(data, path, out / "hf-cache")
     if len(ds) == 0:
         raise DataError("no examples", str(path))
-    encode = _Encoder(data, tok)
+    try:
+        encode = _Encoder(data, tok, vocab_size)
+    except TemplateFault as e:
+        raise DataError(str(e)) from None
     num_proc = min(8, os.cpu_count() or 1) if len(ds) >= PARALLEL_FROM else None
     try:
         enc = ds.map(encode, batched=True, batch_size=256, with_indices=True, num_proc=num_proc,
@@ -159,8 +185,12 @@ def _build(data: DataPart, tokenizer: str | None, out: Path) -> None:
         # pyarrow's JSON reader keeps invalid bytes; they fail when the strings are read here.
         _find_bad_record(data, path)
         raise DataError("not UTF-8", str(path)) from None
+    except StoppedAt as e:  # the template's budget: one record named, the rest not rendered
+        raise DataError(e.args[0], str(path), **_where(path, e.args[1])) from None
     bad = [i for i, e in enumerate(enc["error"]) if e]
     if bad:
+        # JSON read as columns: one float id makes every record's ids floats; the lines tell.
+        _find_bad_record(data, path, encode)
         i = bad[0]
         raise DataError(enc[i]["error"], str(path), **_where(path, i))
     ids, lengths = ragged(enc, "input_ids")
@@ -215,6 +245,8 @@ def read_records(data: DataPart, path: Path, hf_cache: Path):
         except Exception as e:  # noqa: BLE001 - pyarrow raises many kinds; the file is to blame
             raise DataError(f"not an Arrow stream file: {e}", str(path)) from None
     builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}[suffix]
+    if builder == "json" and _json_lines(path):
+        nesting_fault(path)
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=str(hf_cache))
     except Exception as e:  # noqa: BLE001 - datasets wraps parse errors in several types
@@ -242,8 +274,9 @@ def _json_lines(path: Path) -> bool:
     return not head.startswith(b"[")
 
 
-def _find_bad_record(data: DataPart, path: Path) -> None:
-    """After ``datasets`` failed on a file: the first record to blame, as a ``DataError``."""
+def _find_bad_record(data: DataPart, path: Path, encode: _Encoder | None = None) -> None:
+    """After ``datasets`` failed on a file: the first record to blame, as a ``DataError``; each
+    JSON record is parsed alone and checked by ``encode`` (default: the format's checks)."""
     try:
         raw = path.read_bytes().decode("utf-8") if path.suffix.lower() in (".jsonl", ".json", ".csv") else None
     except UnicodeDecodeError as e:
@@ -253,12 +286,14 @@ def _find_bad_record(data: DataPart, path: Path) -> None:
         return
     if path.suffix.lower() == ".csv":
         return
-    encode = _Encoder(data, None)
+    encode = encode or _Encoder(data, None)
     if not _json_lines(path):
         try:
             records = json.loads(raw)
         except json.JSONDecodeError as e:
             raise DataError(f"not valid JSON: {e.msg}", str(path), line=e.lineno) from None
+        except RecursionError:
+            raise DataError(f"a record nested more than {MAX_DEPTH} deep", str(path)) from None
         for i, rec in enumerate(records if isinstance(records, list) else []):
             if (err := encode.check(rec)):
                 raise DataError(err, str(path), record=i)
@@ -270,6 +305,8 @@ def _find_bad_record(data: DataPart, path: Path) -> None:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"not valid JSON: {e.msg}", str(path), line=lineno) from None
+        except RecursionError:
+            raise DataError(f"a record nested more than {MAX_DEPTH} deep", str(path), line=lineno) from None
         if (err := encode.check(rec)):
             raise DataError(err, str(path), line=lineno)
 
@@ -321,11 +358,15 @@ class _Encoder:
     """``datasets.map`` function: a batch of records -> input_ids, labels and an error per record
     (a string, empty when the record is fine: an exception inside a worker would lose its index)."""
 
-    def __init__(self, data: DataPart, tok):
-        self.data, self.tok, self.f = data, tok, data.field
+    def __init__(self, data: DataPart, tok, vocab_size: int | None = None):
+        self.data, self.tok, self.f, self.vocab_size = data, tok, data.field, vocab_size
         self.eos = [] if tok is None or tok.eos_token_id is None else [tok.eos_token_id]
+        key = "data.chat_template" if data.chat_template is not None else "the tokenizer's chat_template"
+        self.template = (Renderer(tok.get_chat_template(), tok.special_tokens_map, key)
+                         if tok is not None and tok.chat_template else None)
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        faults.point("data.batch")
         out: dict[str, list] = {"input_ids": [], "labels": [], "error": []}
         for i in range(len(indices)):
             rec = {k: v[i] for k, v in batch.items()}
@@ -333,7 +374,9 @@ class _Encoder:
             if not err:
                 try:
                     ids, labels = self.encode(rec)
-                except DataError as e:
+                except BudgetExceeded as e:
+                    raise StoppedAt(str(e), indices[i]) from None
+                except (DataError, TemplateFault) as e:
                     err = str(e)
             if not err and not ids:
                 err = "no tokens"
@@ -348,16 +391,7 @@ class _Encoder:
             return f"expected a record (an object), got {type(rec).__name__}"
         fmt, f = self.data.format, self.f
         if fmt == "tokens":
-            ids, labels = rec.get(f("input_ids")), rec.get(f("labels"))
-            if not _ints(ids) or not ids:
-                return f"expected {f('input_ids')}, a non-empty list of token ids"
-            if any(t < 0 for t in ids):
-                return f"{f('input_ids')}: expected token ids >= 0"
-            if labels is not None and (not _ints(labels) or len(labels) != len(ids)
-                                       or any(t < 0 and t != IGNORE for t in labels)):
-                return (f"{f('labels')}: expected a list of {len(ids)} token ids or -100, aligned with "
-                        f"{f('input_ids')}")
-            return ""
+            return token_fault(rec.get(f("input_ids")), rec.get(f("labels")), f, self.vocab_size)
         if fmt == "text":
             return "" if isinstance(rec.get(f("text")), str) else f'expected a "{f("text")}" field holding a string'
         if fmt == "instruction":
@@ -418,14 +452,14 @@ class _Encoder:
     def chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         """Rendered with the chat template; the targets are the characters each assistant turn adds
         to the rendering (its content and end-of-turn tokens), found by rendering prefixes."""
-        tok = self.tok
-        text = tok.apply_chat_template(messages, tokenize=False)
+        tok, render = self.tok, self.template.render
+        text = render(messages)
         spans = []
         for j, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before = tok.apply_chat_template(messages[:j], tokenize=False, add_generation_prompt=True) if j else ""
-            through = tok.apply_chat_template(messages[: j + 1], tokenize=False)
+            before = render(messages[:j], add_generation_prompt=True) if j else ""
+            through = render(messages[: j + 1])
             if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
                 raise DataError("the chat template does not render a conversation's prefixes as prefixes of the "
                                 "whole; it cannot mark assistant turns")
@@ -436,6 +470,48 @@ class _Encoder:
             return ids, list(ids)
         labels = [t if any(a <= s < b for a, b in spans) else IGNORE for t, (s, _) in zip(ids, enc["offset_mapping"])]
         return ids, labels
+
+
+def token_fault(ids: Any, labels: Any, f, vocab_size: int | None) -> str:
+    """What is wrong with a ``tokens`` record's ids and labels (``f`` names their fields), or "".
+    Every id must be below ``vocab_size`` (else below ``ID_LIMIT``): nothing is narrowed."""
+    if not _ints(ids) or not ids:
+        return f"expected {f('input_ids')}, a non-empty list of token ids"
+    if labels is not None and (not _ints(labels) or len(labels) != len(ids)):
+        return f"{f('labels')}: expected a list of {len(ids)} token ids or -100, aligned with {f('input_ids')}"
+    limit = vocab_size or ID_LIMIT
+    for name, values, ignore in ((f("input_ids"), ids, False), (f("labels"), labels or [], True)):
+        bad = next((t for t in values if not (0 <= t < limit or (ignore and t == IGNORE))), None)
+        if bad is None:
+            continue
+        if bad < 0:
+            return f"{name}: expected token ids >= 0{' or -100' if ignore else ''}, got {bad}"
+        return (f"{name}: token id {bad} is not below the model's vocab_size {vocab_size} (config.json)"
+                if vocab_size else f"{name}: token id {bad} does not fit the data cache's 32-bit ids")
+    return ""
+
+
+def nesting_fault(path: Path) -> None:
+    """``DataError`` naming the first line of a JSON-lines file nested more than ``MAX_DEPTH`` deep:
+    pyarrow's reader recurses in C and crashes the process on a record some thousands deep. A line
+    with fewer brackets cannot be nested deeper, so only the others are parsed here."""
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.count(b"[") + line.count(b"{") <= MAX_DEPTH:
+                continue
+            try:
+                todo, deep = [(json.loads(line), 1)], False
+                while todo and not deep:
+                    value, depth = todo.pop()
+                    deep = depth > MAX_DEPTH
+                    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+                    todo.extend((v, depth + 1) for v in items)
+            except RecursionError:
+                deep = True
+            except ValueError:
+                continue  # not JSON: the reader names it
+            if deep:
+                raise DataError(f"a record nested more than {MAX_DEPTH} deep", str(path), line=lineno)
 
 
 def _ints(v: Any) -> bool:

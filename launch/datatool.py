@@ -33,13 +33,14 @@ def inspect(req: dict[str, Any]) -> dict[str, Any]:
     reuse = tuple(Path(p) for p in req.get("reuse", ()))
     if data.format != "tokens":
         _check_tokenizer(data, tokenizer)
-    cache = prepare(data, tokenizer, root, reuse)
-    check(data, cache, req.get("vocab_size"))
+    vocab = req.get("vocab_size")
+    cache = prepare(data, tokenizer, root, reuse, vocab_size=vocab)
+    check(data, cache, vocab)
     out: dict[str, Any] = {"stats": read_stats(cache), "validation": None, "rows": []}
     if data.validation_path:
         val = data.model_copy(update={"path": data.validation_path})
-        val_cache = prepare(val, tokenizer, root, reuse)
-        check(val, val_cache, req.get("vocab_size"))
+        val_cache = prepare(val, tokenizer, root, reuse, vocab_size=vocab)
+        check(val, val_cache, vocab, "data.validation_path")
         out["validation"] = read_stats(val_cache)
     if req.get("show"):
         examples = load_examples(cache)
@@ -53,14 +54,16 @@ def inspect(req: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def check(data: DataPart, cache: Path, vocab_size: int | None) -> None:
-    """Rows that the model can take: every token id and target below its vocabulary size (the first
-    offending record named where rows are records). ``seq_len`` against the model's positions is
-    the schedule's check (``orchestrator.validate``), made before this runs."""
+def check(data: DataPart, cache: Path, vocab_size: int | None, key: str = "data.path") -> None:
+    """Rows that the model can take and learn from: at least one target token (``key`` names the
+    data), every token id and target below its vocabulary size (the first offending record named
+    where rows are records). ``seq_len`` against the model's positions is the schedule's check
+    (``orchestrator.validate``), made before this runs."""
     import numpy as np
 
     from launch.data import load_examples
 
+    no_targets(data, read_stats(cache), key)
     if not vocab_size:
         return
     ex = load_examples(cache)
@@ -75,6 +78,17 @@ def check(data: DataPart, cache: Path, vocab_size: int | None) -> None:
                             str(path))
         raise DataError(f"token id {top} is not below the model's vocab_size {vocab_size} (config.json)", str(path),
                         **where)
+
+
+def no_targets(data: DataPart, stats: dict[str, Any], key: str) -> None:
+    """DataError where no token carries loss: a run would train on nothing (loss 0.0) and end well."""
+    if stats["target_tokens"]:
+        return
+    why = {"tokens": f"every label is -100 or a row's first (data.seq_len = {data.seq_len}), which nothing predicts",
+           "text": f"every row is one token long (data.seq_len = {data.seq_len})"}.get(
+        data.format, f"no assistant turn is rendered within data.seq_len = {data.seq_len} (a template that renders "
+                     f"none, or prompts that fill every row: {stats['truncated']} of {stats['examples']} examples cut)")
+    raise DataError(f"{key}: no target tokens, nothing to train on: {why}", str(Path(data.path).resolve()))
 
 
 def _check_tokenizer(data: DataPart, tokenizer: str | None) -> None:
@@ -104,6 +118,7 @@ def main() -> None:
     from launch.procs import set_parent_death_signal
 
     set_parent_death_signal()  # a stopped orchestrator leaves no preparation behind
+    os.register_at_fork(after_in_child=set_parent_death_signal)  # nor datasets.map workers of this one
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:

@@ -12,6 +12,8 @@ the handlers. Points:
   (``launch.handover``), before it waits for the answer.
 - ``handover.copying`` (``rank``): a successor's rank has mapped its predecessor's offer, before
   it copies and answers.
+- ``data.batch``: a batch of records is about to be rendered and tokenized (``datasets.map``,
+  in its workers too).
 """
 
 from __future__ import annotations

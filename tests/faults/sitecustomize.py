@@ -11,6 +11,8 @@ A test puts this folder on PYTHONPATH and its plan in RELAYER_TEST_FAULTS (JSON)
   ``{"point": "handover.copying", "rank": 1}`` (the successor's rank 1 while it copies) or
   ``{"point": "checkpoint.file_written", "name": "layers.safetensors"}``.
 - ``hold_first_step``: seconds a pre-warmed phase waits before its first step.
+- ``hold_data_batch``: seconds each batch of records waits before it is tokenized (the data
+  tool and its ``datasets.map`` workers), so that a test can stop a long preparation.
 """
 
 import json
@@ -38,3 +40,5 @@ if _plan:
                 time.sleep(hold)
 
         faults.install("phase.first_step", _hold)
+    if hold_batch := float(_plan.get("hold_data_batch", 0)):
+        faults.install("data.batch", lambda: time.sleep(hold_batch))
