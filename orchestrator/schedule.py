@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from launch.contract import FIELDS
+from orchestrator.libfacts import deepspeed_refusal
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -249,6 +250,13 @@ class DeepSpeedSection(Section):
                 table = table.get(parent) if isinstance(table, dict) else None
             if isinstance(table, dict) and key in table:
                 raise KeyProblem(f"deepspeed.config.{dotted}", f"set by {source}; set it there")
+        return self
+
+    @model_validator(mode="after")
+    def _engine_takes(self) -> DeepSpeedSection:
+        """What DeepSpeed would refuse (or quietly ignore) once the first phase builds its engine."""
+        if problem := deepspeed_refusal(self.config):
+            raise KeyProblem(*problem)
         return self
 
 
