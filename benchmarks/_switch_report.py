@@ -13,6 +13,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from _switch_gaps import table_rows
+
 WAYS = {"a": "relayer", "b": "inprocess", "c": "naive"}
 READY_SLACK = 0.005
 """Seconds a successor may finish preparing after its go was sent and still count as ready (the
@@ -142,8 +144,9 @@ def header(result: dict) -> list[str]:
         f"({s['model']['num_key_value_heads']} kv), vocab {s['model']['vocab_size']}; {s['dtype']}, "
         f"ZeRO-{s['zero_stage']}, {s.get('nproc', 1)} process(es), batch {s['batch_size']} "
         f"(micro {s['micro_batch_size']}) x {s['seq_len']} tokens; {len(s['phases'])} phases x "
-        f"{s['phases'][0]['steps']} steps, {'/'.join(map(str, layers))} body layer(s) a phase; relayer's "
-        f"handover {s.get('handover') or 'auto (default)'}, prewarm_depth {s.get('prewarm_depth') or 'default'}",
+        f"{s['phases'][0]['steps']} steps, {'/'.join(map(str, layers))} body layer(s) a phase (shape.layer_order "
+        f"{s.get('layer_order', 'walk')}); relayer's handover {s.get('handover') or 'auto (default)'}, prewarm "
+        f"{'off' if s.get('prewarm') is False else 'on'}, prewarm_depth {s.get('prewarm_depth') or 'default'}",
         f"- overhead = end of phase k+1's first step - end of phase k's last step - one steady step "
         f"(median of all but each phase's first step); memory in {unit}" + ("" if cuda else " (peak: RSS at the phase's end)"),
         *[f"- note: {n}" for n in result.get("notes", [])],
@@ -242,10 +245,25 @@ def device_rows(result: dict, names: list[str]) -> list[str]:
     return lines
 
 
+def probe_rows(result: dict) -> list[str]:
+    """Each handed-over switch piece by piece (``_switch_gaps``), the stacks of late ones, relayer's plan."""
+    relayer = result["ways"].get("relayer") or {}
+    lines = table_rows(relayer.get("switch_gaps") or [])
+    dumps = relayer.get("stall_dumps") or []
+    if dumps:
+        lines += ["", f"{len(dumps)} py-spy stack(s) of late switches in results.json (``stall_dumps``): "
+                  + ", ".join(f"{d['who']} waiting for the {d['waiting_for']} of phase {d['offering_phase']} "
+                              f"({d['late_seconds']} s late)" for d in dumps)]
+    if relayer.get("plan_text"):
+        lines += ["", "`orchestrator plan` of the schedule (against the device's memory):", "", "```",
+                  *relayer["plan_text"].rstrip().splitlines()[-40:], "```"]
+    return lines
+
+
 def table(result: dict) -> str:
     names = [n for n in WAYS.values() if n in result["ways"]]
     lines = header(result) + way_rows(result, names) + switch_rows(result, names) + memory_rows(result, names)
-    return "\n".join(lines + device_rows(result, names)) + "\n"
+    return "\n".join(lines + device_rows(result, names) + probe_rows(result)) + "\n"
 
 
 # -- plot ----------------------------------------------------------------------------------------

@@ -192,3 +192,67 @@ def start_all(watchers: list[_Poller]) -> None:
 def finish_all(watchers: list[_Poller]) -> None:
     for w in watchers:
         w.finish()
+
+
+class ManifestWatch(_Poller):
+    """Each checkpoint's manifest as soon as it is there (retention removes older checkpoints
+    later): its step, phase, layers, the head's and the body's Adam steps, and when it was made."""
+
+    interval = 0.1
+    KEYS = ("global_step", "phase", "layers", "phase_complete", "head_step", "body_step", "created")
+
+    def __init__(self, run_dir: Path):
+        super().__init__("manifest-watch")
+        self.run_dir, self.manifests = run_dir, {}
+
+    def look(self) -> None:
+        for path in (self.run_dir / "checkpoints").glob("step-*/manifest.json"):
+            if path.parent.name in self.manifests:
+                continue
+            try:
+                m = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue  # not whole yet (it is renamed into place, but a removal may race)
+            self.manifests[path.parent.name] = {k: m.get(k) for k in self.KEYS}
+
+
+class TreeMemory(_Poller):
+    """Without a GPU: the RSS of every process below this one, summed, every 0.1 s: (time, bytes)."""
+
+    interval = 0.1
+
+    def __init__(self):
+        super().__init__("tree-memory")
+        self.trace: list[tuple[float, int]] = []
+
+    def look(self) -> None:
+        total = 0
+        for p in psutil.Process().children(recursive=True):
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                continue
+        self.trace.append((time.time(), total))
+
+
+class MemInfoWatch(_Poller):
+    """The host's dirty and under-writeback page cache (/proc/meminfo), every 50 ms: a finished
+    phase's checkpoint on its way to the disk, which the orchestrator's own fsyncs may wait behind."""
+
+    interval = 0.05
+
+    def __init__(self):
+        super().__init__("meminfo")
+        self.trace: list[tuple[float, int, int]] = []
+
+    def look(self) -> None:
+        try:
+            fields = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+        except OSError:
+            return
+        kb = lambda k: int(fields.get(k, "0 kB").split()[0]) * 1024  # noqa: E731
+        self.trace.append((time.time(), kb("Dirty"), kb("Writeback")))
+
+    def at(self, t: float) -> dict | None:
+        before = [s for s in self.trace if s[0] <= t]
+        return {"dirty": before[-1][1], "writeback": before[-1][2]} if before else None

@@ -34,7 +34,10 @@ came over (the worker's ``handover`` record, "device" or "checkpoint", and its r
 worker writes them) and the device memory's peak while both phases lived (NVML, every 20 ms);
 per phase, the host memory (USS) it held while it waited for its go, against a bare phase
 process (imports torch, deepspeed, transformers and initialises CUDA; measured once, or read
-from ``--bare-json``); and the plan's memory estimate (``orchestrator.estimate``). On CUDA, NVML
+from ``--bare-json``); the plan's memory estimate (``orchestrator.estimate``) and ``orchestrator plan``'s
+text; and each handed-over switch cut at its go and the successor's read of it, with the journal,
+the page cache under writeback, the main threads' kernel waits and py-spy stacks of late ones that
+tell the causes of a late piece apart (``_switch_gaps``, ``_switch_probe``). On CUDA, NVML
 also records the memory used on the run's devices once each relayer / naive phase is gone; this
 process never touches CUDA itself, so it holds no context that would count.
 
@@ -64,43 +67,18 @@ from pathlib import Path
 
 import psutil
 
+from _shapes import LAYERS_PER_PHASE, SHAPES, layer_walk
 from _switch_report import WAYS, plot, relayer_details, summarise, table
-from _switch_watch import DeviceTrace, Devices, HostWatch, JournalWatch, finish_all, leftovers, read_jsonl, start_all
+from _switch_gaps import analyse
+from _switch_probe import StallDump, ThreadWatch
+from _switch_watch import (
+    DeviceTrace, Devices, HostWatch, JournalWatch, ManifestWatch, MemInfoWatch, finish_all, leftovers, read_jsonl,
+    start_all,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINES = Path(__file__).resolve().parent / "_baselines.py"
 RESULTS = Path(__file__).resolve().parent / "results"
-LAYERS_PER_PHASE = 2
-
-LLAMA = {"model_type": "llama", "max_position_embeddings": 2048}
-SHAPES = {
-    # All three ways take ~85 s of CPU time, nearly all of it imports in 10 fresh processes.
-    "tiny": {
-        "model": {**LLAMA, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
-                  "max_position_embeddings": 64},
-        "seq_len": 32, "batch_size": 8, "micro_batch_size": 4, "phases": 4, "steps": 3,
-    },
-    # TinyLlama-1.1B's shape: the one the +1.35 GB-per-switch leak was measured on (~0.09 s a step on an H200).
-    "1.1b": {
-        "model": {**LLAMA, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
-                  "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000},
-        "seq_len": 512, "batch_size": 4, "micro_batch_size": 4, "phases": 8, "steps": 20,
-    },
-    # Llama-2-7B (~0.17 s a step on an H200; 13.5 GB of bf16 weights).
-    "7b": {
-        "model": {**LLAMA, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-                  "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000},
-        "seq_len": 512, "batch_size": 4, "micro_batch_size": 4, "phases": 8, "steps": 20,
-    },
-    # LLaMA-30B/33B (32.5B parameters, 65 GB of bf16 weights): for ZeRO-3 on 2 GPUs.
-    "30b": {
-        "model": {**LLAMA, "hidden_size": 6656, "intermediate_size": 17920, "num_hidden_layers": 60,
-                  "num_attention_heads": 52, "num_key_value_heads": 52, "vocab_size": 32000},
-        "seq_len": 512, "batch_size": 4, "micro_batch_size": 4, "phases": 4, "steps": 5,
-    },
-}
-SHAPES["h200"] = SHAPES["1.1b"]  # the name results before 2026-12-01 used
 
 
 class BenchmarkError(RuntimeError):
@@ -197,19 +175,20 @@ def toml_value(v) -> str:
 def write_schedule(path: Path, setup: dict) -> None:
     """relayer's schedule for the shared setup (the GPU machine has no tomli_w, hence by hand)."""
     sections = {
-        # No final HF model: it is no part of a switch, and at 30B it is 65 GB of writing.
-        "run": {"output_dir": "run", "seed": setup["seed"], "final_model": False},
+        # No final HF model unless asked (peer.py): it is no part of a switch, and at 30B it is 65 GB of writing.
+        "run": {"output_dir": "run", "seed": setup["seed"], "final_model": setup.get("final_model", False)},
         "model": {"path": setup["model_dir"], "dtype": setup["dtype"]},
         "data": {"path": setup["data_path"], "format": "tokens", "seq_len": setup["seq_len"],
-                 "batch_size": setup["batch_size"], "micro_batch_size": setup["micro_batch_size"], "shuffle": True},
+                 "batch_size": setup["batch_size"], "micro_batch_size": setup["micro_batch_size"],
+                 "shuffle": setup.get("shuffle", True)},
         "optimizer": {"lr": setup["lr"], "weight_decay": setup["weight_decay"], "betas": setup["betas"],
                       "eps": setup["eps"], "grad_clip": setup["grad_clip"]},
         "lr_schedule": {"kind": "constant"},
         "schedule": {"phases": setup["phases"]},
         "deepspeed": {"zero_stage": setup["zero_stage"]},
         "launch": {"launcher": "local", "nproc": setup["nproc"],  # relayer's defaults unless given
-                   **{k: setup[k] for k in ("prewarm_depth", "pause_preparing_seconds", "handover")
-                      if setup[k] is not None}},
+                   **{k: setup[k] for k in ("prewarm", "prewarm_depth", "pause_preparing_seconds", "handover")
+                      if setup.get(k) is not None}},
         "checkpoint": {"every_steps": 0, "keep_last": 2},
     }
     text = "".join(f"[{name}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in body.items()) + "\n"
@@ -265,7 +244,8 @@ def run_relayer(setup: dict, work: Path, devices: Devices | None, timeout: float
     write_schedule(sched, setup)
     run = d / "run"
     host = HostWatch(run)
-    watchers = [host] + ([JournalWatch(devices, run), DeviceTrace(devices)] if devices else [])
+    probes = switch_probes(run, devices is not None)
+    watchers = [host] + ([JournalWatch(devices, run), DeviceTrace(devices)] if devices else []) + list(probes.values())
     before = devices.sample({"before": True}) if devices else None
     start_all(watchers)
     try:
@@ -280,12 +260,39 @@ def run_relayer(setup: dict, work: Path, devices: Devices | None, timeout: float
     trace = watchers[2] if devices else None
     out = {"wall_seconds": wall, "phases": phases, "steps": read_jsonl(run / "metrics.jsonl"), "journal": journal,
            "switch_details": relayer_details(phases, journal, stages, host, trace, bare),
-           "plan_estimate": plan_estimate(sched)}
+           "plan_estimate": plan_estimate(sched), "plan_text": plan_text(sched, devices),
+           **probe_results(probes, phases, journal)}
     if devices:
         out["device_before"] = before
         out["device_between_phases"] = [{**s, "leftover": leftovers(s, s["phase_pids"])} for s in watchers[1].samples]
         out["device_trace"] = trace.coarse()
     return out
+
+
+def switch_probes(run: Path, cuda: bool) -> dict:
+    """What is watched around each go (``_switch_probe``, ``_switch_gaps``): the checkpoints' manifests,
+    the host's page cache under writeback, the main threads' kernel waits, stacks of late switches."""
+    return {"manifests": ManifestWatch(run), "meminfo": MemInfoWatch(),
+            "threads": ThreadWatch(run, interval=0.01 if cuda else 0.05), "dumps": StallDump(run)}
+
+
+def probe_results(probes: dict, phases: list[dict], journal: list[dict]) -> dict:
+    manifests = probes["manifests"].manifests
+    return {"manifests": manifests, "stall_dumps": probes["dumps"].dumps,
+            "switch_gaps": analyse(phases, journal, manifests, probes["threads"], probes["meminfo"]),
+            "meminfo_trace": [[round(t, 3), d, w] for t, d, w in probes["meminfo"].trace[::4]]}
+
+
+def plan_text(sched: Path, devices: Devices | None) -> str | None:
+    """``orchestrator plan`` of the schedule, against the device's memory where there is one: each
+    switch's way (device or checkpoint) and why, and the overlap's planned peak."""
+    extra = ["--device-memory", str(devices.describe()[0]["memory_total"])] if devices else []
+    try:
+        r = subprocess.run(relayer_command() + ["plan", str(sched), *extra], capture_output=True, text=True,
+                           timeout=600, cwd=ROOT, env=child_env(devices is not None))
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"(plan failed: {e})"
+    return (r.stdout + r.stderr)[-8000:]
 
 
 def plan_estimate(sched: Path) -> dict:
@@ -371,6 +378,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--layers", choices=("walk", "lisa"), default="walk",
                     help="the phases' layers: walk (2 a phase in turn, the default) or lisa (sampled with --seed)")
     ap.add_argument("--prewarm-depth", type=int, help="relayer's [launch] prewarm_depth (default: relayer's)")
+    ap.add_argument("--prewarm", choices=("on", "off"), help="relayer's [launch] prewarm (default: relayer's)")
+    ap.add_argument("--micro-batch", type=int, help="examples a process's forward pass takes (default: the "
+                                                    "shape's; the batch stays, accumulation makes it up)")
     ap.add_argument("--pause-preparing-seconds", type=float,
                     help="relayer's [launch] pause_preparing_seconds (default: relayer's; 0 turns pausing off)")
     args = ap.parse_args(argv)
@@ -400,12 +410,7 @@ def chosen_ways(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 def make_setup(args: argparse.Namespace, shape: dict, work: Path, cuda: bool) -> dict:
     n_phases, steps = args.phases or shape["phases"], args.steps or shape["steps"]
-    layers = shape["model"]["num_hidden_layers"]
-    if args.layers == "lisa":  # sampled as LISA does: a layer comes back within a few phases
-        rng = random.Random(args.seed)
-        walk = [sorted(rng.sample(range(layers), LAYERS_PER_PHASE)) for _ in range(n_phases)]
-    else:  # every layer once before any comes back: no layer is trained again while a phase waits
-        walk = [sorted({(LAYERS_PER_PHASE * k + j) % layers for j in range(LAYERS_PER_PHASE)}) for k in range(n_phases)]
+    walk = layer_walk(args.layers, n_phases, shape["model"]["num_hidden_layers"], args.seed)
     return {
         "seed": args.seed, "model_config": shape["model"], "model_dir": str(args.model_dir or work / "model"),
         "data_path": str(work / "train.jsonl"), "work_dir": str(work), "setup_path": str(work / "setup.json"),
@@ -413,7 +418,8 @@ def make_setup(args: argparse.Namespace, shape: dict, work: Path, cuda: bool) ->
         "prewarm_depth": args.prewarm_depth, "pause_preparing_seconds": args.pause_preparing_seconds,
         "handover": args.handover, "seq_len": shape["seq_len"],
         # The shape's batch is a process's: the global batch grows with the processes, the work of each stays.
-        "batch_size": shape["batch_size"] * args.nproc, "micro_batch_size": shape["micro_batch_size"],
+        "batch_size": shape["batch_size"] * args.nproc, "micro_batch_size": args.micro_batch or shape["micro_batch_size"],
+        "prewarm": None if args.prewarm is None else args.prewarm == "on",
         "lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "grad_clip": 1.0,
         "phases": [{"steps": steps, "layers": w} for w in walk], "layer_order": args.layers,
     }
@@ -462,7 +468,7 @@ def bare_process(args: argparse.Namespace, work: Path, cuda: bool) -> dict:
 def new_result(name: str, date: dt.datetime, device: str, hw: dict, shape_name: str, shape: dict,
                setup: dict, notes: list[str]) -> dict:
     keys = ("dtype", "zero_stage", "nproc", "handover", "seq_len", "batch_size", "micro_batch_size", "lr", "phases",
-            "prewarm_depth", "pause_preparing_seconds", "layer_order")
+            "prewarm", "prewarm_depth", "pause_preparing_seconds", "layer_order")
     return {
         "name": name, "date": date.isoformat(timespec="seconds"), "device": device, "hardware": hw,
         "versions": {**versions(), "relayer": relayer_source()}, "seconds_total": None,

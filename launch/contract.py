@@ -346,8 +346,8 @@ class TensorRef(_Record):
 
 
 class Offer(_Record):
-    """handover/offer-rank-N.json: rank N's state for the successor's rank N, where it lies: weights
-    and buffers (``module/``, ``buffer/``), fp32 ``master/``, ``exp_avg/``, ``exp_avg_sq/``."""
+    """handover/offer-rank-N.json: rank N's state for the successor's rank N, where it lies: its
+    weights, buffers and fp32 state, named as ``launch.handover`` packs them."""
 
     pid: int
     device: str

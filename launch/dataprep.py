@@ -208,11 +208,15 @@ def _build(data: DataPart, tokenizer: str | None, out: Path, vocab_size: int | N
     shutil.rmtree(out / "hf-cache", ignore_errors=True)
     save_file({"input_ids": input_ids, "labels": row_labels, "lengths": row_lengths, "targets": targets},
               str(out / ROWS))
-    # safetensors creates its files 0600 whatever the umask; the run's umask decides (run.group_readable).
+    _as_umask_allows(out / ROWS)
+    (out / STATS).write_text(json.dumps(stats, indent=1) + "\n")
+
+
+def _as_umask_allows(path: Path) -> None:
+    """safetensors creates its files 0600 whatever the umask; the run's umask decides (run.group_readable)."""
     mask = os.umask(0o077)
     os.umask(mask)
-    os.chmod(out / ROWS, 0o666 & ~mask)
-    (out / STATS).write_text(json.dumps(stats, indent=1) + "\n")
+    os.chmod(path, 0o666 & ~mask)
 
 
 # -- reading records ---------------------------------------------------------------------------

@@ -19,39 +19,19 @@ from __future__ import annotations
 import base64
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import torch
 
 from launch import faults, zero_state
 from launch.contract import Answer, Offer, PhaseDir, TensorRef
-from launch.save import Snapshot, snapshot
-from shard_tools.checkpoint import layer_weights
-from shard_tools.manifest import (
-    CheckpointError, checkpoints_dir, layer_sources, list_checkpoints, read_manifest, step_dir_name, step_of,
-)
-
-if TYPE_CHECKING:
-    from launch.phase import Phase
+from launch.record import Phase, Prepared
+from launch.save import snapshot
+from shard_tools.errors import CheckpointError
+from shard_tools.state import PhaseState, RunState, layer_weights
 
 ALIGN = 64
 ANSWER_POLL = 0.002
 _IPC_FIELDS = ("device", "handle", "size", "offset", "rc_handle", "rc_offset", "event", "event_sync")
-
-
-@dataclass(frozen=True)
-class Carried:
-    """What the successor carries on from where its state came from: a checkpoint's manifest and
-    state file, or an offer."""
-
-    head_step: int
-    body_step: int
-    phase: int
-    phase_complete: bool
-    scaler: dict[str, torch.Tensor] | None
-    """The loss scaler's tensors; None: read them from the checkpoint's state file."""
 
 
 # -- the transports ---------------------------------------------------------------------------
@@ -125,28 +105,41 @@ def _map(offer: Offer, blob: Path, device: torch.device) -> dict[str, torch.Tens
         storages[r.block], r.offset, r.shape, r.stride) for r in offer.tensors}
 
 
+WEIGHTS, BUFFERS = "module", "buffer"
+"""An offer's tensors are "<part>/<name>": the model's weights and buffers, and the fp32 state by
+its keys (``zero_state.KEYS``; "master" holds the head's and the layers' masters)."""
+
+
+def _pack(model: torch.nn.Module, snap: PhaseState) -> dict[str, torch.Tensor]:
+    parts = {WEIGHTS: {n: p.data for n, p in model.named_parameters()}, BUFFERS: dict(model.named_buffers()),
+             **snap.head, "master": {**snap.head["master"], **snap.masters}}
+    return {f"{part}/{n}": t for part, by_name in parts.items() for n, t in by_name.items() if t.numel()}
+
+
+def _unpack(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    parts: dict[str, dict[str, torch.Tensor]] = {k: {} for k in (WEIGHTS, BUFFERS, *zero_state.KEYS)}
+    for key, t in tensors.items():
+        part, _, name = key.partition("/")
+        parts[part][name] = t
+    return parts
+
+
 # -- the predecessor ----------------------------------------------------------------------------
-def offer(ph: Phase) -> Snapshot | None:
+def offer(ph: Phase) -> PhaseState | None:
     """Offers this finished phase's state to its successor and waits for the answer; the snapshot
     to write the checkpoint from, or None where this phase does not hand over."""
     transport = transport_of(ph)
     if not ph.spec.handover.offer or transport is None:
         return None
     snap = snapshot(ph)  # collectives: every rank
-    model = ph.engine.module
-    tensors = {f"module/{n}": p.data for n, p in model.named_parameters()}
-    tensors |= {f"buffer/{n}": b for n, b in model.named_buffers()}
-    tensors |= {f"{k}/{n}": t for k, by_name in snap.head.items() for n, t in by_name.items()}
-    tensors |= {f"master/{n}": t for n, t in snap.layers.items()}
-    tensors = {n: t for n, t in tensors.items() if t.numel()}
+    tensors = _pack(ph.built.engine.module, snap)
     files = PhaseDir(ph.spec.phase_dir)
     files.handover.mkdir(mode=0o700, exist_ok=True)
     blocks, refs = _export_cuda(tensors) if transport == "cuda" else _export_host(tensors, files.blob_path(ph.rank))
     spec = ph.spec
     carried = {"head_step": snap.head_step, "body_step": snap.body_step, "phase": spec.phase,
-               "global_step": ph.step, "layers": list(spec.layers), "restore": ph.restore_path,
-               "end": str(checkpoints_dir(ph.run_dir) / step_dir_name(ph.step)),
-               "scaler": {k: v.tolist() for k, v in snap.state.items() if k.startswith("loss_scaler/")}}
+               "global_step": ph.step, "layers": list(spec.layers), "restore": _str(ph.built.source.restore),
+               "end": str(ph.checkpoints.at(ph.step)), "scaler": snap.run.scaler}
     files.write_offer(ph.rank, Offer(pid=os.getpid(), device=device_id(ph.device), transport=transport,
                                      blocks=blocks, tensors=refs, carried=carried))
     ph.timeline.mark("t_offered")
@@ -175,10 +168,10 @@ def refusal(ph: Phase) -> str | None:
     return None
 
 
-def preload_layers(ph: Phase) -> None:
+def preload_layers(ph: Phase, made: Prepared) -> None:
     """The fp32 masters of this phase's layers trained before its preload checkpoint, put on its
     device now (the host keeps no copy); a layer its predecessor trains comes with the offer."""
-    _put_layers(ph, {l: s for l, s in ph.preloaded.items() if l in ph.spec.layers})
+    _put_layers(ph, made, {l: s for l, s in made.preloaded.items() if l in ph.spec.layers})
 
 
 class LayerRefresh:
@@ -196,44 +189,40 @@ class LayerRefresh:
         if now - self.at < self.every:
             return
         self.at = now
-        ckpts = [c for c in list_checkpoints(ph.run_dir) if (step_of(c) or 0) <= ph.spec.start_step]
+        ckpts = ph.checkpoints.upto(ph.spec.start_step)
         if not ckpts or ckpts[-1] == self.seen:
             return
         try:
-            upto = next((c for c in reversed(ckpts) if self._this_runs_phase_end(c)), None)
-            sources = layer_sources(ph.run_dir, upto) if upto is not None else {}
+            # A phase's end written since this process started: not one an earlier attempt left.
+            upto = ph.checkpoints.newest_phase_end(ph.spec.start_step, ph.timeline.get("t_process_start"))
+            sources = ph.checkpoints.layer_sources(upto) if upto is not None else {}
             changed = _own_since(ph, sources)
-            _put_layers(ph, changed)
+            _put_layers(ph, ph.made, changed)
         except (OSError, CheckpointError):
             return  # written over or removed meanwhile: again at the next look, or at the go
         self.seen = ckpts[-1]
-        ph.preloaded.update(changed)
+        ph.made.preloaded.update(changed)
         if changed:
             ph.timeline.add(layers_refreshed=sorted({*ph.timeline.get("layers_refreshed", []), *changed}))
-
-    def _this_runs_phase_end(self, ckpt: Path) -> bool:
-        """A phase's end, written since this process started: not one an earlier attempt left."""
-        m = read_manifest(ckpt)
-        return m.phase_complete and m.created >= self.ph.timeline.get("t_process_start")
 
 
 def _own_since(ph: Phase, sources: dict[int, Path]) -> dict[int, Path]:
     """This phase's layers whose newest source in ``sources`` is not the one on its device."""
-    return {l: s for l, s in sources.items() if l in ph.spec.layers and ph.preloaded.get(l) != s}
+    return {l: s for l, s in sources.items() if l in ph.spec.layers and ph.made.preloaded.get(l) != s}
 
 
-def _put_layers(ph: Phase, sources: dict[int, Path], offered: frozenset[str] = frozenset()) -> None:
+def _put_layers(ph: Phase, made: Prepared, sources: dict[int, Path], offered: frozenset[str] = frozenset()) -> None:
     """The fp32 masters of this phase's layers in ``sources``, on its device, except ``offered`` ones."""
     for name, t in layer_weights(sources, mapped=True).items():
-        if name in ph.body_names and name not in offered:
-            ph.trained[name] = t.to(ph.device, copy=True)
+        if name in made.body_names and name not in offered:
+            made.trained[name] = t.to(ph.device, copy=True)
 
 
-def take(ph: Phase, source: Path) -> bool:
-    """Copies the predecessor's offered state (rank for rank) into this process and answers;
-    False where it could not (then it answered "not taken": the checkpoint follows)."""
-    files = PhaseDir(source)
-    reason = ph.refusal
+def take(ph: Phase, source: Path) -> PhaseState | None:
+    """Copies the predecessor's offered state (rank for rank) into this process and answers: the
+    state it carries on; None where it could not (then it answered "not taken": the checkpoint follows)."""
+    files, carried = PhaseDir(source), None
+    reason = ph.made.refusal
     offered = files.read_offer(ph.rank)
     if reason is None and offered is None:
         reason = f"no offer in {files.offer_path(ph.rank)}"
@@ -243,46 +232,51 @@ def take(ph: Phase, source: Path) -> bool:
         reason = f"offered on device {offered.device}, this rank is on {device_id(ph.device)}"
     if reason is None:
         try:
-            _copy_in(ph, offered, files.blob_path(ph.rank))
+            carried = _copy_in(ph, offered, files.blob_path(ph.rank))
         except (RuntimeError, OSError, KeyError) as e:  # torch.OutOfMemoryError is a RuntimeError
             reason = f"{type(e).__name__}: {e}"
     files.write_answer(ph.rank, Answer(taken=reason is None, by="successor", reason=reason or ""))
     ph.timeline.mark("t_taken")
     ph.timeline.add(handover="device" if reason is None else "checkpoint", handover_reason=reason)
-    return reason is None
+    if reason is not None:
+        return None
+    # After the answer: these come from committed checkpoints, not the predecessor, which need not
+    # wait for them to free its device and write its own.
+    _layers_trained_between(ph, offered.carried, frozenset(carried.masters))
+    return carried
 
 
-def _copy_in(ph: Phase, offered: Offer, blob: Path) -> None:
+def _copy_in(ph: Phase, offered: Offer, blob: Path) -> PhaseState:
     """Own copies of the offered weights (into the model), the head's state and the layers' fp32
-    masters; then the mappings go."""
-    mapped = _map(offered, blob, ph.device)
+    masters (the state carried on); then the mappings go."""
+    made = ph.made
+    parts = _unpack(_map(offered, blob, ph.device))
     faults.point("handover.copying", rank=ph.rank)
     with torch.no_grad():
         # New parameters in place of the skeleton's (on the meta device), tied ones tied still.
-        new = {id(p): torch.nn.Parameter(mapped[f"module/{n}"].clone(), requires_grad=p.requires_grad)
-               for n, p in ph.model.named_parameters()}
-        for module in ph.model.modules():
+        new = {id(p): torch.nn.Parameter(parts[WEIGHTS][n].clone(), requires_grad=p.requires_grad)
+               for n, p in made.model.named_parameters()}
+        for module in made.model.modules():
             for leaf, p in module._parameters.items():
                 if p is not None and id(p) in new:
                     module._parameters[leaf] = new[id(p)]
-        for name, _ in list(ph.model.named_buffers()):
+        for name, _ in list(made.model.named_buffers()):
             owner, _, leaf = name.rpartition(".")
-            module = ph.model.get_submodule(owner)
-            module._buffers[leaf] = mapped[f"buffer/{name}"].clone()
-        state = {k: {n: mapped[f"{k}/{n}"].clone() for n in ph.head_names} for k in zero_state.KEYS}
-        layers = {n: mapped[f"master/{n}"].clone() for n in ph.body_names if f"master/{n}" in mapped}
-    del mapped
+            module = made.model.get_submodule(owner)
+            module._buffers[leaf] = parts[BUFFERS][name].clone()
+        head = {k: {n: parts[k][n].clone() for n in made.head_names} for k in zero_state.KEYS}
+        layers = {n: t.clone() for n, t in parts["master"].items() if n in made.body_names}
+    del parts
     if ph.device.type == "cuda":
         torch.cuda.synchronize(ph.device)
         torch.cuda.ipc_collect()
     carried = offered.carried
-    ph.trained.update(state["master"])
-    ph.trained.update(layers)
-    _layers_trained_between(ph, carried, frozenset(layers))
-    ph.head_state = state
-    ph.carried = Carried(head_step=carried["head_step"], body_step=carried["body_step"], phase=carried["phase"],
-                         phase_complete=True,
-                         scaler={k: torch.tensor(v, dtype=torch.float64) for k, v in carried["scaler"].items()})
+    made.trained.update(head["master"])
+    made.trained.update(layers)
+    return PhaseState(
+        step=carried["global_step"], phase=carried["phase"], layers=carried["layers"], phase_complete=True,
+        head_step=carried["head_step"], body_step=carried["body_step"], head=head, masters=layers,
+        run=RunState(data_position=carried["global_step"] * ph.spec.data.batch_size, scaler=carried["scaler"]))
 
 
 def _layers_trained_between(ph: Phase, carried: dict, offered: frozenset[str]) -> None:
@@ -290,7 +284,11 @@ def _layers_trained_between(ph: Phase, carried: dict, offered: frozenset[str]) -
     ``prewarm_depth`` > 1): their fp32 masters from those checkpoints, all committed by now."""
     if not carried.get("restore"):
         return
-    now = layer_sources(ph.run_dir, Path(carried["restore"]))
+    now = ph.checkpoints.layer_sources(Path(carried["restore"]))
     changed = _own_since(ph, now)
-    _put_layers(ph, changed, offered)
+    _put_layers(ph, ph.made, changed, offered)
     ph.timeline.add(layers_at_go=sorted(changed))
+
+
+def _str(path: Path | None) -> str | None:
+    return None if path is None else str(path)

@@ -9,11 +9,8 @@ import dataclasses
 import gc
 import hashlib
 import json
-import os
 import sys
-import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import deepspeed
 import psutil
@@ -25,153 +22,166 @@ from launch import handover, procs
 from launch.contract import DATA_CACHE, PhaseSpec
 from launch.data import SampleOrder, load_examples, micro_batch, prepare as prepare_data
 from launch.ops import load_comm_ops, unlink_comm_buffers
+from launch.record import Assembled, Phase, Prepared, Source
 from launch.save import prepare_files
 from launch.staging import Staging
 from launch.train import token_loss
 from launch.zero_state import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DECAY
-from shard_tools.checkpoint import layer_weights
-from shard_tools.manifest import layer_sources
+from shard_tools.later import Later
 from shard_tools.model import (
     DTYPES, ModelSpec, build_base_model, build_skeleton, detect_parts, head_param_names, layer_param_names,
 )
+from shard_tools.state import Origin, StateFiles, layer_weights
 
-if TYPE_CHECKING:
-    from launch.phase import Phase
 
-def prepare(ph: Phase) -> None:
+def prepare(ph: Phase) -> Prepared:
     """Everything that does not depend on the predecessor's result: imports, process group,
     DeepSpeed's one-time costs, the model with every weight known before this phase starts."""
     spec = ph.spec
     if spec.prewarm:
         ph.timeline.add(background=procs.background(True))
-    _start_group(ph)
-    ph.refusal = handover.refusal(ph) if spec.prewarm else "not pre-warmed"
-    ph.timeline.add(handover_refusal=ph.refusal)
+    staging = _start_group(ph)
+    refusal = handover.refusal(ph) if spec.prewarm else "not pre-warmed"
+    ph.timeline.add(handover_refusal=refusal)
     ph.stage("loading the model")
     # Nothing in training draws random numbers today, but a phase's stream must not depend on
     # how its process was started (seeded again after the warm-up, which draws its own);
     # mid-phase resumes restore the saved states instead.
     torch.manual_seed(hash_seed(spec.seed, spec.phase, ph.rank))
-    _load_model(ph)
-    ph.stage("preparing data")
-    _load_data(ph)
+    made = _load(ph, staging, refusal)
     ph.timeline.mark("t_model_ready")
     if spec.prewarm:
-        # While the warm-up waits for the device, a thread does the host side: this phase's
-        # checkpoint files (``prepare_files``) and, on CUDA, the weights put into one host
-        # buffer pinned in place for a fast upload at the go (``Staging.register_module``).
-        # Both done early: a preparation that ends during its predecessor's save slowed that
-        # save's gather from 0.07 to 0.4-0.5 s on the H200. The warm-up does not touch this model.
-        host_side = Background(_prepare_host_side, ph)
-        modules = set(sys.modules)
-        ph.stage("warming up")
-        try:
-            warm_up(ph)
-        finally:
-            host_side.join()
-        ph.timeline.mark("t_warmed_up")
-        # What the fork server could import for every phase (launch.zygote.WARM_IMPORTS).
-        ph.timeline.add(warm_up_imports=sorted(set(sys.modules) - modules)[:50])
+        _warm(ph, made)
     else:
-        ph.prepared = prepare_files(ph)
+        ph.files = Later.now(prepare_files(ph, made))
     torch.manual_seed(hash_seed(spec.seed, spec.phase, ph.rank))
     ph.timeline.mark("t_prepared")
+    return made
 
 
-def _start_group(ph: Phase) -> None:
+def _warm(ph: Phase, made: Prepared) -> None:
+    """While the warm-up waits for the device, a thread does the host side: this phase's
+    checkpoint files (``prepare_files``) and, on CUDA, the weights put into one host buffer
+    pinned in place for a fast upload at the go (``Staging.register_module``). Both done early:
+    a preparation that ends during its predecessor's save slowed that save's gather from 0.07 to
+    0.4-0.5 s on the H200. The warm-up does not touch this model."""
+    ph.files = Later(_prepare_host_side, ph, made)
+    modules = set(sys.modules)
+    ph.stage("warming up")
+    try:
+        warm_up(ph, made)
+    finally:
+        ph.files.result()
+    ph.timeline.mark("t_warmed_up")
+    # What the fork server could import for every phase (launch.zygote.WARM_IMPORTS).
+    ph.timeline.add(warm_up_imports=sorted(set(sys.modules) - modules)[:50])
+
+
+def _start_group(ph: Phase) -> Staging | None:
     accel = get_accelerator()
-    if accel.device_name() == "cuda":
+    staging = None
+    if ph.device.type == "cuda":
         # Before the process group, so NCCL binds each rank to its own device.
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        ph.device = torch.device("cuda", local)
-        ph.staging = Staging(ph.device)
+        torch.cuda.set_device(ph.device)
+        staging = Staging(ph.device)
     ph.stage("starting the process group")
     load_comm_ops()
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
     unlink_comm_buffers(ph.rank)
     ph.timeline.mark("t_group_ready")
+    return staging
 
 
-def _load_model(ph: Phase) -> None:
+def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
+    """The model (taking every weight from its predecessor, only its structure), its parts, the
+    data, and the weights known before the go."""
     spec, m = ph.spec, ph.spec.model
-    # Taking every weight from its predecessor, the phase needs only the model's structure.
-    model = build_skeleton(_model_spec(ph)) if ph.refusal is None else base_model(_model_spec(ph), ph.prebuilt)
-    model.config.use_cache = False
-    ph.persistent, ph.layers_attr = detect_parts(model, m.persistent, m.layers)
-    ph.head_names = head_param_names(model, ph.persistent)
-    ph.body_names = [n for i in spec.layers for n in layer_param_names(model, ph.layers_attr, i)]
-    ph.model = model
-
-
-def _model_spec(ph: Phase) -> ModelSpec:
-    m = ph.spec.model
-    return ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=ph.spec.seed)
-
-
-def host_model(ph: Phase) -> None:
-    """A phase that prepared to take its predecessor's state but did not (``launch.handover``):
-    the host model as a phase without a handover has it, built now."""
-    m = ph.spec.model
-    model = base_model(_model_spec(ph), ph.prebuilt)
+    skeleton = refusal is None
+    model = build_skeleton(model_spec(spec)) if skeleton else base_model(model_spec(spec), ph.prebuilt)
     model.config.use_cache = False
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ph.model, ph.trained, ph.refusal = model, {}, "not taken"
-    overlay(ph, layer_weights(ph.preloaded, mapped=True))
-
-
-def _load_data(ph: Phase) -> None:
-    spec, m = ph.spec, ph.spec.model
-    # Prepared by the orchestrator before the first phase, or here by the first process (once).
-    cache = ph.run_dir / DATA_CACHE
-    ph.examples = load_examples(prepare_data(spec.data, m.tokenizer, cache))
-    ph.validation = (load_examples(prepare_data(spec.data.model_copy(update={"path": spec.data.validation_path}),
-                                                m.tokenizer, cache)) if spec.data.validation_path else None)
-    if m.gradient_checkpointing:
-        ph.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ph.order = SampleOrder(len(ph.examples), spec.seed, spec.data.shuffle)
-    preload = Path(spec.preload) if spec.preload else (Path(spec.restore) if spec.restore else None)
-    ph.preloaded = layer_sources(ph.run_dir, preload) if preload else {}
-    if ph.refusal is None:
-        handover.preload_layers(ph)
+    persistent, layers_attr = detect_parts(model, m.persistent, m.layers)
+    origin = Origin(base_model=model_spec(spec), tokenizer=m.tokenizer, persistent=persistent,
+                    layers_attr=layers_attr, world_size=ph.world, zero_stage=spec.zero_stage)
+    ph.stage("preparing data")
+    examples, validation = _load_data(ph)
+    preload = spec.preload or spec.restore
+    made = Prepared(
+        staging=staging, refusal=refusal, model=model, skeleton=skeleton, origin=origin,
+        head_names=head_param_names(model, persistent),
+        body_names=[n for i in spec.layers for n in layer_param_names(model, layers_attr, i)],
+        examples=examples, validation=validation, order=SampleOrder(len(examples), spec.seed, spec.data.shuffle),
+        preloaded=ph.checkpoints.layer_sources(Path(preload)) if preload else {}, trained={})
+    if skeleton:
+        handover.preload_layers(ph, made)
     else:
-        overlay(ph, layer_weights(ph.preloaded, mapped=True))
+        overlay(made, layer_weights(made.preloaded, mapped=True))
+    return made
 
 
-def _prepare_host_side(ph: Phase) -> None:
-    if ph.refusal is None:
+def model_spec(spec: PhaseSpec) -> ModelSpec:
+    m = spec.model
+    return ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=spec.seed)
+
+
+def host_model(ph: Phase, made: Prepared) -> None:
+    """A phase that prepared to take its predecessor's state but did not (``launch.handover``):
+    the host model as a phase without a handover has it, built now."""
+    model = base_model(model_spec(ph.spec), ph.prebuilt)
+    model.config.use_cache = False
+    if ph.spec.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    made.model, made.trained, made.skeleton = model, {}, False
+    overlay(made, layer_weights(made.preloaded, mapped=True))
+
+
+def _load_data(ph: Phase) -> tuple:
+    """The training rows and the validation rows: prepared by the orchestrator before the first
+    phase, or here by the first process (once)."""
+    spec = ph.spec
+    cache = ph.run_dir / DATA_CACHE
+    examples = load_examples(prepare_data(spec.data, spec.model.tokenizer, cache))
+    validation = (load_examples(prepare_data(spec.data.model_copy(update={"path": spec.data.validation_path}),
+                                             spec.model.tokenizer, cache)) if spec.data.validation_path else None)
+    return examples, validation
+
+
+def _prepare_host_side(ph: Phase, made: Prepared) -> StateFiles | None:
+    """This phase's checkpoint files, made ahead, and its weights registered (see ``_warm``)."""
+    if made.skeleton:
         # Taking over, it holds nothing that grows with the model while it waits: no host weights
         # (they come from the predecessor's device at the go), and no checkpoint files made ahead
         # (1.9 GB of page cache at 1.1B, 4.7 GB at 7B): it writes its own end off the critical
         # path, after handing over in turn; a stop or a mid-phase checkpoint writes without them.
-        return
-    ph.prepared = prepare_files(ph)
+        return None
+    files = prepare_files(ph, made)
     ph.timeline.mark("t_files_prepared")
-    if ph.staging is not None and ph.spec.zero_stage < 3:
+    if made.staging is not None and ph.spec.zero_stage < 3:
         with ph.timeline.span("t_register_start", "t_registered"):
-            registered = ph.staging.register_module(ph.model)
-        ph.timeline.add(weights_registered=registered, register_seconds=ph.staging.register_seconds)
+            registered = made.staging.register_module(made.model)
+        ph.timeline.add(weights_registered=registered, register_seconds=made.staging.register_seconds)
     else:
         # The head's weights get pages of their own now (a forked process shares the fork
         # server's until it writes them), not when the predecessor's are put in them.
-        params = dict(ph.model.named_parameters())
-        for n in ph.head_names:
+        params = dict(made.model.named_parameters())
+        for n in made.head_names:
             params[n].data = params[n].data.clone()
+    return files
 
 
-def overlay(ph: Phase, weights: dict[str, torch.Tensor]) -> None:
-    """Puts ``weights`` into the host model; keeps the trainable ones' fp32 values in ``ph.trained``."""
-    params = dict(ph.model.named_parameters())
-    keep = set(ph.head_names) | set(ph.body_names)
+def overlay(made: Prepared, weights: dict[str, torch.Tensor]) -> None:
+    """Puts ``weights`` into the host model; keeps the trainable ones' fp32 values in ``made.trained``."""
+    params = dict(made.model.named_parameters())
+    keep = set(made.head_names) | set(made.body_names)
     with torch.no_grad():
         for name, t in weights.items():
             params[name].copy_(t.to(params[name].dtype))
             if name in keep:
-                ph.trained[name] = t
+                made.trained[name] = t
 
 
-def warm_up(ph: Phase) -> None:
+def warm_up(ph: Phase, made: Prepared) -> None:
     """Pays a process's one-time costs before its go, on a throwaway copy of the model with one
     layer: the first ``deepspeed.initialize`` (seconds), the communicator, and every kernel and
     handle a real step of this shape loads. On the H200 a 1.1B phase's first step took 0.43 s
@@ -180,30 +190,10 @@ def warm_up(ph: Phase) -> None:
     layer and the head, with their optimizer state) is given back before the go. One process
     without room for it on the device skips it; a rank of several fails (its phase is then
     started afresh when its turn comes)."""
-    spec, d = ph.spec, ph.spec.data
-    config = copy.deepcopy(ph.model.config)
-    config.num_hidden_layers = 1
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = config.layer_types[:1]
-    engine = batch = None
+    engine = None
     try:
-        with torch.device(ph.device):
-            toy = type(ph.model)(config).to(DTYPES[spec.model.dtype])
-        toy.config.use_cache = False
-        if spec.model.gradient_checkpointing:
-            toy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        cfg = deepspeed_config(spec, ph.world, sum(p.numel() for p in toy.parameters()))
-        # Only the engine is kept: it holds the optimizer, and nothing else may (see finally).
-        engine = deepspeed.initialize(model=toy, optimizer=torch.optim.AdamW(toy.parameters(), lr=0.0),
-                                      config=cfg)[0]
-        for micro in range(cfg["gradient_accumulation_steps"]):
-            batch = micro_batch(ph.examples, ph.order, spec.start_step, d.batch_size, micro, ph.rank,
-                                ph.world, d.micro_batch_size)
-            engine.backward(token_loss(engine, batch, ph.device)[0])
-            engine.step()
-        flags = torch.zeros(2, device=ph.device)
-        torch.distributed.all_reduce(flags)
-        flags.tolist()
+        engine, gas = _toy_engine(ph, made)
+        _toy_steps(ph, made, engine, gas)
     except torch.OutOfMemoryError as e:
         if ph.world > 1:
             raise
@@ -211,35 +201,66 @@ def warm_up(ph: Phase) -> None:
     finally:
         if engine is not None:
             engine.destroy()
-        engine = toy = batch = None
+        engine = None
         gc.collect()  # DeepSpeed's optimizer sits in reference cycles: without this its state stays
         if ph.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
 
-def build_engine(ph: Phase) -> None:
+def _toy_engine(ph: Phase, made: Prepared) -> tuple[object, int]:
+    """A DeepSpeed engine on a fresh copy of the model with one layer, and its accumulation steps.
+    Only the engine is kept: it holds the optimizer, and nothing else may (``warm_up`` frees it)."""
+    spec = ph.spec
+    config = copy.deepcopy(made.model.config)
+    config.num_hidden_layers = 1
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:1]
+    with torch.device(ph.device):
+        toy = type(made.model)(config).to(DTYPES[spec.model.dtype])
+    toy.config.use_cache = False
+    if spec.model.gradient_checkpointing:
+        toy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cfg = deepspeed_config(spec, ph.world, sum(p.numel() for p in toy.parameters()))
+    engine = deepspeed.initialize(model=toy, optimizer=torch.optim.AdamW(toy.parameters(), lr=0.0), config=cfg)[0]
+    return engine, cfg["gradient_accumulation_steps"]
+
+
+def _toy_steps(ph: Phase, made: Prepared, engine, gas: int) -> None:
+    """One step of this phase's shape on the toy engine, and the step's small collective."""
+    d = ph.spec.data
+    for micro in range(gas):
+        batch = micro_batch(made.examples, made.order, ph.spec.start_step, d.batch_size, micro, ph.rank,
+                            ph.world, d.micro_batch_size)
+        engine.backward(token_loss(engine, batch, ph.device)[0])
+        engine.step()
+    flags = torch.zeros(2, device=ph.device)
+    torch.distributed.all_reduce(flags)
+    flags.tolist()
+
+
+def build_engine(ph: Phase, made: Prepared, source: Source) -> Assembled:
     """Freezes all but the head and this phase's layers and builds the DeepSpeed engine on the host
     model, which holds the predecessor's weights by now."""
-    spec, model = ph.spec, ph.model
-    trainable = set(ph.head_names) | set(ph.body_names)
+    spec, model = ph.spec, made.model
+    trainable = set(made.head_names) | set(made.body_names)
     for name, p in model.named_parameters():
         p.requires_grad_(name in trainable)
-    groups, ph.roles = param_groups(model, set(ph.head_names), set(ph.body_names), spec.optimizer)
+    groups, roles = param_groups(model, set(made.head_names), set(made.body_names), spec.optimizer)
     o = spec.optimizer
     optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    ph.ds_config = deepspeed_config(spec, ph.world, numel)
-    ph.gas = ph.ds_config["gradient_accumulation_steps"]
-    if ph.staging is not None and spec.zero_stage < 3:
-        ph.staging.module_to_device(model)  # what deepspeed.initialize would do, at pinned speed
+    ds_config = deepspeed_config(spec, ph.world, numel)
+    if made.staging is not None and spec.zero_stage < 3:
+        made.staging.module_to_device(model)  # what deepspeed.initialize would do, at pinned speed
     ph.timeline.mark("t_on_device")
-    ph.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ph.ds_config)
-    named = dict(ph.engine.module.named_parameters())
-    ph.head = [(n, named[n]) for n in ph.head_names]
-    ph.body = [(n, named[n]) for n in ph.body_names]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    named = dict(engine.module.named_parameters())
     ph.timeline.add(memory_engine=memory_now())
     ph.timeline.mark("t_engine_built")
+    return Assembled(engine=engine, head=[(n, named[n]) for n in made.head_names],
+                     body=[(n, named[n]) for n in made.body_names], roles=roles,
+                     gas=ds_config["gradient_accumulation_steps"], source=source)
 
 
 def memory_now() -> dict[str, float]:
@@ -314,23 +335,3 @@ def base_model(spec: ModelSpec, prebuilt: dict[str, nn.Module]) -> nn.Module:
     """The model ``prebuilt`` holds for ``spec`` (taken out of it), or one built now."""
     model = prebuilt.pop(model_key(spec), None)
     return model if model is not None else build_base_model(spec)
-
-
-class Background(threading.Thread):
-    """Runs ``target(*args)`` in a thread; ``join`` raises what it raised."""
-
-    def __init__(self, target, *args):
-        super().__init__(name=target.__name__.strip("_"), daemon=True)
-        self.work, self.args_, self.error = target, args, None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.work(*self.args_)
-        except BaseException as e:  # noqa: BLE001 - handed to join's caller
-            self.error = e
-
-    def join(self, timeout: float | None = None) -> None:
-        super().join(timeout)
-        if self.error is not None:
-            raise self.error

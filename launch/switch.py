@@ -7,52 +7,64 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from launch import handover, procs, zero_state
-from launch.handover import Carried
-from launch.prepare import Background, build_engine, host_model, memory_now, overlay
-from launch.save import await_predecessor
+from launch.prepare import build_engine, host_model, memory_now, overlay
+from launch.record import Assembled, Phase, Source
 from launch.scaler import restore_scaler
 from launch.zero_state import HEAD_DECAY, HEAD_NO_DECAY
-from shard_tools.checkpoint import BODY_OPTIM, HEAD, STATE, layer_weights, load_tensors, optim_state, populate_pages
-from shard_tools.manifest import MANIFEST, CheckpointError, Manifest, checkpoints_dir, layer_sources, step_dir_name
+from shard_tools.checkpoint import populate_pages
+from shard_tools.errors import CheckpointError
+from shard_tools.later import Later
+from shard_tools.manifest import Manifest
+from shard_tools.state import PhaseState, layer_weights, load_state
 
-if TYPE_CHECKING:
-    from launch.phase import Phase
+
+@dataclass(frozen=True)
+class Go:
+    """What the go names (or the spec, without a pre-warm): the checkpoint to restore, and the
+    predecessor's phase directory where it offers its state (None: it does not)."""
+
+    restore: Path | None
+    offer_from: Path | None = None
 
 
 @dataclass(frozen=True)
 class Delta:
-    """The checkpoint whose changes the host model holds, and its manifest as read then."""
+    """What ``read_delta`` put into the host model: the checkpoint, its manifest as read then, the
+    state it carries on, and the mapping of the head's moments going on meanwhile."""
 
     path: Path
     manifest: Manifest
+    carried: PhaseState
+    populating: Later[None]
 
 
-def await_go(ph: Phase) -> None:
+def await_go(ph: Phase) -> tuple[Go, Delta | None]:
     """A pre-warmed process waits here until its predecessor's processes are gone. Once the
     predecessor's checkpoint is committed (while its processes still exit), what it changed
-    is read (the head file mapped) into host memory already: reading touches no device."""
-    expected = checkpoints_dir(ph.run_dir) / step_dir_name(ph.spec.start_step)
-
-    refresh = handover.LayerRefresh(ph) if ph.refusal is None else None
+    is read (the head file mapped) into host memory already (the early ``Delta``): reading
+    touches no device."""
+    made, expected = ph.made, ph.checkpoints.at(ph.spec.start_step)
+    refresh = handover.LayerRefresh(ph) if made.skeleton else None
+    delta: Delta | None = None
 
     def idle() -> None:
+        nonlocal delta
         if refresh is not None:  # it takes its predecessor's state over: no host model to read into
             refresh()
-        elif ph.delta is None and (expected / MANIFEST).exists():
+        elif delta is None and ph.checkpoints.committed(expected):
             _foreground(ph)  # this process is next: on the critical path from here
-            read_delta(ph, expected, early=True)
+            delta = read_delta(ph, expected, early=True)
 
     ph.timeline.mark("t_waiting")
     go = procs.wait_for_go(Path(ph.spec.go_fifo), idle)
     ph.timeline.mark("t_go")
     _foreground(ph)
-    ph.restore_path = go["restore"]
-    ph.handover_from = go["handover"]
+    paths = [Path(go[k]) if go[k] else None for k in ("restore", "handover")]
+    return Go(*paths), delta
 
 
 def _foreground(ph: Phase) -> None:
@@ -60,100 +72,90 @@ def _foreground(ph: Phase) -> None:
         ph.timeline.add(background=not procs.background(False))
 
 
-def read_delta(ph: Phase, restore: Path, early: bool = False) -> None:
+def read_delta(ph: Phase, restore: Path, early: bool = False) -> Delta | None:
     """Puts into the host model what changed since the weights it holds: the layers trained
-    since, and the head; keeps the head's optimizer state for ``restore``."""
-    t0 = time.time()
+    since, and the head; the state it carries on, for ``restore``. Early (before the go), None
+    where it cannot be read yet: the go names only a checkpoint the orchestrator checked."""
+    made, t0 = ph.made, time.time()
     try:
-        manifest = Manifest.from_json((restore / MANIFEST).read_text(), restore)
-        if early and manifest.created < ph.timeline.get("t_process_start"):
-            return  # an older checkpoint at that step (damaged, being replaced): not the predecessor's
-        sources = layer_sources(ph.run_dir, restore)
-        overlay(ph, layer_weights({l: s for l, s in sources.items() if ph.preloaded.get(l) != s}, mapped=True))
+        if early and ph.checkpoints.manifest(restore).created < ph.timeline.get("t_process_start"):
+            return None  # an older checkpoint at that step (damaged, being replaced): not the predecessor's
+        sources = ph.checkpoints.layer_sources(restore)
+        overlay(made, layer_weights({l: s for l, s in sources.items() if made.preloaded.get(l) != s}, mapped=True))
         t_layers = time.time()
         # The head file's pages, as its writer left them: the masters now, since they go into
         # the model before the engine is built; the moments while it is built (``restore``
         # waits for them), so that the go need not wait for them.
-        ph.head_state = optim_state(restore, HEAD, mapped=True, populate=False)
-        populate_pages(list(ph.head_state["master"].values()))
-        overlay(ph, ph.head_state["master"])
+        carried, manifest = load_state(restore, mapped=True)
+        populate_pages(list(carried.head["master"].values()))
+        overlay(made, carried.head["master"])
     except (OSError, CheckpointError):
         if not early:
             raise
-        return  # read again at the go, which names only a checkpoint the orchestrator checked
-    ph.populating = Background(populate_pages, [t for k in zero_state.MOMENTS for t in ph.head_state[k].values()])
-    ph.preloaded, ph.delta = sources, Delta(restore, manifest)
-    ph.carried = Carried(head_step=manifest.head_step, body_step=manifest.body_step, phase=manifest.phase,
-                         phase_complete=manifest.phase_complete, scaler=None)
+        return None
+    made.preloaded = sources
     if early:
         ph.timeline.add(t_early_read_start=t0, t_early_read_end=time.time(), t_early_read_layers=t_layers)
+    moments = [t for k in zero_state.MOMENTS for t in carried.head[k].values()]
+    return Delta(restore, manifest, carried, Later(populate_pages, moments))
 
 
-def assemble(ph: Phase) -> None:
+def assemble(ph: Phase, go: Go, delta: Delta | None) -> Assembled:
     """Takes the predecessor's state over on the device (``launch.handover``), or reads what it
     changed (its layers and the head) unless read already; builds the engine."""
+    made = ph.made
     ph.stage("building the engine")
     ph.timeline.add(memory_start=memory_now())
-    restore = Path(ph.restore_path) if ph.restore_path else None
-    if ph.handover_from is not None:
-        ph.awaiting = restore  # this phase's checkpoints wait for the predecessor's
-        if handover.take(ph, Path(ph.handover_from)):
+    if go.offer_from is not None:
+        taken = handover.take(ph, go.offer_from)
+        if taken is not None:  # its checkpoints wait for the predecessor's
             ph.timeline.mark("t_delta_loaded")
-            build_engine(ph)
-            return
-        await_predecessor(ph)  # it answered "not taken": the checkpoint is read once committed
-    if ph.refusal is None:  # prepared to take over, but the go names a checkpoint only
-        host_model(ph)
-    if restore is not None:
-        if ph.delta is not None and (ph.delta.path != restore or _manifest_now(restore) != ph.delta.manifest):
-            raise RuntimeError(f"the go names {restore}, but {ph.delta.path} was read before it")
-        if ph.delta is None:
-            read_delta(ph, restore)
+            return build_engine(ph, made, Source(go.restore, taken, taken=True, awaiting=go.restore))
+        ph.checkpoints.wait_committed(go.restore)  # it answered "not taken": the checkpoint is read once committed
+    if made.skeleton:  # prepared to take over, but the go names a checkpoint only
+        host_model(ph, made)
+    if go.restore is not None:
+        if delta is not None and (delta.path != go.restore or ph.checkpoints.manifest(go.restore) != delta.manifest):
+            raise RuntimeError(f"the go names {go.restore}, but {delta.path} was read before it")
+        delta = delta or read_delta(ph, go.restore)
     ph.timeline.mark("t_delta_loaded")
-    build_engine(ph)
-
-
-def _manifest_now(ckpt: Path) -> Manifest:
-    return Manifest.from_json((ckpt / MANIFEST).read_text(), ckpt)
+    source = Source(go.restore, delta.carried, populating=delta.populating) if delta else Source(go.restore, None)
+    return build_engine(ph, made, source)
 
 
 def restore(ph: Phase) -> None:
     """Head optimizer state carries on; body state too only when resuming inside its phase."""
-    m = ph.carried
+    made, built = ph.made, ph.built
+    m = built.source.carried
     if m is None:
         return
-    ckpt = Path(ph.restore_path)
     same_phase = not m.phase_complete and m.phase == ph.spec.phase
     body_step = m.body_step if same_phase else 0
-    steps = [m.head_step if role in (HEAD_DECAY, HEAD_NO_DECAY) else body_step for role in ph.roles]
-    zero_state.materialise(ph.engine, steps)
-    if ph.populating is not None:
-        ph.populating.join()
-        ph.populating = None
+    steps = [m.head_step if role in (HEAD_DECAY, HEAD_NO_DECAY) else body_step for role in built.roles]
+    zero_state.materialise(built.engine, steps)
+    if built.source.populating is not None:
+        built.source.populating.result()
+        built.source.populating = None
         ph.timeline.mark("t_head_populated")
-    zero_state.set_state(ph.head, ph.head_state, with_moments=True, staging=ph.staging)
+    zero_state.set_state(built.head, m.head, with_moments=True, staging=made.staging)
     ph.timeline.mark("t_head_set")
-    body_masters = {n: ph.trained[n] for n, _ in ph.body if n in ph.trained}
+    body_masters = {n: made.trained[n] for n, _ in built.body if n in made.trained}
     if same_phase:
-        body = optim_state(ckpt, BODY_OPTIM)
-        body["master"] = body_masters
-        zero_state.set_state(ph.body, body, with_moments=True)
+        zero_state.set_state(built.body, {**m.body, "master": body_masters}, with_moments=True)
     else:
-        fresh = [(n, p) for n, p in ph.body if n in body_masters]
-        zero_state.set_state(fresh, {"master": body_masters}, with_moments=False, staging=ph.staging)
-    zero_state.refresh_lp(ph.engine)
+        fresh = [(n, p) for n, p in built.body if n in body_masters]
+        zero_state.set_state(fresh, {"master": body_masters}, with_moments=False, staging=made.staging)
+    zero_state.refresh_lp(built.engine)
     # The loss scale carries across phases like the head's state does.
-    restore_scaler(getattr(ph.engine.optimizer, "loss_scaler", None),
-                   m.scaler if m.scaler is not None else load_tensors(ckpt / STATE))
+    restore_scaler(getattr(built.engine.optimizer, "loss_scaler", None), m.run.scaler)
     if same_phase:
-        _restore_rng(ph, ckpt)
-    ph.head_state = None  # on the device now; the mapping of the head file can go
-    ph.trained = {}
+        _restore_rng(ph, m.run.rng)
+    built.source.carried = None  # on the device now; the mapping of the head file can go
+    made.trained = {}
     ph.timeline.mark("t_restored")
 
 
-def _restore_rng(ph: Phase, ckpt: Path) -> None:
-    saved = load_tensors(ckpt / STATE, "rng/")
+def _restore_rng(ph: Phase, saved: dict[str, torch.Tensor]) -> None:
     key = f"cpu.rank{ph.rank}"
     if key in saved:
         torch.set_rng_state(saved[key])

@@ -9,7 +9,6 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -17,11 +16,10 @@ import torch
 from launch import faults, procs
 from launch.contract import RunDir, lr_at
 from launch.data import micro_batch, rows, step_targets
-from launch.save import FilesLater, prepare_files, save
+from launch.record import Phase
+from launch.save import prepare_files, save
 from shard_tools.files import open_append
-
-if TYPE_CHECKING:
-    from launch.phase import Phase
+from shard_tools.later import Later
 
 
 class NonFinite(procs.PhaseError):
@@ -52,7 +50,7 @@ def train(ph: Phase, stop: dict) -> bool:
             return False
         if spec.every_steps and ph.step % spec.every_steps == 0 and ph.step < spec.end_step:
             save(ph, phase_complete=False)
-            ph.prepared = prepare_files(ph)  # for the next one
+            ph.files = Later.now(prepare_files(ph, ph.made))  # for the next one
     ph.timeline.mark("t_last_step_end")
     ph.timeline.add(step_seconds_median=statistics.median(step_times[1:] or step_times) if step_times else None,
                     memory_peak=(torch.cuda.max_memory_allocated() if torch.cuda.is_available()
@@ -62,33 +60,16 @@ def train(ph: Phase, stop: dict) -> bool:
 
 def _step(ph: Phase, stop: dict, metrics: Path, step_times: list[float]) -> bool:
     """One optimizer step, checked and logged; returns whether any rank was asked to stop."""
-    spec, d = ph.spec, ph.spec.data
+    spec, d, engine = ph.spec, ph.spec.data, ph.built.engine
     t0 = time.perf_counter()
     lr = lr_at(ph.step, spec.optimizer)
-    for g in ph.engine.optimizer.optimizer.param_groups:
-        g["lr"] = lr
-    loss_sum = 0.0
-    # The step's loss is its summed token loss over N_global, its target tokens on every
-    # rank. DeepSpeed divides each micro-batch's loss by the accumulation steps and averages
-    # gradients over ranks, so micro-batch m's mean is scaled by c_m * gas * world / N_global
-    # (exactly 1.0 with full rows: the results of unmasked data are as before). A step with
-    # no target tokens at all has zero gradients and is still an optimizer step (Adam's
-    # moments carry on, the step counts); its loss is logged as 0.0 with target_tokens 0.
-    n_global = step_targets(ph.examples, ph.order, ph.step, d.batch_size)
-    for micro in range(ph.gas):
-        batch = micro_batch(ph.examples, ph.order, ph.step, d.batch_size, micro, ph.rank, ph.world,
-                            d.micro_batch_size)
-        mean, count = token_loss(ph.engine, batch, ph.device)
-        loss = mean * (count * ph.gas * ph.world / n_global) if n_global else mean
-        ph.engine.backward(loss)
-        ph.engine.step()
-        loss_sum += loss.item()
+    loss_sum, n_global = _accumulate(ph, lr)
     ph.step += 1
     # One small collective a step: the mean loss, whether any rank was asked to stop, and
     # whether any saw a non-finite gradient norm (fp16's loss scaler skips those steps).
-    norm = ph.engine.get_global_grad_norm()
-    bad_norm = norm is not None and not ph.engine.fp16_enabled() and not math.isfinite(float(norm))
-    flags = torch.tensor([loss_sum / ph.gas, 1.0 if stop["signal"] else 0.0, float(bad_norm)], device=ph.device)
+    norm = engine.get_global_grad_norm()
+    bad_norm = norm is not None and not engine.fp16_enabled() and not math.isfinite(float(norm))
+    flags = torch.tensor([loss_sum / ph.built.gas, 1.0 if stop["signal"] else 0.0, float(bad_norm)], device=ph.device)
     torch.distributed.all_reduce(flags)
     # Every rank decides on the reduced values, so all stop at the same step, before it is logged or saved.
     check_finite(spec.phase, ph.step - 1, flags[0].item() / ph.world, flags[2].item() > 0, norm)
@@ -97,12 +78,7 @@ def _step(ph: Phase, stop: dict, metrics: Path, step_times: list[float]) -> bool
     dt = time.perf_counter() - t0
     step_times.append(dt)
     if ph.step == spec.start_step + 1:
-        ph.timeline.mark("t_first_step_end")  # before the orchestrator can see the step
-        ph.timeline.add(nice=os.getpriority(os.PRIO_PROCESS, 0))  # the priority it trains at
-        if ph.staging is not None:
-            ph.staging.unregister_later()  # the host weights are on the device: unpinned off the switch
-        if ph.prepared is None and ph.rank == 0:
-            ph.prepared = FilesLater(ph)  # it took over, and so made none while it waited
+        _first_step_done(ph)
     if ph.rank == 0:
         log(ph, metrics, {
             "time": time.time(), "step": ph.step, "phase": spec.phase, "layers": spec.layers,
@@ -112,22 +88,57 @@ def _step(ph: Phase, stop: dict, metrics: Path, step_times: list[float]) -> bool
     return flags[1].item() > 0
 
 
+def _accumulate(ph: Phase, lr: float) -> tuple[float, int]:
+    """The step's micro-batches, forward, backward and the optimizer's step: (their summed loss,
+    the global batch's target tokens).
+
+    The step's loss is its summed token loss over N_global, its target tokens on every rank.
+    DeepSpeed divides each micro-batch's loss by the accumulation steps and averages gradients
+    over ranks, so micro-batch m's mean is scaled by c_m * gas * world / N_global (exactly 1.0
+    with full rows: the results of unmasked data are as before). A step with no target tokens at
+    all has zero gradients and is still an optimizer step (Adam's moments carry on, the step
+    counts); its loss is logged as 0.0 with target_tokens 0."""
+    d, made, engine, gas = ph.spec.data, ph.made, ph.built.engine, ph.built.gas
+    for g in engine.optimizer.optimizer.param_groups:
+        g["lr"] = lr
+    loss_sum = 0.0
+    n_global = step_targets(made.examples, made.order, ph.step, d.batch_size)
+    for micro in range(gas):
+        batch = micro_batch(made.examples, made.order, ph.step, d.batch_size, micro, ph.rank, ph.world,
+                            d.micro_batch_size)
+        mean, count = token_loss(engine, batch, ph.device)
+        loss = mean * (count * gas * ph.world / n_global) if n_global else mean
+        engine.backward(loss)
+        engine.step()
+        loss_sum += loss.item()
+    return loss_sum, n_global
+
+
+def _first_step_done(ph: Phase) -> None:
+    ph.timeline.mark("t_first_step_end")  # before the orchestrator can see the step
+    ph.timeline.add(nice=os.getpriority(os.PRIO_PROCESS, 0))  # the priority it trains at
+    if ph.made.staging is not None:
+        ph.made.staging.unregister_later()  # the host weights are on the device: unpinned off the switch
+    if ph.rank == 0 and ph.files.result() is None:
+        ph.files = Later(prepare_files, ph, ph.made)  # it took over, and so made none while it waited
+
+
 def evaluate(ph: Phase, metrics: Path) -> None:
     """Mean token loss over every target token of the validation rows, split over the ranks.
     Every rank runs the same number of forward passes (ZeRO-3 gathers parameters
     collectively); padding ones weigh 0."""
-    val, mb = ph.validation, ph.spec.data.micro_batch_size
+    val, mb, engine = ph.made.validation, ph.spec.data.micro_batch_size, ph.built.engine
     per_round = mb * ph.world
     total = torch.zeros(2, device=ph.device, dtype=torch.float64)
-    ph.engine.eval()
+    engine.eval()
     with torch.no_grad():
         for first in range(0, len(val), per_round):
             idx = list(range(first + ph.rank * mb, min(first + (ph.rank + 1) * mb, len(val))))
-            mean, count = token_loss(ph.engine, rows(val, idx or [0]), ph.device)
+            mean, count = token_loss(engine, rows(val, idx or [0]), ph.device)
             if idx:
                 total += torch.stack([mean.double() * count, torch.tensor(float(count), device=ph.device,
                                                                           dtype=torch.float64)])
-    ph.engine.train()
+    engine.train()
     torch.distributed.all_reduce(total)
     if ph.rank == 0 and total[1] > 0:
         log(ph, metrics, {"time": time.time(), "step": ph.step, "phase": ph.spec.phase,

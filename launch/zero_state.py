@@ -90,23 +90,21 @@ def full_shapes(named: list[tuple[str, nn.Parameter]]) -> dict[str, tuple[int, .
     return {n: tuple(_shape(p)) for n, p in named}
 
 
-def get_state(named: list[tuple[str, nn.Parameter]], into: dict[str, torch.Tensor] | None = None,
+def get_state(named: list[tuple[str, nn.Parameter]], into: dict[str, dict[str, torch.Tensor]] | None = None,
               keep: bool = True, staging: Staging | None = None,
               on_device: bool = False) -> dict[str, dict[str, torch.Tensor]]:
     """Full fp32 master weights and moments on the host, {key: {name: tensor}}. Collective: all
-    ranks, same order. ``into``: host tensors by "key/name" to copy into; ``keep=False``: gather
-    only, for ranks that write nothing (the result is empty); ``on_device``: left where the
+    ranks, same order. ``into``: host tensors, {key: {name: tensor}}, to copy into; ``keep=False``:
+    gather only, for ranks that write nothing (the result is empty); ``on_device``: left where the
     gather put them (on every rank: a phase's offer to its successor, ``launch.handover``)."""
     into = into or {}
     out: dict[str, dict[str, torch.Tensor]] = {
-        "master": get_masters(named, {n[len("master/"):]: t for n, t in into.items() if n.startswith("master/")}, keep,
-                              staging, on_device),
-        "exp_avg": {}, "exp_avg_sq": {}}
+        "master": get_masters(named, into.get("master"), keep, staging, on_device), "exp_avg": {}, "exp_avg_sq": {}}
     for name, p in named:
         for key in MOMENTS:
             full = safe_get_full_optimizer_state(p, key)
             if keep:
-                out[key][name] = _kept(full, p, into.get(f"{key}/{name}"), staging, on_device)
+                out[key][name] = _kept(full, p, into.get(key, {}).get(name), staging, on_device)
     return out if keep else {}
 
 

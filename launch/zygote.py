@@ -47,8 +47,8 @@ class Zygote:
         self.threads = torch.get_num_threads()
         torch.set_num_threads(1)
         from launch import phase  # noqa: F401 - the heavy imports: torch, deepspeed, transformers
-        from launch.prepare import model_key
-        from shard_tools.model import ModelSpec, build_base_model
+        from launch.prepare import model_key, model_spec
+        from shard_tools.model import build_base_model
 
         for name in WARM_IMPORTS:
             try:
@@ -59,10 +59,9 @@ class Zygote:
 
         load_comm_ops()  # cached in every forked phase: none of them touches the build lock
 
-        m = spec.model
-        model_spec = ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=spec.seed)
-        self.model = build_base_model(model_spec)
-        self.key = model_key(model_spec)
+        base = model_spec(spec)
+        self.model = build_base_model(base)
+        self.key = model_key(base)
         self.children: dict[int, tuple[PhaseDir, int]] = {}
         self.lock = threading.Lock()
 

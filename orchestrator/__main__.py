@@ -1,5 +1,5 @@
 """``python -m orchestrator``: the ``orchestrator`` command, for callers that have an interpreter but
-not its scripts on PATH (``shard-tools inspect`` runs ``report --json`` this way)."""
+not its scripts on PATH."""
 
 from orchestrator.cli import main
 

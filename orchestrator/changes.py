@@ -12,7 +12,7 @@ from orchestrator.rundir import SCHEDULE_COPY
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.validate import validate_schedule
-from shard_tools.manifest import newest_valid
+from shard_tools.store import Checkpoints
 
 # Where and how the work runs does not change what it computes; phases and the lr are compared apart.
 HARMLESS = ("schedule.", "launch.", "checkpoint.", "deepspeed.zero_stage", "lr_schedule.", "optimizer.lr:",
@@ -61,7 +61,7 @@ def check_same_schedule(loaded: LoadedSchedule, phases: list[Phase], old_raw: di
     diffs = schedule_differences(without_output_dir(old_raw), without_output_dir(loaded.raw))
     if not diffs:
         return diffs
-    _, manifest, _ = newest_valid(run_dir, checksums=False)
+    _, manifest, _ = Checkpoints(run_dir).newest_whole(checksums=False)
     done_step = manifest.global_step if manifest else 0
     try:
         old_loaded = validate_schedule(old_raw, loaded.source)

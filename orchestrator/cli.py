@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from orchestrator.errors import RelayerError
+from shard_tools.errors import CheckpointError, InputError
 
 
 class _Group(click.Group):
@@ -15,8 +16,16 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except RelayerError as e:
-            click.echo(f"orchestrator: {e}", err=True)
-            sys.exit(e.exit_code)
+            _fail(e, e.exit_code)
+        except InputError as e:  # the format package's, where a command reads a run (report, status)
+            _fail(e, 2)
+        except CheckpointError as e:
+            _fail(e, 1)
+
+
+def _fail(error: Exception, code: int) -> None:
+    click.echo(f"orchestrator: {error}", err=True)
+    sys.exit(code)
 
 
 @click.group(cls=_Group)

@@ -9,20 +9,11 @@ order, from the loop) only once it has returned.
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
 from typing import Callable
 
 from orchestrator.groups import Group
+from shard_tools.later import Later
 from shard_tools.manifest import make_durable
-
-
-@dataclass
-class _Commit:
-    finished: Group
-    current: Group | None
-    thread: threading.Thread
-    errors: list[BaseException] = field(default_factory=list)
 
 
 class Committer:
@@ -31,25 +22,13 @@ class Committer:
 
     def __init__(self, done: Callable[[Group, Group | None], None]):
         self.done = done
-        self.queue: list[_Commit] = []
+        self.queue: list[tuple[Group, Group | None, Later[None]]] = []
 
     def submit(self, finished: Group, current: Group | None) -> None:
-        errors: list[BaseException] = []
-
-        def durable() -> None:
-            try:
-                make_durable(finished.end)
-            except BaseException as e:  # noqa: BLE001 - raised in the loop by poll
-                errors.append(e)
-
-        thread = threading.Thread(target=durable, name="durable", daemon=True)
-        self.queue.append(_Commit(finished, current, thread, errors))
-        thread.start()
+        self.queue.append((finished, current, Later(make_durable, finished.end)))
 
     def poll(self, block: bool = False) -> None:
-        while self.queue and (block or not self.queue[0].thread.is_alive()):
-            commit = self.queue.pop(0)
-            commit.thread.join()
-            if commit.errors:
-                raise commit.errors[0]
-            self.done(commit.finished, commit.current)
+        while self.queue and (block or self.queue[0][2].done()):
+            finished, current, durable = self.queue.pop(0)
+            durable.result()  # raised here, in the loop: nothing is journaled for it
+            self.done(finished, current)

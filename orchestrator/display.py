@@ -16,12 +16,12 @@ from orchestrator.errors import ScheduleError
 from orchestrator.estimate import PlanEstimate
 from orchestrator.groups import Group
 from orchestrator.handover import Switch
-from orchestrator.journal import read_journal
 from orchestrator.pace import Pace, clock
 from orchestrator.plan import plan_phases
 from orchestrator.rundir import lock_held
 from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.supervisor import Observer, State
+from shard_tools.history import read_journal
 from shard_tools.sizes import format_bytes
 
 # Off a terminal, lines are logs: never wrap them (rich would at 80 columns).
@@ -197,12 +197,12 @@ def run_state(run_dir: Path, events: list[dict]) -> str:
 
 
 def print_status(run_dir: Path) -> None:
-    from shard_tools.manifest import newest_valid
+    from shard_tools.store import Checkpoints
 
     if not (run_dir / "journal.jsonl").exists():
         raise ScheduleError(f"{run_dir}: not a relayer run directory (no journal.jsonl)")
     events = read_journal(run_dir)
-    ckpt, manifest, skipped = newest_valid(run_dir, checksums=False)
+    ckpt, manifest, skipped = Checkpoints(run_dir).newest_whole(checksums=False)
     out = Console()
     out.print(Text.assemble((str(run_dir), "bold"), f": {run_state(run_dir, events)}"))
     started = [e for e in events if e["event"] == "phase_started"]

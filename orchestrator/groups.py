@@ -22,7 +22,7 @@ from launch.contract import FORK_REQUESTS, GO, RANK, Answer, PhaseDir, PhaseSpec
 from orchestrator import procs
 from orchestrator.schedule import LaunchSection, Phase
 from shard_tools.files import describe, open_append, open_regular, write_atomic
-from shard_tools.manifest import remove_temporaries_of
+from shard_tools.store import Checkpoints
 
 LOG_TAIL = 20
 
@@ -252,7 +252,7 @@ class PhaseProcesses:
         """What a group's processes leave once gone: their temporaries in the checkpoints folder
         (prepared files, a checkpoint cut off mid-write), DeepSpeed's shared-memory buffers, and
         the bytes it offered through the host transport (``launch.handover``)."""
-        for path in remove_temporaries_of(self.run_dir, procs.recorded_pids(group.phase_dir)):
+        for path in Checkpoints(self.run_dir).remove_temporaries_of(procs.recorded_pids(group.phase_dir)):
             self.event("stray_removed", path=str(path))
         for blob in PhaseDir(group.phase_dir).handover.glob("*.bin"):  # host transport: offered bytes
             blob.unlink(missing_ok=True)

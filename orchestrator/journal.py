@@ -1,4 +1,5 @@
-"""The run journal: one JSON object a line, appended and fsynced, read back tolerantly."""
+"""The run journal's writer: one JSON object a line, appended and fsynced (its reader and replay:
+``shard_tools.history``), and the tail of a JSON-lines file as it grows."""
 
 from __future__ import annotations
 
@@ -11,8 +12,13 @@ from typing import Any, BinaryIO, Iterator
 
 from orchestrator.errors import ScheduleError
 from shard_tools.files import describe, open_append, open_regular
+from shard_tools.history import JOURNAL
 
-JOURNAL = "journal.jsonl"
+
+# Events that only tell what happened (no replay reads them), written during a switch: an fsync
+# there waits behind the committer's multi-GB fsync of a checkpoint (one journal commit of the file
+# system holds both), which at 7B on an H200 put 0.4-0.7 s into switches (benchmarks/_switch_gaps.py).
+UNSYNCED = frozenset({"preparing_paused", "preparing_resumed", "prewarm_started"})
 
 
 class Journal:
@@ -24,55 +30,11 @@ class Journal:
         fd = open_append(self.path)  # never through a link, never blocked on a FIFO
         try:
             os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
-            os.fsync(fd)
+            if event not in UNSYNCED:
+                os.fsync(fd)
         finally:
             os.close(fd)
         return record
-
-
-# The fields that readers (status, report, the runner) take from events, with their types; an
-# event holding one of another type is not one this code wrote, and is skipped like a torn line.
-FIELD_TYPES: dict[str, type] = {"phase": int, "start_step": int, "end_step": int, "step": int, "layers": list,
-                                "nproc": int, "records": dict, "reason": str}
-REQUIRED = {"phase_started": ("phase", "start_step", "end_step", "layers"), "phase_done": ("phase", "step", "layers"),
-            "resumed": ("step",), "preempted": ("step",), "phase_failed": ("phase",)}
-
-
-def is_event(record: Any) -> bool:
-    """A JSON object as ``Journal.write`` makes them: an event name, a time, fields of the types readers expect."""
-    if not (isinstance(record, dict) and isinstance(record.get("event"), str) and _number(record.get("time"))):
-        return False
-    if any(key not in record for key in REQUIRED.get(record["event"], ())):
-        return False
-    for key, kind in FIELD_TYPES.items():
-        value = record.get(key)
-        if value is None and key not in REQUIRED.get(record["event"], ()):
-            continue
-        if not isinstance(value, kind) or isinstance(value, bool):
-            return False
-        if kind is list and not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return False
-    return True
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
-
-
-def read_journal(run_dir: Path) -> list[dict[str, Any]]:
-    """Every event; what is not one (a torn last line from a writer killed mid-write, a line edited
-    or damaged by hand) is skipped."""
-    with open_run_file(Path(run_dir) / JOURNAL, "the run's journal") as f:
-        data = f.read() if f is not None else b""
-    events = []
-    for line in data.decode(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
-            continue
-        if is_event(record):
-            events.append(record)
-    return events
 
 
 @contextmanager

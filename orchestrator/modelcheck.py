@@ -13,8 +13,8 @@ from typing import Any
 
 from orchestrator.errors import ScheduleError
 from orchestrator.schedule import ModelSection, _show
-from shard_tools.inspect import tensor_headers
-from shard_tools.manifest import CheckpointError
+from shard_tools.errors import CheckpointError
+from shard_tools.header import tensor_headers
 
 
 def path_kind(path: Path) -> str:

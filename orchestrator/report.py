@@ -6,7 +6,7 @@
 
 Three panels: the loss against the global step with the phase boundaries and each phase's
 layers; the memory each phase recorded (device memory on CUDA, the process's RSS elsewhere); and
-the overhead of each switch as ``orchestrator.history`` defines it: the time from the last step of
+the overhead of each switch as ``shard_tools.history`` defines it: the time from the last step of
 phase k to the first step of phase k+1, less one ordinary step of phase k+1, within one go of the
 orchestrator. matplotlib (the ``report`` extra) is imported only here.
 """
@@ -22,9 +22,9 @@ from typing import Any
 
 from launch.contract import RunDir
 from orchestrator.errors import RelayerError, ScheduleError
-from orchestrator.history import PhaseRow, read_history
 from orchestrator.journal import open_run_file
 from shard_tools.files import write_atomic
+from shard_tools.history import PhaseRow, read_history
 
 REPORT = "report.png"
 MEMORY_STAGES = ("memory_start", "memory_engine", "memory_peak")

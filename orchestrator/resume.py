@@ -3,20 +3,16 @@
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 from typing import Callable
 
-from orchestrator import final
 from orchestrator.errors import ScheduleError
 from orchestrator.groups import Work
 from orchestrator.rundir import SCHEDULE_COPY
 from orchestrator.schedule import Phase
-from shard_tools.manifest import (
-    STEP_DIR_SHAPE, CheckpointError, Manifest, checkpoints_dir, fsync_path, is_checkpoint_dir, layer_sources, list_checkpoints,
-    read_manifest, step_of, verify_checkpoint,
-)
+from shard_tools.errors import InputError
+from shard_tools.manifest import Manifest
+from shard_tools.store import Checkpoints
 
 
 def next_work(phases: list[Phase], ckpt: Path | None, manifest: Manifest | None) -> Work | None:
@@ -39,67 +35,32 @@ def next_work(phases: list[Phase], ckpt: Path | None, manifest: Manifest | None)
     return Work(ph, g, ckpt)
 
 
-def restore_point(run_dir: Path, verified: set[Path],
-                  event: Callable[..., None]) -> tuple[Path | None, Manifest | None]:
-    """The newest checkpoint that is whole, and whose layer sources are whole too.
+def restore_point(store: Checkpoints, event: Callable[..., None]) -> tuple[Path | None, Manifest | None]:
+    """The newest checkpoint that is whole, and whose layer sources are whole too (``Checkpoints.restore_point``).
 
     Damaged ones are journaled and skipped, never deleted. Checksums are read once per
-    checkpoint per orchestrator: what this process verified or committed (``verified``) stays trusted.
+    checkpoint per orchestrator: what this process verified or committed stays trusted.
     """
-    for ckpt in reversed(list_checkpoints(run_dir)):
-        faults = _verify(ckpt, verified)
-        if not faults:
-            try:
-                sources = set(layer_sources(run_dir, ckpt).values()) - {ckpt}
-                faults = [f for src in sorted(sources) for f in _verify(src, verified)]
-            except CheckpointError as e:
-                faults = [str(e)]
-        if not faults:
-            return ckpt, read_manifest(ckpt)
-        for fault in faults:
-            event("checkpoint_skipped", checkpoint=str(ckpt), fault=fault)
-    return None, None
-
-
-def _verify(ckpt: Path, verified: set[Path]) -> list[str]:
-    if ckpt in verified:
-        return []
-    faults = verify_checkpoint(ckpt)
-    if not faults:
-        verified.add(ckpt)
-    return faults
+    point = store.restore_point()
+    for ckpt, fault in point.skipped:
+        event("checkpoint_skipped", checkpoint=str(ckpt), fault=fault)
+    return point.path, point.manifest
 
 
 def resume_point(run_dir: Path, given: Path) -> Path:
     """The checkpoint --resume-from names, checked before anything is written: one of this run's,
     whole (checksums), and so are the layer files it builds on."""
-    ckpt = Path(given).resolve()
     if not (run_dir / SCHEDULE_COPY).is_file():
         raise ScheduleError(f"--resume-from: {run_dir} holds no run to resume")
-    if ckpt.parent != checkpoints_dir(run_dir).resolve() or not is_checkpoint_dir(ckpt):
-        raise ScheduleError(f"--resume-from: expected a checkpoint of this run "
-                            f"({checkpoints_dir(run_dir)}/{STEP_DIR_SHAPE}), got {given}")
     try:
-        faults = [f for src in sorted({ckpt, *layer_sources(run_dir, ckpt).values()}) for f in verify_checkpoint(src)]
-    except CheckpointError as e:
-        faults = [str(e)]
-    if faults:
-        raise ScheduleError(f"--resume-from: {given} is not whole:\n  " + "\n  ".join(faults))
-    return checkpoints_dir(run_dir) / ckpt.name
+        return Checkpoints(run_dir).resume_point(given)
+    except InputError as e:
+        raise ScheduleError(f"--resume-from: {e}") from None
 
 
-def set_aside_after(run_dir: Path, chosen: Path, verified: set[Path], event: Callable[..., None]) -> None:
+def set_aside_after(store: Checkpoints, chosen: Path, event: Callable[..., None]) -> None:
     """--resume-from: the checkpoints after ``chosen`` move to checkpoints/.set-aside-<time>/, where
     readers and retention do not look and nothing deletes them."""
-    later = [c for c in list_checkpoints(run_dir) if step_of(c) > step_of(chosen)]
-    if not later and not (run_dir / final.FINAL).exists():
-        return
-    aside = checkpoints_dir(run_dir) / f".set-aside-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-    aside.mkdir(mode=0o750)
-    for ckpt in later:
-        os.replace(ckpt, aside / ckpt.name)
-    if (run_dir / final.FINAL).exists():  # made from the later checkpoints; the run writes it anew
-        os.replace(run_dir / final.FINAL, aside / final.FINAL)
-    fsync_path(checkpoints_dir(run_dir))
-    verified.add(chosen)
-    event("checkpoints_set_aside", resume_from=str(chosen), to=str(aside), checkpoints=[c.name for c in later])
+    aside = store.set_aside_after(chosen)
+    if aside is not None:
+        event("checkpoints_set_aside", resume_from=str(chosen), to=str(aside.folder), checkpoints=aside.checkpoints)

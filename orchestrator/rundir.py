@@ -14,9 +14,10 @@ from pathlib import Path
 from launch.contract import DATA_CACHE, PHASES, PhaseDir, RunDir
 
 from orchestrator.errors import RunLocked, ScheduleError
-from orchestrator.journal import JOURNAL
 from shard_tools.files import kind_of, write_atomic
-from shard_tools.manifest import CHECKPOINTS, FINAL, checkpoints_dir
+from shard_tools.history import JOURNAL
+from shard_tools.manifest import CHECKPOINTS, FINAL
+from shard_tools.store import Checkpoints
 
 SCHEDULE_COPY = "schedule.toml"
 LOCK = "orchestrator.lock"
@@ -138,7 +139,7 @@ def create_run_dir(rd: Path, schedule_text: str) -> None:
         raise ScheduleError(f"{rd}: cannot create the run directory: {e.strerror or e}") from None
     try:
         (tmp / SCHEDULE_COPY).write_text(schedule_text)
-        checkpoints_dir(tmp).mkdir()
+        Checkpoints(tmp).root.mkdir()
         (tmp / PHASES).mkdir()
         if rd.exists():
             # Only a lock file is there (the rest removed by hand, say): the folder is free

@@ -21,8 +21,7 @@ from orchestrator.groups import Group, PhaseProcesses, Work
 from orchestrator.errors import STOP_SIGNALS, PhaseFailed, Preempted, RelayerError
 from orchestrator.changes import check_same_schedule
 from orchestrator.commit import Committer
-from orchestrator.history import replay
-from orchestrator.journal import Journal, read_journal
+from orchestrator.journal import Journal
 from orchestrator.quiet import Pauser
 from orchestrator.resume import next_work, restore_point, resume_point, set_aside_after
 from orchestrator.retention import retain
@@ -31,7 +30,8 @@ from orchestrator.phasespec import phase_spec, plan_estimate
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.supervisor import Context, Observer, State, Supervisor
-from shard_tools.manifest import checkpoints_dir, remove_stray_temporaries, step_dir_name
+from shard_tools.history import read_journal, replay
+from shard_tools.store import Checkpoints
 
 
 
@@ -49,7 +49,7 @@ class Runner:
         self.stop_signal: int | None = None
         self.changed: list[str] = []
         """How the schedule given differs from the run's copy, where the change was accepted."""
-        self.verified: set[Path] = set()
+        self.checkpoints = Checkpoints(self.run_dir)
         self.live_pending: list[Group] = []
         estimate = plan_estimate(loaded, self.phases)  # the handovers' planned peaks
         self.groups = PhaseProcesses(self.run_dir, loaded.schedule.launch, self._event,
@@ -88,7 +88,7 @@ class Runner:
                 self._event("schedule_changed", differences=self.changed)
             adopt_data(self.loaded, staged)
             if chosen is not None:
-                set_aside_after(self.run_dir, chosen, self.verified, self._event)
+                set_aside_after(self.checkpoints, chosen, self._event)
             old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
             for s in STOP_SIGNALS:
                 signal.signal(s, self._on_signal)
@@ -142,7 +142,7 @@ class Runner:
             killed = procs.reap(files.path, None, grace=self.loaded.schedule.launch.grace_seconds)
             if killed:
                 self._event("killed", phase_dir=str(files.path), pids=killed)
-        for stray in remove_stray_temporaries(self.run_dir):  # once no process can still write them
+        for stray in self.checkpoints.remove_stray_temporaries():  # once no process can still write them
             self._event("stray_removed", path=str(stray))
         first = True
         pending: list[Group] = []  # pre-warmed groups of the next phases, in order
@@ -152,7 +152,7 @@ class Runner:
             if handing is not None:
                 work = self._successor_work(handing)
             else:
-                ckpt, manifest = restore_point(self.run_dir, self.verified, self._event)
+                ckpt, manifest = restore_point(self.checkpoints, self._event)
                 work = next_work(self.phases, ckpt, manifest)
                 if first:
                     self._event_start(fresh, manifest.global_step if manifest else 0, ckpt)
@@ -218,7 +218,7 @@ class Runner:
         checkpoint the finished one is about to commit."""
         done = handing.phase
         nxt = self._after(done)
-        end = checkpoints_dir(self.run_dir) / step_dir_name(done.end_step)
+        end = self.checkpoints.at(done.end_step)
         return None if nxt is None else Work(nxt, done.end_step, end)
 
     def _after(self, phase: Phase) -> Phase | None:
@@ -235,7 +235,7 @@ class Runner:
     def _release(self, handing: Supervisor, reason: str) -> Group:
         """A finished phase whose offer nobody takes: it writes its checkpoint, and is done."""
         handing.finish(reason)
-        self.verified.add(handing.group.end)
+        self.checkpoints.trust(handing.group.end)
         return handing.group
 
     def _final_model(self) -> None:
@@ -272,7 +272,7 @@ class Runner:
         finished.end = None
         self._event("device_after_phase", phase=ph.index, nvml=devmem.snapshot(finished.pids))
         protect = {g.preload for g in (current, *self.live_pending) if g is not None and g.preload}
-        retain(self.run_dir, self.loaded.schedule.checkpoint.keep_last, protect, self._event)
+        retain(self.checkpoints, self.loaded.schedule.checkpoint.keep_last, protect, self._event)
 
     def _take(self, pending: list[Group], work: Work, handing: Supervisor | None = None) -> Group:
         """The group to run ``work``: the first pre-warmed one when it was made for it, else a new one
@@ -319,13 +319,13 @@ class Runner:
         later = (lambda: self._prewarm_ahead(pending, group.work)) if ahead else None
 
         def predecessor_done(done: Group) -> None:
-            self.verified.add(done.end)
+            self.checkpoints.trust(done.end)
             self._after_switch(done, group)
 
         supervisor = Supervisor(self.supervision, group, pending, later, predecessor, predecessor_done)
         supervisor.run()
         if supervisor.state is not State.HANDING_OVER:
-            self.verified.add(group.end)
+            self.checkpoints.trust(group.end)
         return supervisor
 
 

@@ -42,7 +42,7 @@ from orchestrator.errors import PhaseFailed, Preempted
 from orchestrator.groups import Group, PhaseProcesses, log_tail
 from orchestrator.journal import JsonlTail
 from orchestrator.quiet import Pauser
-from shard_tools.manifest import checkpoints_dir, newest_valid, step_dir_name, verify_checkpoint
+from shard_tools.store import Checkpoints
 
 POLL_SECONDS = 0.02
 
@@ -324,8 +324,9 @@ class Supervisor:
             self.ctx.event("killed", phase=ph.index, pids=self.killed)
         group.pids = self.pids
         records = {**self._records(phase_dir), **getattr(proc, "times", {}), "t_gone": t_gone}
-        end = checkpoints_dir(self.run_dir) / step_dir_name(ph.end_step)
-        state = verdict(self.rc, lambda: not verify_checkpoint(end, checksums=False), self.ctx.stop_signal() is not None)
+        store = Checkpoints(self.run_dir)
+        end = store.at(ph.end_step)
+        state = verdict(self.rc, lambda: not store.faults(end, checksums=False), self.ctx.stop_signal() is not None)
         self._enter(state)
         if state is State.DONE:
             # Journaled by the runner once the next phase has its go and the checkpoint is durable.
@@ -337,7 +338,7 @@ class Supervisor:
 
     def _preempted(self) -> Preempted:
         ph, sig = self.phase, self.ctx.stop_signal()
-        kept, manifest, _ = newest_valid(self.run_dir, checksums=False)
+        kept, manifest, _ = Checkpoints(self.run_dir).newest_whole(checksums=False)
         step = manifest.global_step if manifest else 0
         self.ctx.event("preempted", phase=ph.index, step=step, signal=sig, rc=self.rc)
         return Preempted(f"preempted by signal {sig} in phase {ph.index}; kept: the checkpoint at "

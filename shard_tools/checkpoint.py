@@ -1,4 +1,5 @@
-"""Writing and reading checkpoint tensors (torch level).
+"""Writing and reading checkpoint tensors (torch level): a checkpoint's files, whatever they hold
+(``shard_tools.state`` says what a phase's checkpoint holds).
 
 Writes are atomic at two levels: each file is written under the checkpoint's temporary directory,
 the manifest (with sizes and sha256) is written last, and only then is the directory renamed to
@@ -24,13 +25,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from shard_tools import digest
-from shard_tools.files import describe, open_regular, regular_fault
-from shard_tools.inspect import read_header
-from shard_tools.manifest import (  # noqa: F401 - HEAD..STATE: the file names, for the writers
-    BODY_OPTIM, HEAD, LAYERS, MANIFEST, STATE, TMP_PREFIX, CheckpointError, FileEntry, Manifest, checkpoints_dir,
-    fsync_path, layer_sources, read_manifest, step_dir_name,
-)
-OPTIM_KEYS = ("master", "exp_avg", "exp_avg_sq")
+from shard_tools.errors import CheckpointError
+from shard_tools.files import TMP_PREFIX, describe, fsync_path, open_regular, regular_fault
+from shard_tools.header import read_header
+from shard_tools.manifest import MANIFEST, FileEntry, Manifest, checkpoints_dir, step_dir_name
 
 
 class Written(NamedTuple):
@@ -360,62 +358,3 @@ def file_metadata(path: Path) -> dict[str, str]:
             return f.metadata() or {}
     except Exception as e:  # safetensors raises its own SafetensorError for malformed headers
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
-
-
-def optim_state(ckpt: Path, file: str, mapped: bool = False, populate: bool = True,
-                ) -> dict[str, dict[str, torch.Tensor]]:
-    """{'master'|'exp_avg'|'exp_avg_sq': {param name: fp32 tensor}} of head or body_optim.
-
-    ``mapped``: views of the file's pages (``map_tensors``, which ``populate`` goes to), not copies.
-    """
-    tensors = map_tensors(ckpt / file, populate) if mapped else load_tensors(ckpt / file)
-    out: dict[str, dict[str, torch.Tensor]] = {k: {} for k in OPTIM_KEYS}
-    for key, t in tensors.items():
-        kind, _, name = key.partition("/")
-        if kind not in out:
-            raise CheckpointError(f"{ckpt / file}: unexpected tensor {key!r}")
-        out[kind][name] = t
-    return out
-
-
-def flatten_optim_state(state: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {f"{kind}/{name}": t for kind, by_name in state.items() for name, t in by_name.items()}
-
-
-def layer_weights(sources: dict[int, Path], mapped: bool = False) -> dict[str, torch.Tensor]:
-    """fp32 weights of the given layers, each from its source checkpoint's layers file.
-
-    ``mapped``: views of the files' pages (``map_tensors``), not copies: for a reader that copies
-    them on at once anyway (a phase putting them into its model: 176 MB a layer of a 1.1B model)."""
-    by_source: dict[Path, set[int]] = {}
-    for layer, src in sources.items():
-        by_source.setdefault(src, set()).add(layer)
-    weights: dict[str, torch.Tensor] = {}
-    for src, layers in by_source.items():
-        meta = file_metadata(src / LAYERS)
-        try:
-            held = {int(k) for k in meta.get("layers", "").split(",") if k}
-            prefix = meta["layers_prefix"] + "."
-        except (KeyError, ValueError):
-            raise CheckpointError(f"{src / LAYERS}: its metadata does not say which layers it holds "
-                                  f"(layers, layers_prefix)") from None
-        if layers - held:
-            raise CheckpointError(f"{src / LAYERS}: does not hold layers {sorted(layers - held)} its manifest lists")
-        for name, t in (map_tensors(src / LAYERS) if mapped else load_tensors(src / LAYERS)).items():
-            index = name[len(prefix):].split(".", 1)[0] if name.startswith(prefix) else ""
-            if not index.isdigit():
-                raise CheckpointError(f"{src / LAYERS}: tensor {name!r} is not under {prefix}<layer>")
-            if int(index) in layers:
-                weights[name] = t
-    return weights
-
-
-def run_weights(run_dir: Path, ckpt: Path) -> dict[str, torch.Tensor]:
-    """What a run's checkpoint changes over the base model: each layer's newest weights, then the head.
-
-    All fp32. The base model itself is not included (see ``shard_tools.model.build_base_model``).
-    """
-    read_manifest(ckpt)
-    weights = layer_weights(layer_sources(run_dir, ckpt))
-    weights.update(optim_state(ckpt, HEAD)["master"])
-    return weights

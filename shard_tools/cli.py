@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from shard_tools.manifest import CheckpointError, InputError
+from shard_tools.errors import CheckpointError, InputError
 
 
 class _Group(click.Group):
@@ -75,8 +75,6 @@ def inspect(path: Path, as_json: bool) -> None:
     from shard_tools.inspect import inspect_path, render
 
     report = inspect_path(path)
-    for warning in report.get("warnings", []):
-        click.echo(f"shard-tools: warning: {warning}", err=True)
     if as_json:
         _print_json(report)
     else:

@@ -18,9 +18,10 @@ from typing import Any, Callable
 
 import torch
 
-from shard_tools.checkpoint import run_weights
 from shard_tools.export import base_model, base_spec
-from shard_tools.manifest import MANIFEST, CheckpointError, Manifest
+from shard_tools.errors import CheckpointError
+from shard_tools.manifest import MANIFEST, Manifest
+from shard_tools.state import run_weights
 from shard_tools.verify import trusted_checkpoint
 
 

@@ -22,15 +22,15 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from shard_tools.checkpoint import run_weights
 from shard_tools.digest import folder_digests
-from shard_tools.files import read_regular, regular_fault
-from shard_tools.manifest import (
-    CHECKPOINTS, EXPORT_MARKER, FINAL, JOURNAL, MANIFEST, TMP_PREFIX, CheckpointError, InputError, Manifest,
-    list_checkpoints, path_kind, step_of,
-)
+from shard_tools.errors import CheckpointError, InputError
+from shard_tools.files import TMP_PREFIX, read_regular, regular_fault
+from shard_tools.history import JOURNAL
+from shard_tools.manifest import CHECKPOINTS, EXPORT_MARKER, FINAL, MANIFEST, Manifest, path_kind, step_of
 from shard_tools.model import DTYPES, ModelSpec, build_base_model
 from shard_tools.sizes import parse_size
+from shard_tools.state import run_weights
+from shard_tools.store import Checkpoints
 from shard_tools.tokenizer import TOKENIZER_FILES
 from shard_tools.verify import trusted_checkpoint
 
@@ -236,7 +236,7 @@ def guard(out: Path, dest: Path, keep: dict[Path, str], *, inside_runs: bool = T
 def _run_or_checkpoint(folder: Path) -> str | None:
     if (folder / MANIFEST).exists() or (step_of(folder) is not None and folder.parent.name == CHECKPOINTS):
         return "a checkpoint"
-    if (folder / JOURNAL).exists() or list_checkpoints(folder):
+    if (folder / JOURNAL).exists() or Checkpoints(folder).all():
         return "a run directory"
     return None
 

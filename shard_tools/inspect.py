@@ -1,8 +1,8 @@
 """``shard-tools inspect``: what a run or one checkpoint holds.
 
-Reads only the manifests and the safetensors headers, never torch, so it answers at once however
-big the run; a run's phases, as its journal records them, come from the control plane
-(``orchestrator report --json``, see ``run_history``):
+Reads only the manifests, the safetensors headers and the run's journal (replayed by
+``shard_tools.history``, as ``orchestrator report`` replays it), never torch, so it answers at
+once however big the run:
 
     shard-tools inspect runs/tiny            # phase table
     shard-tools inspect runs/tiny/checkpoints/step-00000030 --json
@@ -10,125 +10,21 @@ big the run; a run's phases, as its journal records them, come from the control 
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
-import os
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from shard_tools.files import describe, open_regular, regular_fault
+from shard_tools.errors import CheckpointError
+from shard_tools.files import regular_fault
+from shard_tools.header import tensor_headers
+from shard_tools.history import JOURNAL, read_history
+from shard_tools.manifest import BODY_OPTIM, HEAD, LAYERS, STATE, path_kind, read_manifest, step_of, verify_checkpoint
 from shard_tools.sizes import format_bytes
-from shard_tools.manifest import (
-    JOURNAL, CheckpointError, InputError, list_checkpoints, path_kind, read_manifest, step_of, stray_temporaries,
-    verify_checkpoint,
-)
+from shard_tools.store import Checkpoints
 
-# File name -> tensor group, in display order (names as shard_tools.checkpoint writes them).
-GROUPS = {"head.safetensors": "head", "layers.safetensors": "body", "body_optim.safetensors": "body_optim",
-          "state.safetensors": "state"}
-_MAX_HEADER = 100 << 20  # the safetensors library refuses larger headers too
-# The replay reads the journal once; even a run of 100,000 phases takes seconds, never minutes.
-REPLAY_TIMEOUT = 300
-
-
-def tensor_headers(path: Path) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """({tensor name: {dtype, shape, data_offsets}}, metadata) of a safetensors file, without torch.
-
-    Checked as the safetensors library checks before it reads: a known dtype, each tensor's byte
-    span equal to its shape times its dtype's size, the spans tiling the data exactly, the data
-    ending where the file does. A symbolic link is followed (a hub cache's snapshot is links); a
-    FIFO or a directory is refused, never waited on. CheckpointError naming the file otherwise.
-    """
-    try:
-        fd = open_regular(path)
-    except OSError as e:
-        raise CheckpointError(f"{path}: {describe(e)}") from None
-    try:
-        return read_header(fd, path)
-    finally:
-        os.close(fd)
-
-
-def read_header(fd: int, path: Path) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """``tensor_headers`` of a file already open (``path`` names it in messages)."""
-    try:
-        size = os.fstat(fd).st_size
-        if size < 8:
-            raise CheckpointError(f"{path}: not a readable safetensors file ({size} bytes, less than its header length)")
-        length = int.from_bytes(os.pread(fd, 8, 0), "little")
-        if length > min(_MAX_HEADER, size - 8):
-            raise CheckpointError(f"{path}: not a readable safetensors file (a header of {length} bytes "
-                                  f"announced, {size - 8} present)")
-        raw = os.pread(fd, length, 8)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
-    try:
-        header = json.loads(raw)
-    except (ValueError, RecursionError):  # ValueError: not JSON, or not UTF-8
-        raise CheckpointError(f"{path}: not a readable safetensors file (its header is not JSON)") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: not a readable safetensors file (its header is not a JSON object)")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CheckpointError(f"{path}: its __metadata__ is not an object of strings")
-    data = size - 8 - length
-    offset = 0
-    for name, entry in sorted(header.items(), key=lambda item: _start(item[1])):
-        fault = _entry_fault(entry)
-        if fault:
-            raise CheckpointError(f"{path}: tensor {name!r}: {fault}")
-        start, end = entry["data_offsets"]
-        if start != offset:
-            raise CheckpointError(f"{path}: tensor {name!r} starts at data byte {start}, the tensor before it "
-                                  f"ends at {offset} (a gap or an overlap)")
-        if end > data:
-            raise CheckpointError(f"{path}: truncated: tensor {name!r} ends at byte {8 + length + end}, "
-                                  f"the file has {size}")
-        offset = end
-    if offset != data:
-        raise CheckpointError(f"{path}: {data - offset} bytes after the last tensor's data")
-    return header, metadata
-
-
-# Bits per element of every dtype the safetensors format names.
-DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E5M2FNUZ": 8, "F8_E4M3FNUZ": 8,
-              "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
-              "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
-
-
-def _start(entry: Any) -> int:
-    """Sort key: a malformed entry first, so that it is the one reported."""
-    try:
-        start = entry["data_offsets"][0]
-        return start if isinstance(start, int) else -1
-    except (TypeError, KeyError, IndexError):
-        return -1
-
-
-def _entry_fault(entry: Any) -> str | None:
-    if not (isinstance(entry, dict) and entry.keys() == {"dtype", "shape", "data_offsets"}):
-        return "its header entry is not {dtype, shape, data_offsets}"
-    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-        return f"unknown dtype {dtype!r}"
-    if not (isinstance(shape, list) and all(_natural(d) for d in shape)):
-        return f"shape {shape!r} is not a list of integers >= 0"
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_natural(o) for o in offsets)
-            and offsets[0] <= offsets[1]):
-        return f"data_offsets {offsets!r} are not [start, end] with 0 <= start <= end"
-    bits = math.prod(shape) * DTYPE_BITS[dtype]
-    if bits % 8 or bits // 8 != offsets[1] - offsets[0]:
-        return (f"shape {shape} of {dtype} is {bits / 8:g} bytes, its data_offsets span "
-                f"{offsets[1] - offsets[0]}")
-    return None
-
-
-def _natural(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+# File name -> tensor group, in display order.
+GROUPS = {HEAD: "head", LAYERS: "body", BODY_OPTIM: "body_optim", STATE: "state"}
 
 
 def inspect_checkpoint(ckpt: Path) -> dict[str, Any]:
@@ -174,38 +70,11 @@ def _phase_row(index: int, **known: Any) -> dict[str, Any]:
             "resumed": False, **known}
 
 
-def run_history(run_dir: Path) -> tuple[dict[str, Any] | None, list[str]]:
-    """The run's phases as the control plane replays its journal (``orchestrator report --json``,
-    in a process of its own: this package reads no control-plane events and imports nothing of the
-    orchestrator), and warnings; (None, []) for a run without a journal.
-
-    Without the orchestrator installed, (None, [why]): the checkpoints still tell their phases.
-    """
-    journal = Path(run_dir) / JOURNAL
-    if not journal.exists():
-        return None, []
-    if importlib.util.find_spec("orchestrator") is None:
-        return None, [f"{journal}: not read: the phases' history needs relayer's orchestrator, which is not "
-                      f"installed here; showing what the checkpoints say"]
-    cmd = [sys.executable, "-m", "orchestrator", "report", "--json", "--", str(run_dir)]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=REPLAY_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        raise CheckpointError(f"{journal}: not replayed within {REPLAY_TIMEOUT} s") from None
-    if r.returncode != 0:
-        lines = r.stderr.strip().splitlines() or [f"exit code {r.returncode}"]
-        message = lines[-1].removeprefix("orchestrator: ")
-        raise (InputError if r.returncode == 2 else CheckpointError)(message)
-    try:
-        return json.loads(r.stdout), []
-    except ValueError:
-        raise CheckpointError(f"{journal}: the orchestrator's replay of it is not JSON: {r.stdout[:100]!r}") from None
-
-
 def inspect_run(run_dir: Path) -> dict[str, Any]:
-    history, warnings = run_history(run_dir)
-    phases = {p["index"]: {**p, "records": _records(p["records"])} for p in (history or {}).get("phases", [])}
-    checkpoints = [_checkpoint_summary(c) for c in list_checkpoints(run_dir)]
+    history = read_history(run_dir) if (Path(run_dir) / JOURNAL).exists() else None
+    phases = {p.index: {**asdict(p), "records": _records(p.records)} for p in (history.phases if history else [])}
+    store = Checkpoints(run_dir)
+    checkpoints = [_checkpoint_summary(c) for c in store.all()]
     for c in checkpoints:
         if c["phase"] is not None and c["phase"] not in phases:
             # Journal lost or cut short: the manifests still say which phase wrote what.
@@ -213,10 +82,9 @@ def inspect_run(run_dir: Path) -> dict[str, Any]:
     ordered = [phases[i] for i in sorted(phases)]
     for p in ordered:
         p["checkpoints"] = [c for c in checkpoints if c["phase"] == p["index"]]
-    return {"kind": "run", "path": str(run_dir), "events": history["events"] if history else 0,
-            "last_event": history["last_event"] if history else None, "phases": ordered,
-            "checkpoints": checkpoints, "stray_temporaries": [str(p) for p in stray_temporaries(run_dir)],
-            "warnings": warnings}
+    return {"kind": "run", "path": str(run_dir), "events": history.events if history else 0,
+            "last_event": history.last_event if history else None, "phases": ordered,
+            "checkpoints": checkpoints, "stray_temporaries": [str(p) for p in store.stray_temporaries()]}
 
 
 def inspect_path(path: Path) -> dict[str, Any]:

@@ -1,7 +1,9 @@
-"""Checkpoint manifests and the run directory's layout, at the manifest level: no torch here.
+"""One checkpoint's manifest and the names of its files, at the manifest level: no torch here.
 
 A checkpoint is the directory ``checkpoints/step-NNNNNNNN``; it counts only when its
-``manifest.json`` is present and every file it lists has the recorded size and sha256.
+``manifest.json`` is present and every file it lists has the recorded size and sha256. A run's
+checkpoints together are ``shard_tools.store.Checkpoints``; what a phase's files hold,
+``shard_tools.state``.
 """
 
 from __future__ import annotations
@@ -11,18 +13,19 @@ import json
 import math
 import os
 import re
-import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from shard_tools.digest import digest_fd
-from shard_tools.files import TMP_PREFIX, describe, fsync_path, open_regular, read_regular
+from shard_tools.errors import CheckpointError, InputError
+from shard_tools.files import describe, fsync_path, open_regular, read_regular
+from shard_tools.header import read_header
+from shard_tools.history import JOURNAL
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
-JOURNAL = "journal.jsonl"
 FINAL = "final"
 """RUN_DIR/final: the finished run's model, the one export that lives inside its run."""
 EXPORT_MARKER = "relayer.json"
@@ -41,10 +44,6 @@ def files_needed(phase_complete: bool) -> tuple[str, ...]:
     """What every checkpoint's manifest lists: the head, its phase's layers (even none) and the
     run state; mid-phase also the body's optimizer state."""
     return (HEAD, LAYERS, STATE) if phase_complete else (HEAD, LAYERS, BODY_OPTIM, STATE)
-
-
-class CheckpointError(Exception):
-    """A checkpoint is missing, incomplete or damaged; the message names the file."""
 
 
 @dataclass
@@ -190,7 +189,7 @@ def verify_checkpoint(ckpt: Path, *, checksums: bool = True) -> list[str]:
 
     Only regular files count, opened without following a symbolic link and without blocking on
     a FIFO: a checksum vouches for the checkpoint's own bytes, and verifying never hangs. With
-    ``checksums``, each safetensors header is checked too (``shard_tools.inspect.tensor_headers``).
+    ``checksums``, each safetensors header is checked too (``shard_tools.header``).
     """
     if step_of(ckpt) is not None and ckpt.is_symlink():
         # Not the run's own bytes: retention could not remove it, and it could change under the run.
@@ -215,8 +214,6 @@ def verify_checkpoint(ckpt: Path, *, checksums: bool = True) -> list[str]:
                 faults.append(f"{f}: checksum mismatch (sha256 differs from the manifest)")
             elif checksums and name.endswith(".safetensors"):
                 # A manifest that vouches for a malformed file (a writer's bug) must not make it whole.
-                from shard_tools.inspect import read_header  # inspect reads manifests itself
-
                 read_header(fd, f)
         except CheckpointError as e:
             faults.append(str(e))
@@ -227,97 +224,6 @@ def verify_checkpoint(ckpt: Path, *, checksums: bool = True) -> list[str]:
     return faults
 
 
-def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / CHECKPOINTS
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Checkpoint directories of a run, oldest first, whether valid or not (temporaries excluded)."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if is_checkpoint_dir(p)), key=lambda p: step_of(p) or 0)
-
-
-def stray_temporaries(run_dir: Path) -> list[Path]:
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.name.startswith(TMP_PREFIX))
-
-
-def remove_stray_temporaries(run_dir: Path) -> list[Path]:
-    """Removes what a killed writer left behind; returns what it removed."""
-    gone = stray_temporaries(run_dir)
-    for p in gone:
-        _remove(p)
-    return gone
-
-
-def remove_temporaries_of(run_dir: Path, pids: set[int]) -> list[Path]:
-    """Removes the temporaries (``.tmp-<what>.<pid>[.<n>]``) of processes that are gone."""
-    gone = [p for p in stray_temporaries(run_dir) if _pid_of(p.name) in pids]
-    for p in gone:
-        _remove(p)
-    return gone
-
-
-def _remove(path: Path) -> None:
-    # A symbolic link to a directory goes as a link: what it points to is not the run's to delete.
-    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
-
-
-def _pid_of(name: str) -> int | None:
-    parts = name[len(TMP_PREFIX):].split(".")
-    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
-
-
-def valid_checkpoints(run_dir: Path, *, checksums: bool = True) -> Iterator[tuple[Path, Manifest | None, list[str]]]:
-    """(path, manifest or None, faults) for every checkpoint, newest first."""
-    for ckpt in reversed(list_checkpoints(run_dir)):
-        faults = verify_checkpoint(ckpt, checksums=checksums)
-        yield ckpt, (None if faults else read_manifest(ckpt)), faults
-
-
-def newest_valid(run_dir: Path, *, checksums: bool = True) -> tuple[Path | None, Manifest | None, list[str]]:
-    """The newest whole checkpoint and the faults of every newer one that was skipped."""
-    skipped: list[str] = []
-    for ckpt, manifest, faults in valid_checkpoints(run_dir, checksums=checksums):
-        if manifest is not None:
-            return ckpt, manifest, skipped
-        skipped.extend(faults)
-    return None, None, skipped
-
-
-def layer_sources(run_dir: Path, upto: Path) -> dict[int, Path]:
-    """For each body layer, the newest checkpoint at or before ``upto`` whose layers file holds it.
-
-    Judged by manifests alone, damaged checkpoints included: skipping a damaged source would
-    silently compose an older layer (or the base) instead. Callers verify the sources they get;
-    an unreadable manifest at or before ``upto`` raises, since it may have held a layer.
-    """
-    limit = step_of(upto)
-    assert limit is not None, upto
-    sources: dict[int, Path] = {}
-    for ckpt in list_checkpoints(run_dir):
-        if (step_of(ckpt) or 0) > limit:
-            continue
-        try:
-            m = read_manifest(ckpt)
-        except CheckpointError as e:
-            raise CheckpointError(f"{e}; {upto.name} may compose layers from it") from None
-        sources.update(dict.fromkeys(m.layers, ckpt))
-    return sources
-
-
-def needed_by(run_dir: Path, kept: list[Path]) -> set[Path]:
-    """Checkpoints that the kept ones need: themselves and every layer source they compose from."""
-    need = set(kept)
-    for ckpt in kept:
-        need.update(layer_sources(run_dir, ckpt).values())
-    return need
-
-
 def make_durable(ckpt: Path) -> None:
     """fsyncs a checkpoint written with ``durable=False``: its files, its directory, its parent."""
     for f in ckpt.iterdir():
@@ -326,8 +232,8 @@ def make_durable(ckpt: Path) -> None:
     fsync_path(ckpt.parent)
 
 
-class InputError(Exception):
-    """A command was given a path or value it does not take; the message names it and says what is expected."""
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
 
 
 def path_kind(path: Path) -> str:

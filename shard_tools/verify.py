@@ -13,11 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from shard_tools.manifest import (
-    CHECKPOINTS, STEP_DIR_SHAPE, CheckpointError, InputError, Manifest, layer_sources, list_checkpoints, newest_valid,
-    path_kind, read_manifest,
-    step_of, stray_temporaries, verify_checkpoint,
-)
+from shard_tools.errors import CheckpointError, InputError
+from shard_tools.manifest import CHECKPOINTS, STEP_DIR_SHAPE, Manifest, path_kind, read_manifest, step_of, verify_checkpoint
+from shard_tools.store import Checkpoints
 
 
 @dataclass
@@ -31,7 +29,7 @@ class Report:
 def verify_path(path: Path) -> Report:
     path = Path(path)
     is_run = path_kind(path) == "run"
-    checkpoints = list_checkpoints(path) if is_run else [path]
+    checkpoints = Checkpoints(path).all() if is_run else [path]
     report = Report(checkpoints, [], 0, 0)
     for ckpt in checkpoints:
         faults = verify_checkpoint(ckpt)
@@ -42,7 +40,7 @@ def verify_path(path: Path) -> Report:
             report.bytes += sum(sizes)
     if is_run:
         report.faults += [f"{p}: stray temporary left by an interrupted writer (the orchestrator removes it on its "
-                          f"next run)" for p in stray_temporaries(path)]
+                          f"next run)" for p in Checkpoints(path).stray_temporaries()]
     return report
 
 
@@ -57,7 +55,7 @@ def trusted_checkpoint(path: Path, warn: Callable[[str], None] | None = None) ->
     path = Path(path)
     if path_kind(path) == "run":
         run_dir = path
-        ckpt, manifest, skipped = newest_valid(run_dir)
+        ckpt, manifest, skipped = Checkpoints(run_dir).newest_whole()
         if ckpt is None:
             raise CheckpointError(f"{run_dir}: no whole checkpoint" + "".join(f"\n  {f}" for f in skipped))
         if skipped and warn is not None:
@@ -73,7 +71,8 @@ def trusted_checkpoint(path: Path, warn: Callable[[str], None] | None = None) ->
         if faults:
             raise CheckpointError("\n".join(faults))
         manifest = read_manifest(ckpt)
-    faults = [f for src in sorted(set(layer_sources(run_dir, ckpt).values()) - {ckpt}) for f in verify_checkpoint(src)]
+    sources = Checkpoints(run_dir).layer_sources(ckpt)
+    faults = [f for src in sorted(set(sources.values()) - {ckpt}) for f in verify_checkpoint(src)]
     if faults:
         raise CheckpointError(f"{ckpt}: composes its layers from damaged checkpoints:\n  " + "\n  ".join(faults))
     return run_dir, ckpt, manifest

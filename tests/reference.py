@@ -111,11 +111,11 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 def composed(model_dir: Path, run_dir: Path, ckpt: Path | None = None) -> dict[str, torch.Tensor]:
     """A run's weights as the contract defines them: the base model, then each layer's newest
     trained weights, then the head, as of ``ckpt`` (default: the newest valid checkpoint)."""
-    from shard_tools.checkpoint import run_weights
-    from shard_tools.manifest import newest_valid
+    from shard_tools.state import run_weights
+    from shard_tools.store import Checkpoints
 
     if ckpt is None:
-        ckpt, _, _ = newest_valid(run_dir)
+        ckpt, _, _ = Checkpoints(run_dir).newest_whole()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     weights.update(run_weights(run_dir, ckpt))

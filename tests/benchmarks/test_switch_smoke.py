@@ -96,3 +96,23 @@ def test_tiny_benchmark_on_two_processes_runs_relayer_alone(tmp_path: Path):
     assert [n.split(" ")[1] for n in result["notes"]] == ["b", "c"]
     check_relayer(result)
     assert len(result["ways"]["relayer"]["steps"]) == sum(p["steps"] for p in result["shape"]["phases"])
+
+
+def test_tiny_handover_records_each_switch_piece_by_piece(tmp_path: Path):
+    """Through the host transport (``handover = "on"``): every switch cut at its go and the
+    successor's read of it, the manifests as they came, the page cache and relayer's plan."""
+    result = switch(tmp_path, "--ways", "a", "--handover", "on", "--layers", "lisa", "--phases", "3")
+    w = result["ways"]["relayer"]
+    gaps = w["switch_gaps"]
+    assert [(g["from"], g["to"]) for g in gaps] == [(0, 1), (1, 2)]
+    for g in gaps:
+        # The journal's time is taken just after the go is written: the successor may read it first.
+        assert g["t_last_step_end"] <= g["t_offered"] <= g["t_go"] <= g["t_go_read"] + 0.05
+        assert g["t_go_read"] <= g["t_taken"]
+        assert set(g["gaps"]) == {"last_step_to_offer", "offer_to_go", "go_to_read", "read_to_taken", "offer_to_taken"}
+        assert isinstance(g["causes"], list) and isinstance(g["orchestrator_offer_to_go"], dict)
+    ends = sorted(m["global_step"] for m in w["manifests"].values() if m["phase_complete"])
+    steps = result["shape"]["phases"][0]["steps"]
+    assert ends == [steps * (k + 1) for k in range(3)]
+    assert w["meminfo_trace"] and "hands over" in w["plan_text"]
+    assert "| 0 -> 1 |" in (tmp_path / "tiny" / "table.md").read_text().split("piece by piece")[1]

@@ -10,8 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from shard_tools.checkpoint import HEAD, load_tensors
-from shard_tools.manifest import list_checkpoints, read_manifest
+from shard_tools.checkpoint import load_tensors
+from shard_tools.manifest import HEAD
+from shard_tools.manifest import read_manifest
+from shard_tools.store import Checkpoints
 from tests.conftest import cli, schedule_dict, write_schedule
 from tests.reference import composed, max_abs_diff, reference_run
 
@@ -24,7 +26,7 @@ def test_bf16_run_keeps_fp32_masters_and_tracks_fp32(tmp_path, tiny_model, tiny_
     r = cli("orchestrator", "run", str(write_schedule(tmp_path / "s.toml", s)))
     assert r.returncode == 0, r.stderr
     run = tmp_path / "run"
-    last = list_checkpoints(run)[-1]
+    last = Checkpoints(run).all()[-1]
     assert read_manifest(last).dtype == "bfloat16"
     assert {t.dtype for t in load_tensors(last / HEAD).values()} == {torch.float32}
     reference = reference_run(tiny_model, tiny_data, [(10, [0]), (10, [1]), (10, [0])])

@@ -17,7 +17,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from shard_tools.manifest import list_checkpoints, newest_valid, read_manifest
+from shard_tools.manifest import read_manifest
+from shard_tools.store import Checkpoints
 from tests.conftest import cli, schedule_dict, write_schedule
 from tests.reference import composed, max_abs_diff, reference_run
 
@@ -50,7 +51,7 @@ def test_one_process_matches_reference(tiny_run, tiny_model, reference):
 
 
 def test_step_counters_and_layer_history(tiny_run, tiny_model):
-    ckpts = {read_manifest(c).global_step: c for c in list_checkpoints(tiny_run)}
+    ckpts = {read_manifest(c).global_step: c for c in Checkpoints(tiny_run).all()}
     assert sorted(ckpts) == [10, 20, 30]
     last = read_manifest(ckpts[30])
     assert (last.head_step, last.body_step, last.phase, last.layers) == (30, 10, 2, [0])
@@ -100,7 +101,7 @@ def test_two_processes_match_reference(tmp_path, tiny_model, tiny_data, referenc
     r = cli("orchestrator", "run", str(sched))
     assert r.returncode == 0, r.stderr
     run = tmp_path / "run"
-    assert read_manifest(newest_valid(run)[0]).world_size == 2
+    assert read_manifest(Checkpoints(run).newest_whole()[0]).world_size == 2
     forked = any(json.loads(x)["event"] == "zygote_started" for x in (run / "journal.jsonl").read_text().splitlines())
     assert forked == (launcher == "local")
     assert max_abs_diff(reference, composed(tiny_model, run)) <= TOL

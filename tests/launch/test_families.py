@@ -21,9 +21,10 @@ from transformers import (
     AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config,
 )
 
-from shard_tools.checkpoint import HEAD, LAYERS, run_weights
-from shard_tools.manifest import list_checkpoints, read_manifest
+from shard_tools.manifest import HEAD, LAYERS, read_manifest
 from shard_tools.model import detect_parts, head_param_names
+from shard_tools.state import run_weights
+from shard_tools.store import Checkpoints
 from tests.conftest import SEQ, VOCAB, cli, schedule_dict, write_schedule
 
 pytestmark = pytest.mark.multiprocess
@@ -148,7 +149,7 @@ def test_preempted_run_resumes_and_exports(trained, family):
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert sorted(set(steps)) == list(range(1, TOTAL + 1))
 
-    ckpts = {read_manifest(c).global_step: c for c in list_checkpoints(run)}
+    ckpts = {read_manifest(c).global_step: c for c in Checkpoints(run).all()}
     last = read_manifest(ckpts[TOTAL])
     assert last.phase_complete and last.head_step == TOTAL
     assert last.extra["persistent"] == head and last.extra["layers_attr"] == layer_list
@@ -184,7 +185,7 @@ def test_export_keeps_the_embedding_tie(trained, family):
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     params = dict(exported.named_parameters(remove_duplicate=False))
     assert params[lm_head] is params[embed]
-    trained_embed = run_weights(run, list_checkpoints(run)[-1])[embed]
+    trained_embed = run_weights(run, Checkpoints(run).all()[-1])[embed]
     assert torch.equal(params[embed], trained_embed)
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert lm_head not in f.keys()

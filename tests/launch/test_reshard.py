@@ -21,7 +21,8 @@ import psutil
 import pytest
 import torch
 
-from shard_tools.manifest import list_checkpoints, read_manifest
+from shard_tools.manifest import read_manifest
+from shard_tools.store import Checkpoints
 from tests.conftest import cli, schedule_dict, write_schedule
 from tests.reference import composed, max_abs_diff, reference_run
 
@@ -41,7 +42,7 @@ def reference(tiny_model, tiny_data) -> dict[str, torch.Tensor]:
 
 
 def manifests(run: Path) -> dict[int, object]:
-    return {m.global_step: m for m in map(read_manifest, list_checkpoints(run))}
+    return {m.global_step: m for m in map(read_manifest, Checkpoints(run).all())}
 
 
 def events(run: Path) -> list[dict]:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from orchestrator.history import replay
+from shard_tools.history import replay
 from tests.conftest import cli
 from tests.orchestrator.test_preemption import events, metrics_steps, schedule, start, wait_for
 
@@ -71,3 +71,22 @@ def test_inspect_and_report_agree_on_a_preempted_run(tmp_path, tiny_model, tiny_
         assert p["resumed"] == (p["index"] == after), inspect
     table = cli("shard-tools", "inspect", str(run))
     assert table.returncode == 0 and "resumed" in table.stdout, table.stdout
+
+
+def test_journal_fsyncs_what_a_replay_reads_and_not_the_switch_s_notes(tmp_path, monkeypatch):
+    """A note written during a switch (a pause, a pre-warm) is not fsynced: that fsync waited behind
+    a multi-GB checkpoint's on the GPU; every event a replay reads still is."""
+    import os
+
+    from orchestrator.journal import UNSYNCED, Journal
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    j = Journal(tmp_path)
+    for event in sorted(UNSYNCED):
+        j.write(event, phase=1)
+    assert synced == []
+    j.write("phase_done", phase=1, step=2)
+    assert len(synced) == 1
+    lines = j.path.read_text().splitlines()
+    assert [json.loads(line)["event"] for line in lines] == [*sorted(UNSYNCED), "phase_done"]

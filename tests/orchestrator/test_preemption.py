@@ -20,7 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from shard_tools.manifest import list_checkpoints, read_manifest, verify_checkpoint
+from shard_tools.manifest import read_manifest, verify_checkpoint
+from shard_tools.store import Checkpoints
 from tests.conftest import cli, faults_env, schedule_dict, write_schedule
 from tests.reference import bitwise_equal, composed, max_abs_diff
 
@@ -193,7 +194,7 @@ def test_two_processes_preempt_and_resume(tmp_path, tiny_model, tiny_data):
 def truncated_copy(src: Path, dst: Path, keep_upto: int) -> Path:
     """A copy of a run as it was at step ``keep_upto``: later checkpoints removed."""
     shutil.copytree(src, dst)
-    for ckpt in list_checkpoints(dst):
+    for ckpt in Checkpoints(dst).all():
         if read_manifest(ckpt).global_step > keep_upto:
             shutil.rmtree(ckpt)
     return dst
@@ -249,8 +250,8 @@ def test_disk_full_keeps_previous_checkpoint(tmp_path, uninterrupted):
                        text=True, preexec_fn=limit, timeout=300)
     assert r.returncode == 1, r.stderr
     assert "could not write the checkpoint" in r.stderr and "earlier checkpoints are intact" in r.stderr
-    assert [read_manifest(c).global_step for c in list_checkpoints(run)] == [3, 6, 9, 10]
-    assert all(not verify_checkpoint(c) for c in list_checkpoints(run))
+    assert [read_manifest(c).global_step for c in Checkpoints(run).all()] == [3, 6, 9, 10]
+    assert all(not verify_checkpoint(c) for c in Checkpoints(run).all())
     assert not list((run / "checkpoints").glob(".tmp-*"))
 
 
@@ -279,7 +280,7 @@ def test_changed_schedule_is_refused_unless_it_only_changes_the_future(tmp_path,
     longer = schedule(tmp_path, tiny_model, tiny_data, "longer.toml", schedule={"phases": phases})
     r = cli("orchestrator", "run", str(longer), "--output-dir", str(run))
     assert r.returncode == 0, r.stderr
-    assert read_manifest(list_checkpoints(run)[-1]).global_step == 34
+    assert read_manifest(Checkpoints(run).all()[-1]).global_step == 34
 
 
 def test_retention_keeps_what_kept_checkpoints_need(tmp_path, tiny_model, tiny_data, final):
@@ -288,7 +289,7 @@ def test_retention_keeps_what_kept_checkpoints_need(tmp_path, tiny_model, tiny_d
     assert r.returncode == 0, r.stderr
     run = tmp_path / "run"
     # The last two, and step 20: the newest weights of layer 1, which step 30's model is made of.
-    assert [read_manifest(c).global_step for c in list_checkpoints(run)] == [20, 27, 30]
+    assert [read_manifest(c).global_step for c in Checkpoints(run).all()] == [20, 27, 30]
     assert bitwise_equal(composed(tiny_model, run), final)
     r = cli("orchestrator", "status", str(run))
     assert r.returncode == 0 and "done" in r.stdout

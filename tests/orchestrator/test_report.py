@@ -114,7 +114,7 @@ def test_phases_an_orchestrator_never_journaled_done_are_recovered_at_the_resume
     """The journal as an orchestrator SIGKILLed after phase 1's checkpoint was committed, but before
     it journaled that (``orchestrator.commit``), leaves it: running again journals phases 1 and 2
     done, since the restore point (step 30) is past their ends."""
-    from orchestrator.history import read_history
+    from shard_tools.history import read_history
     from tests.conftest import cli, schedule_dict, write_schedule
 
     journal = run_copy / "journal.jsonl"

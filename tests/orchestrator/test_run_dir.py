@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from orchestrator.cli import main
 from orchestrator.errors import RunLocked
-from orchestrator.journal import JsonlTail, read_journal
+from orchestrator.journal import JsonlTail
+from shard_tools.history import read_journal
 from orchestrator.rundir import LOCK, RunLock
 from orchestrator.runner import Runner
 from orchestrator.validate import load_schedule

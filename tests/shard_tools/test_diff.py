@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from shard_tools.checkpoint import run_weights
+from shard_tools.state import run_weights
 from shard_tools.diff import diff_paths
 from tests.conftest import make_llama
 from tests.shard_tools.conftest import ckpt, invoke, rewrite_manifests

@@ -12,9 +12,9 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from shard_tools.checkpoint import run_weights
+from shard_tools.state import run_weights
 from shard_tools.export import COPIED_FILES, export
-from shard_tools.inspect import tensor_headers
+from shard_tools.header import tensor_headers
 from tests.conftest import VOCAB, cli, make_llama, schedule_dict, write_schedule
 from tests.shard_tools.conftest import assert_fails, ckpt, flip_byte, invoke, rewrite_manifests
 

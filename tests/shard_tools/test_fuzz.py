@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from shard_tools.digest import digest_fd
-from shard_tools.manifest import (
-    MANIFEST, CheckpointError, layer_sources, list_checkpoints, newest_valid, verify_checkpoint,
-)
+from shard_tools.errors import CheckpointError
+from shard_tools.manifest import MANIFEST, verify_checkpoint
+from shard_tools.store import Checkpoints
 from tests.conftest import cli
 from tests.shard_tools.conftest import invoke
 
@@ -195,7 +195,7 @@ def test_damaged_checkpoint(seed, tiny_run, tmp_path):
     shutil.copy2(tiny_run / "journal.jsonl", run / "journal.jsonl")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    checkpoints = list_checkpoints(run)
+    checkpoints = Checkpoints(run).all()
     target = rng.choice(checkpoints)
     what = f"seed {seed}: {target.name}: {damage(rng, target, elsewhere)}"
     before = _snapshot(run)
@@ -217,11 +217,11 @@ def test_damaged_checkpoint(seed, tiny_run, tmp_path):
 
     faults = {c: verify_checkpoint(c) for c in checkpoints}
     assert all(not f for c, f in faults.items() if c != target), (what, faults)
-    newest, manifest, skipped = newest_valid(run)
+    newest, manifest, skipped = Checkpoints(run).newest_whole()
     assert newest == max(c for c in checkpoints if not faults[c]), (what, newest, skipped)
     for c in checkpoints:
         try:
-            layer_sources(run, c)
+            Checkpoints(run).layer_sources(c)
         except CheckpointError:
             pass
     if faults[target]:

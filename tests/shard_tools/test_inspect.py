@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from orchestrator.journal import read_journal
+from shard_tools.history import read_journal
 from shard_tools.checkpoint import write_checkpoint
 from shard_tools.manifest import Manifest, read_manifest
 from tests.conftest import ROOT, cli
@@ -85,7 +85,7 @@ def test_inspect_and_verify_do_not_import_torch(tiny_run):
 
 
 def test_shard_tools_imports_nothing_of_the_control_plane():
-    # The format package is the lower layer: inspect gets a run's phases from a process, not an import.
+    # The format package is the lower layer: the journal's replay lives in it, for inspect and report alike.
     for path in sorted((ROOT / "shard_tools").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import | ast.ImportFrom):
@@ -93,19 +93,25 @@ def test_shard_tools_imports_nothing_of_the_control_plane():
                 assert not {n.split(".")[0] for n in names} & {"orchestrator", "launch"}, (path.name, names)
 
 
-def test_without_the_orchestrator_inspect_shows_the_checkpoints(tiny_run):
-    code = ("import sys\n"
+def test_without_the_orchestrator_inspect_shows_the_phase_table(tiny_run):
+    """Where only the format package is installed, and no process may be started: the same phases,
+    statuses and switch overheads as with the control plane (the journal is replayed here)."""
+    code = ("import json, subprocess, sys\n"
             "sys.modules['orchestrator'] = None  # as where only the format package is installed\n"
+            "def refused(*a, **k):\n"
+            "    raise AssertionError(f'inspect started a process: {a}')\n"
+            "subprocess.Popen = subprocess.run = refused\n"
             "from shard_tools.cli import main\n"
             f"main(['inspect', {str(tiny_run)!r}, '--json'])\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stderr == (f"shard-tools: warning: {tiny_run / 'journal.jsonl'}: not read: the phases' history needs "
-                        f"relayer's orchestrator, which is not installed here; showing what the checkpoints say\n")
+    assert r.stderr == ""
     report = json.loads(r.stdout)
     assert [(p["index"], p["end_step"], p["layers"], p["status"]) for p in report["phases"]] == [
-        (0, 10, [0], "unknown"), (1, 20, [1], "unknown"), (2, 30, [0], "unknown")]
-    assert (report["events"], report["last_event"]) == (0, None)
+        (0, 10, [0], "done"), (1, 20, [1], "done"), (2, 30, [0], "done")]
+    assert report["phases"] == json.loads(invoke("inspect", tiny_run, "--json").stdout)["phases"]
+    assert report["last_event"] == "run_done" and report["events"] == len(read_journal(tiny_run))
+    assert [p["switch_seconds"] is None for p in report["phases"]] == [True, False, False]
 
 
 def _fake_run(root: Path, phases: int) -> Path:

@@ -10,8 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shard_tools.checkpoint import HEAD, LAYERS, STATE, PreparedFiles, load_tensors, map_tensors, write_checkpoint
-from shard_tools.manifest import CheckpointError, Manifest, list_checkpoints, verify_checkpoint
+from shard_tools.checkpoint import PreparedFiles, load_tensors, map_tensors, write_checkpoint
+from shard_tools.manifest import HEAD, LAYERS, STATE
+from shard_tools.errors import CheckpointError
+from shard_tools.manifest import Manifest, verify_checkpoint
+from shard_tools.store import Checkpoints
 
 
 def manifest(step: int) -> Manifest:
@@ -75,7 +78,7 @@ def test_prepared_that_does_not_fit_is_discarded(tmp_path):
     path = write_checkpoint(tmp_path, manifest(4), files, META, prepared=prepared).path
     assert not prepared.dir.exists()
     assert torch.equal(load_file(path / HEAD)["master/norm"], torch.zeros(71))
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000004"]
+    assert [p.name for p in Checkpoints(tmp_path).all()] == ["step-00000004"]
 
 
 def test_prepare_on_a_full_disk_is_an_error_not_a_crash(tmp_path):
@@ -85,7 +88,7 @@ import resource, sys, torch
 sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parents[2])!r})
 resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
 from shard_tools.checkpoint import PreparedFiles
-from shard_tools.manifest import CheckpointError
+from shard_tools.errors import CheckpointError
 try:
     PreparedFiles(__import__('pathlib').Path({str(tmp_path)!r}), {{"head.safetensors": {{"x": (torch.float32, (300, 200))}}}})
 except CheckpointError as e:

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from shard_tools.inspect import tensor_headers
-from shard_tools.manifest import CheckpointError, MANIFEST, newest_valid, remove_stray_temporaries
+from shard_tools.header import tensor_headers
+from shard_tools.errors import CheckpointError
+from shard_tools.manifest import MANIFEST
+from shard_tools.store import Checkpoints
 from tests.conftest import cli
 from tests.shard_tools.conftest import assert_fails, ckpt, invoke
 
@@ -40,7 +42,7 @@ def test_manifest_field_of_the_wrong_type(field, command, run_copy, tmp_path):
     _edit(target / MANIFEST, lambda m: m.update({field: WRONG[field]}))
     args = ["export", target, "--out", tmp_path / "out"] if command == "export" else [command, target]
     assert_fails(invoke(*args), 1, target / MANIFEST, field)
-    found, _, skipped = newest_valid(run_copy)
+    found, _, skipped = Checkpoints(run_copy).newest_whole()
     assert found == ckpt(run_copy, 20) and field in skipped[0]
 
 
@@ -70,7 +72,7 @@ def test_a_symlinked_file_is_not_followed(run_copy, tmp_path):
     head.symlink_to(tmp_path / "head.safetensors")
     assert_fails(invoke("verify", run_copy), 1, head, "a symbolic link, not a file")
     assert_fails(invoke("inspect", ckpt(run_copy, 30)), 1, head, "a symbolic link, not a file")
-    assert newest_valid(run_copy)[0] == ckpt(run_copy, 20)
+    assert Checkpoints(run_copy).newest_whole()[0] == ckpt(run_copy, 20)
 
 
 @pytest.mark.parametrize("what", ["manifest", "head"])
@@ -89,7 +91,7 @@ def test_a_symlink_loop_in_a_checkpoint_is_skipped(run_copy):
     head = ckpt(run_copy, 30) / "head.safetensors"
     head.unlink()
     head.symlink_to(head)
-    assert newest_valid(run_copy)[0] == ckpt(run_copy, 20)
+    assert Checkpoints(run_copy).newest_whole()[0] == ckpt(run_copy, 20)
     assert_fails(invoke("verify", run_copy), 1, head, "a symbolic link, not a file")
 
 
@@ -107,7 +109,7 @@ def test_stray_temporary_that_is_a_link_goes_as_a_link(run_copy, tmp_path):
     elsewhere.mkdir()
     (elsewhere / "precious").write_text("keep\n")
     (run_copy / "checkpoints" / ".tmp-step-00000040.999999").symlink_to(elsewhere)
-    assert len(remove_stray_temporaries(run_copy)) == 1
+    assert len(Checkpoints(run_copy).remove_stray_temporaries()) == 1
     assert (elsewhere / "precious").read_text() == "keep\n"
     assert not list((run_copy / "checkpoints").glob(".tmp-*"))
 

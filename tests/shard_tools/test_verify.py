@@ -42,14 +42,14 @@ def test_run_without_checkpoints(tmp_path):
 def test_a_checkpoint_folder_that_is_a_symbolic_link_is_a_fault_and_ignored(run_copy, tmp_path):
     """A step folder linked to a whole copy elsewhere: not the run's own bytes (and retention could
     not remove it): verify names it, and the restore point is the newest folder of the run's own."""
-    from shard_tools.manifest import newest_valid
+    from shard_tools.store import Checkpoints
 
     elsewhere = tmp_path / "elsewhere"
     ckpt(run_copy, 30).rename(elsewhere)
     ckpt(run_copy, 30).symlink_to(elsewhere, target_is_directory=True)
     result = invoke("verify", run_copy)
     assert_fails(result, 1, f"{ckpt(run_copy, 30)}: a symbolic link", "1 fault(s)")
-    found, manifest, skipped = newest_valid(run_copy)
+    found, manifest, skipped = Checkpoints(run_copy).newest_whole()
     assert found == ckpt(run_copy, 20) and manifest.global_step == 20
     assert len(skipped) == 1 and "symbolic link" in skipped[0]
     assert invoke("verify", elsewhere).exit_code == 0  # the folder itself, named directly, is whole

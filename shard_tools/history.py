@@ -1,8 +1,10 @@
 """A run's history replayed from its journal: one row per phase, with the overhead of the switch into it.
 
-The one replay of a run's phases: ``orchestrator report`` plots it, ``orchestrator report --json``
-prints it, and ``shard-tools inspect RUN_DIR`` shows that JSON beside the checkpoints it reads
-itself (the format package reads no control-plane events).
+The journal's reader and its one replay, pure and torch-free, here where both the control plane
+and the format package import them: ``orchestrator report`` plots the rows, ``orchestrator report
+--json`` prints them, the runner finds the phases it never journaled done in them, and
+``shard-tools inspect RUN_DIR`` shows them beside the checkpoints. The journal's writer is the
+orchestrator's (``orchestrator.journal``).
 
 The overhead of the switch into phase k+1 is what changing phases cost the run's wall clock: from
 the end of phase k's last step to the end of phase k+1's first step, less one ordinary step of
@@ -15,14 +17,70 @@ says ``resumed``.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import RelayerError, ScheduleError
-from orchestrator.journal import JOURNAL, read_journal
-from shard_tools.files import regular_fault
+from shard_tools.errors import CheckpointError, InputError
+from shard_tools.files import describe, open_regular, regular_fault
+
+JOURNAL = "journal.jsonl"
+"""RUN_DIR/journal.jsonl: every event of the run, one JSON object a line."""
+
+# The fields that readers (status, report, the runner) take from events, with their types; an
+# event holding one of another type is not one the orchestrator wrote, and is skipped like a torn line.
+FIELD_TYPES: dict[str, type] = {"phase": int, "start_step": int, "end_step": int, "step": int, "layers": list,
+                                "nproc": int, "records": dict, "reason": str}
+REQUIRED = {"phase_started": ("phase", "start_step", "end_step", "layers"), "phase_done": ("phase", "step", "layers"),
+            "resumed": ("step",), "preempted": ("step",), "phase_failed": ("phase",)}
+
+
+def is_event(record: Any) -> bool:
+    """A JSON object as the orchestrator's ``Journal.write`` makes them: an event name, a time,
+    fields of the types readers expect."""
+    if not (isinstance(record, dict) and isinstance(record.get("event"), str) and _number(record.get("time"))):
+        return False
+    if any(key not in record for key in REQUIRED.get(record["event"], ())):
+        return False
+    for key, kind in FIELD_TYPES.items():
+        value = record.get(key)
+        if value is None and key not in REQUIRED.get(record["event"], ()):
+            continue
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return False
+        if kind is list and not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return False
+    return True
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
+
+
+def read_journal(run_dir: Path) -> list[dict[str, Any]]:
+    """Every event; what is not one (a torn last line from a writer killed mid-write, a line edited
+    or damaged by hand) is skipped."""
+    path = Path(run_dir) / JOURNAL
+    try:
+        fd = open_regular(path)  # a FIFO, a device, a folder or a link loop: a message, never a block
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise InputError(f"{path}: {describe(e)}; expected the run's journal") from None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read()
+    events = []
+    for line in data.decode(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            continue
+        if is_event(record):
+            events.append(record)
+    return events
 
 
 @dataclass
@@ -55,12 +113,12 @@ class History:
 
 
 def read_history(run_dir: Path) -> History:
-    """The phases of the run in ``run_dir``, from its journal; ScheduleError if it has none."""
+    """The phases of the run in ``run_dir``, from its journal; InputError if it has none."""
     path = Path(run_dir) / JOURNAL
     if not path.exists():
-        raise ScheduleError(f"{run_dir}: not a relayer run directory (no {JOURNAL})")
+        raise InputError(f"{run_dir}: not a relayer run directory (no {JOURNAL})")
     if fault := regular_fault(path):
-        raise RelayerError(f"{path}: {fault}")
+        raise CheckpointError(f"{path}: {fault}")
     events = read_journal(run_dir)
     return History(phases=replay(events), events=len(events), last_event=events[-1]["event"] if events else None)
 

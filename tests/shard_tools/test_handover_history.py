@@ -3,7 +3,7 @@ phase_done, which comes once the predecessor is gone; the replay still measures 
 
 import pytest
 
-from orchestrator.history import replay
+from shard_tools.history import replay
 
 
 def _journal() -> list[dict]:

@@ -1,0 +1,167 @@
+#!/bin/bash
+# Issue #29's runs on a lent H200, one step a device command, each under 9 minutes. From the project
+# root, once ../shared/device/make-wheels.sh and benchmarks/peer-wheels.sh have filled .whl/:
+#
+#     run(kind="nvidia-h200", carry=[".whl"], timeout_s=600, command="bash benchmarks/run_issue29.sh peer7b")
+#     run(kind="nvidia-h200", carry=[".whl"], timeout_s=600, command="bash benchmarks/run_issue29.sh lisa7b")
+#     run(kind="nvidia-h200", carry=[".whl"], timeout_s=600, command="bash benchmarks/run_issue29.sh big")
+#
+# Steps, and their device time estimated from benchmarks/results/2026-12-01-handover-h200 (a fresh
+# process imports in ~15 s, a 7B step takes ~0.17 s, a 7B switch ~0.25 s, the 1.1B+7B models were
+# made in 60-90 s) and the sizes _space.py computes (bf16 weights: 13.5 GB at 7B, 26 GB at 13B, 65 GB
+# at 30B; a phase-end checkpoint 4.8 / 6.5 / 9.4 GB); about 17 minutes for all three:
+#
+#   peer7b  ~5.5 min  benchmarks/peer.py at 7B, 200 steps each way: wheels 15 s; the model made on
+#                     the GPU and written to /dev/shm 40-60 s; the peer (HF Trainer + axolotl's LISA
+#                     callback) ~15 s imports + 200 x ~0.17 s + ~30 s saving 13.5 GB; relayer ~30 s to
+#                     its first step + 11 phases x ~3.6 s + ~40-60 s for RUN_DIR/final; report 10 s.
+#   lisa7b  ~3 min    benchmarks/switch.py --layers lisa at 7B, 13 phases (12 switches) x 20 steps:
+#                     the model reused from /dev/shm where peer7b ran on this machine (else ~60 s to
+#                     make), a bare process ~20 s, relayer ~30 s + 13 x ~3.6 s; per switch the
+#                     offer, the go, the successor's read of it and its answer, the journal lines, the
+#                     page cache under writeback and the main threads' kernel waits around each go
+#                     (benchmarks/_switch_gaps.py), py-spy stacks of late ones; breakdown.md.
+#   big     ~8 min    13B (big13) then ~30B (big30); either alone where big would pass 9 minutes:
+#   big13   ~3.5 min    Llama-2-13B, 8 phases x 20 steps, LISA's layers, handover auto, the micro batch
+#                       the plan's overlap fits 90% of the device with (1; the batch stays 4): the model
+#                       to /dev/shm ~60 s, relayer ~40 s + 8 x ~10 s.
+#   big30   ~5 min      LLaMA-30B (32.5B), 4 phases x 5 steps: two phases do not fit the device, so every
+#                       switch goes through the checkpoint, and a phase pre-warmed for that path holds a
+#                       pinned copy of the weights (65 GB) beside the model in /dev/shm (65 GB): the
+#                       host's 128 GiB leaves no room, so pre-warming is off (_space.py decides it, and
+#                       the plan with pre-warming on is recorded too). The model to /dev/shm ~120 s,
+#                       relayer ~60 s + 4 x (~15-25 s cold start + 5 x ~1 s).
+#
+# Where things go (_space.py, from the free disk, /dev/shm and host memory it finds): the model in
+# /dev/shm (the 64 GB disk holds the checkpoints: retention keeps every checkpoint that holds the
+# newest copy of a layer, 50-60 GB over 11-13 LISA phases at 7B), the run on the disk where it
+# fits, else in /dev/shm too (said in the log and results). Every step removes its runs; the 7B
+# model stays in /dev/shm for lisa7b; big removes it first.
+# $OUT gets: STEP.log (everything printed), results.tgz (results.json, table.md, PNGs, breakdown.md,
+# the runs' journals, records and logs; no checkpoints), README.md (benchmarks/_issue29_readme.py over
+# the results so far), and peer.png for peer7b; a packer refreshes results.tgz every 20 s, so a step
+# cut off at the device's limit still brings back what it measured.
+# On a CPU, for trying the script itself (tiny shapes, a few minutes each):
+#     OUT=/tmp/o DS_ACCELERATOR=cpu I29_TINY=1 bash benchmarks/run_issue29.sh peer7b
+set -uo pipefail
+STEP=${1:?usage: run_issue29.sh peer7b|lisa7b|lisa13|big|big13|big30}
+: "${OUT:?set OUT to the folder the results go to}"
+T0=$(date +%s)
+S=${I29_SCRATCH:-/tmp/i29}
+SHM=${I29_SHM:-/dev/shm/i29}
+mkdir -p "$S/results" "$S/logs" "$SHM"
+exec > >(tee "$OUT/$STEP.log") 2>&1
+PY=${PYTHON:-python3}
+if [ -d .whl ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH DS_ACCELERATOR=${DS_ACCELERATOR:-cuda} PYTHONUNBUFFERED=1
+export CUDA_DEVICE_ORDER=PCI_BUS_ID
+say() { echo "[run_issue29 $STEP $(( $(date +%s) - T0 )) s] $*"; }
+nvidia-smi --query-gpu=index,name,uuid,memory.total,driver_version --format=csv,noheader 2>/dev/null
+free -g | head -2; df -h "$S" "$SHM" | tail -2; nproc
+DEVICE_BYTES=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+DEVICE_BYTES=$(( ${DEVICE_BYTES:-1048576} * 1048576 ))  # no GPU (a try on a CPU): no device limit
+TINY=${I29_TINY:-0}
+TINY_ARGS=()
+[ "$TINY" = 1 ] && TINY_ARGS=(--phases 3 --steps 3)  # the last of an option counts
+
+pack() {  # each packer its own temporary: one killed mid-way leaves nothing that the last one renames
+    local tmp="$OUT/.results-$BASHPID.tgz"
+    (cd "$S" && find results logs work -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.png' \
+        -o -name '*.log' -o -name '*.toml' -o -name '*.txt' \) -not -name train.jsonl -size -8M \
+        -not -path '*/checkpoints/*' -not -path '*/final/*' 2>/dev/null | tar -czf "$tmp" -T - 2>/dev/null) \
+        && mv -f "$tmp" "$OUT/results.tgz"
+}
+(while sleep 20; do pack; done) &
+PACKER=$!
+finish() {
+    kill $PACKER 2>/dev/null
+    wait $PACKER 2>/dev/null  # a packer cut off mid-way must not rename its older archive over the last one
+    $PY benchmarks/_issue29_readme.py "$S/results" "$S/results/README.md" && cp "$S/results/README.md" "$OUT/"
+    [ -f "$S/results/peer7b/peer.png" ] && cp "$S/results/peer7b/peer.png" "$OUT/"
+    pack
+    # The results alone, once more, whatever became of the packer's archive (one came back without them).
+    tar -czf "$OUT/results-$STEP.tgz" -C "$S" results 2>/dev/null
+    rm -f "$OUT"/.results-*.tgz  # at most 8 files come back
+    say "done"
+}
+trap finish EXIT
+
+# space SHAPE ARGS...: where the model and the run go, the micro batch and pre-warm depth (_space.py).
+# shape SHAPE: the shape, or tiny when trying the script on a CPU (I29_TINY=1).
+space() {
+    local out
+    out=$($PY benchmarks/_space.py --shape "$(shape "$1")" --disk "$S" --shm "$SHM" --device-memory "$DEVICE_BYTES" \
+          "${@:2}" --shell) || { say "does not fit: $out"; return 1; }
+    eval "$out"
+    say "$(shape "$1"): $WHY; micro batch $MICRO, prewarm_depth $DEPTH, handover fits: $HANDOVER_FITS"
+    mkdir -p "$WORK_DIR"
+}
+
+shape() { [ "$TINY" = 1 ] && echo tiny || echo "$1"; }
+
+peer7b() {
+    space 7b --layers lisa --phases 11 --final-model --peer-output --handover || exit 3
+    $PY benchmarks/peer.py --shape "$(shape 7b)" --model-dir "$MODEL_DIR" --outputs "$WORK_DIR" --work "$S/work/peer7b" \
+        --micro-batch "$MICRO" --results-dir "$S/results" --out peer7b --timeout 420 --callback auto
+    say "peer.py: rc $?"
+    rm -rf "$S/work/peer7b" "$WORK_DIR"
+}
+
+# switch NAME SHAPE ARGS...: one switch.py run of relayer alone, its run removed after.
+switch() {
+    local name=$1 sh=$2
+    shift 2
+    say "switch.py $name: $*"
+    $PY benchmarks/switch.py --shape "$(shape "$sh")" --ways a --layers lisa --model-dir "$MODEL_DIR" \
+        --work "$WORK_DIR/$name" --results-dir "$S/results" --out "$name" --bare-json "$S/results/bare.json" \
+        --handover auto "$@" "${TINY_ARGS[@]}"
+    say "switch.py $name: rc $?"
+    $PY benchmarks/breakdown.py "$S/results/$name" > /dev/null 2>&1
+    rm -rf "$WORK_DIR/$name/relayer/run/checkpoints"
+}
+
+lisa7b() {
+    space 7b --layers lisa --phases 13 --handover || exit 3
+    switch lisa7b 7b --phases 13 --steps 20 --timeout 400
+    rm -rf "$WORK_DIR/lisa7b"
+}
+
+# big_run NAME SHAPE PHASES STEPS TIMEOUT: relayer alone at a big shape, with the micro batch and the
+# pre-warming _space.py found to fit (pre-warming off where no pre-warmed phase fits the host).
+big_run() {
+    space "$2" --layers lisa --phases "$3" --handover || exit 3
+    local depth=()
+    [ "$DEPTH" -lt 3 ] && depth=(--prewarm-depth "$DEPTH")
+    [ "$DEPTH" = 0 ] && depth=(--prewarm off)
+    switch "$1" "$2" --phases "$3" --steps "$4" --micro-batch "$MICRO" "${depth[@]}" --timeout "$5"
+}
+
+big13() {
+    rm -rf "$SHM/model-7b"
+    big_run big13 13b 8 20 300
+    rm -rf "$WORK_DIR/big13" "$SHM/model-13b"
+}
+
+big30() {
+    rm -rf "$SHM/model-7b" "$SHM/model-13b"
+    big_run big30 30b 4 5 420
+    local sched="$WORK_DIR/big30/relayer/schedule.toml"
+    if [ -f "$sched" ]; then  # what the plan decides with pre-warming on: every switch through the checkpoint
+        sed -e 's/^prewarm = false/prewarm = true/' "$sched" > "$S/results/big30/schedule-prewarm-on.toml"
+        $PY -c "from orchestrator.cli import main; main()" plan "$S/results/big30/schedule-prewarm-on.toml" \
+            --device-memory "$DEVICE_BYTES" > "$S/results/big30/plan-prewarm-on.txt" 2>&1
+    fi
+    rm -rf "$WORK_DIR/big30" "$SHM/model-30b"
+}
+
+case "$STEP" in
+    peer7b) peer7b ;;
+    lisa7b) lisa7b ;;
+    big13) big13 ;;
+    big30) big30 ;;
+    big) big13; big30 ;;
+    lisa13) lisa7b; big13 ;;  # one machine start for both (~7 min)
+    *) say "unknown step $STEP (peer7b, lisa7b, lisa13, big, big13, big30)"; exit 2 ;;
+esac

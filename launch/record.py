@@ -1,0 +1,131 @@
+"""The state of one phase process, declared in one place: the record ``launch.phase.run_phase``
+keeps (``Phase``), and the typed results the stages return into it, each made once: what
+``launch.prepare`` made (``Prepared``), where the switch carries on from (``Source``) and what
+``launch.switch.assemble`` put together (``Assembled``). The stages import this module and no
+module imports them back."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from deepspeed.accelerator import get_accelerator
+from torch import nn
+
+from launch.contract import PhaseDir, PhaseSpec
+from launch.data import SampleOrder
+from launch.staging import Staging
+from launch.timeline import Timeline
+from shard_tools.later import Later
+from shard_tools.state import Origin, PhaseState, StateFiles
+from shard_tools.store import Checkpoints
+
+
+@dataclass
+class Prepared:
+    """What ``launch.prepare`` made before the go: the host model and what is known of its weights,
+    the data, and whether the phase will take its predecessor's state over."""
+
+    staging: Staging | None
+    """On CUDA, pinned host buffers for fast copies to and from the device."""
+    refusal: str | None
+    """Why it will not take its predecessor's state over (``launch.handover``); None: it will, if offered."""
+    model: nn.Module
+    """The host model: base weights, every layer's newest trained ones in; or a skeleton."""
+    skeleton: bool
+    """``model``'s parameters are on the meta device: the predecessor's come at the go, or ``host_model``."""
+    origin: Origin
+    """What its checkpoints record of where they come from: the base model, the head's parts, the layers' place."""
+    head_names: list[str]
+    body_names: list[str]
+    """The parameter names of the head (trained in every phase) and of this phase's layers."""
+    examples: Any
+    validation: Any
+    order: SampleOrder
+    """The training rows, the validation rows (with a validation path), which rows each step takes."""
+    preloaded: dict[int, Path]
+    """Layer -> the checkpoint its host model weights (taking over: device masters) came from."""
+    trained: dict[str, torch.Tensor]
+    """fp32 weights of the trainable parameters, for their fp32 masters (the module may be bf16);
+    emptied once they are in the engine."""
+
+
+@dataclass
+class Source:
+    """Where the phase carries on from: the checkpoint it restores, or its predecessor's offer."""
+
+    restore: Path | None
+    """The checkpoint to restore from (None: the base model); taking over, the one the predecessor commits."""
+    carried: PhaseState | None
+    """The state carried on (steps, the head's, the loss scale, mid-phase the body's); None from the
+    base model, and once it is in the engine."""
+    taken: bool = False
+    """It took its predecessor's state over on the device (``launch.handover.take``)."""
+    awaiting: Path | None = None
+    """The predecessor's checkpoint, not yet committed at the go: this phase commits nothing before it."""
+    populating: Later[None] | None = None
+    """Maps the head's moments (``launch.switch.read_delta``) while the engine is built."""
+
+
+@dataclass
+class Assembled:
+    """What ``launch.switch.assemble`` put together: the DeepSpeed engine on the predecessor's result."""
+
+    engine: Any
+    head: list[tuple[str, nn.Parameter]]
+    body: list[tuple[str, nn.Parameter]]
+    """The engine's parameters of the head and of this phase's layers, by name."""
+    roles: list[int]
+    """The role (``zero_state.HEAD_DECAY``...) of each of the optimizer's param groups."""
+    gas: int
+    """Gradient accumulation steps."""
+    source: Source
+
+
+def device_of() -> torch.device:
+    """Where this rank trains: its local GPU, or the CPU."""
+    if get_accelerator().device_name() == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+class Phase:
+    """One phase process: who it is, its timings, and the stages' results as they come (``made``
+    by prepare, ``built`` by assemble), in the order prepare -> await_go -> assemble -> restore
+    -> train -> save. ``files``: rank 0's files of its next checkpoint, being made or made
+    (``launch.save`` makes and uses them)."""
+
+    def __init__(self, spec: PhaseSpec, rank: int, world: int, prebuilt: dict[str, nn.Module] | None = None):
+        self.spec, self.rank, self.world = spec, rank, world
+        self.run_dir = Path(spec.run_dir)
+        self.checkpoints = Checkpoints(self.run_dir)
+        self.device = device_of()
+        self.timeline = Timeline(rank=rank, world_size=world, t_process_start=psutil.Process().create_time())
+        """Every timing and measurement of this process: its records.json."""
+        self.prebuilt = prebuilt if prebuilt is not None else {}
+        """Base models built before this process was forked (``launch.zygote``), by ``prepare.model_key``."""
+        self.made: Prepared | None = None
+        self.built: Assembled | None = None
+        self.files: Later[StateFiles | None] = Later.now(None)
+        self.step = spec.start_step
+        """The global step: steps done so far."""
+        self.tb = self.wandb = None
+        """TensorBoard's writer and the Weights & Biases run, once the first metric is logged to them."""
+
+    def stage(self, name: str) -> None:
+        """What this phase is doing before its first step, for the progress display (rank 0)."""
+        if self.rank == 0:
+            PhaseDir(self.spec.phase_dir).append_stage(name)
+
+    def write_records(self) -> None:
+        if self.rank == 0:
+            PhaseDir(self.spec.phase_dir).write_records(self.timeline.as_records())
+
+    def discard(self) -> None:
+        files, self.files = self.files, Later.now(None)
+        if (made := files.result()) is not None:
+            made.discard()

@@ -1,0 +1,244 @@
+"""A run's checkpoints as one object: how each is named, which are committed and whole, the newest
+whole one, the layer sources a checkpoint composes from, retention, setting aside, and what
+killed writers left. No torch here: the orchestrator, a phase and ``shard-tools`` all ask it, and
+none of them names a checkpoint's files.
+
+    store = Checkpoints(run_dir)
+    store.at(30)                      # RUN_DIR/checkpoints/step-00000030, committed or not
+    store.newest_whole()              # the newest checkpoint whose manifest and checksums hold
+    store.layer_sources(ckpt)         # layer -> the checkpoint its newest weights are in
+    for gone in store.purge(2, set()): ...   # retention: what no kept checkpoint needs
+
+A phase's own state goes in and out of one checkpoint through ``shard_tools.state``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from shard_tools.errors import CheckpointError, InputError
+from shard_tools.files import TMP_PREFIX, fsync_path
+from shard_tools.manifest import (
+    FINAL, MANIFEST, STEP_DIR_SHAPE, Manifest, checkpoints_dir, is_checkpoint_dir, read_manifest, step_dir_name,
+    step_of, verify_checkpoint,
+)
+
+SET_ASIDE = ".set-aside-"
+"""checkpoints/.set-aside-<time>-<pid>/: where ``set_aside_after`` moves checkpoints; nothing reads or deletes them."""
+
+
+@dataclass(frozen=True)
+class RestorePoint:
+    """The newest checkpoint that is whole with its layer sources (None: none is), and the fault of
+    every newer one that was skipped, by checkpoint."""
+
+    path: Path | None
+    manifest: Manifest | None
+    skipped: list[tuple[Path, str]]
+
+
+@dataclass(frozen=True)
+class SetAside:
+    """Where ``set_aside_after`` moved the later checkpoints (by name) and the run's final model."""
+
+    folder: Path
+    checkpoints: list[str]
+
+
+class Checkpoints:
+    """The checkpoints of the run in ``run_dir``. ``trusted``: checkpoints this process verified with
+    checksums or committed itself, which it does not read again."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.root = checkpoints_dir(self.run_dir)
+        self.trusted: set[Path] = set()
+
+    # -- naming ------------------------------------------------------------------------------
+    def at(self, step: int) -> Path:
+        """The checkpoint at global step ``step``, whether it is there or not."""
+        return self.root / step_dir_name(step)
+
+    def all(self) -> list[Path]:
+        """Every checkpoint folder, oldest first, whether whole or not (temporaries and set-aside ones excluded)."""
+        if not self.root.is_dir():
+            return []
+        return sorted((p for p in self.root.iterdir() if is_checkpoint_dir(p)), key=lambda p: step_of(p) or 0)
+
+    def upto(self, step: int) -> list[Path]:
+        """``all`` at or before global step ``step``."""
+        return [c for c in self.all() if (step_of(c) or 0) <= step]
+
+    # -- one checkpoint ------------------------------------------------------------------------
+    def committed(self, ckpt: Path) -> bool:
+        """Its writer has renamed it into place (its manifest is there): what a reader waits for."""
+        return (ckpt / MANIFEST).exists()
+
+    def wait_committed(self, ckpt: Path, poll: float = 0.005) -> None:
+        """Until ``ckpt`` is committed; its writer's death is for the caller's supervisor to see."""
+        while not self.committed(ckpt):
+            time.sleep(poll)
+
+    def faults(self, ckpt: Path, checksums: bool = True) -> list[str]:
+        """Every fault of ``ckpt``, each naming its file; none where it is whole."""
+        return verify_checkpoint(ckpt, checksums=checksums)
+
+    def manifest(self, ckpt: Path) -> Manifest:
+        return read_manifest(ckpt)
+
+    def trust(self, ckpt: Path) -> None:
+        """``ckpt`` was committed by, or verified in, this process: not verified again."""
+        self.trusted.add(ckpt)
+
+    def _verified(self, ckpt: Path) -> list[str]:
+        if ckpt in self.trusted:
+            return []
+        faults = verify_checkpoint(ckpt)
+        if not faults:
+            self.trusted.add(ckpt)
+        return faults
+
+    # -- the run's ---------------------------------------------------------------------------
+    def whole(self, checksums: bool = True) -> Iterator[tuple[Path, Manifest | None, list[str]]]:
+        """(checkpoint, manifest or None, faults) for every checkpoint, newest first."""
+        for ckpt in reversed(self.all()):
+            faults = verify_checkpoint(ckpt, checksums=checksums)
+            yield ckpt, (None if faults else read_manifest(ckpt)), faults
+
+    def newest_whole(self, checksums: bool = True) -> tuple[Path | None, Manifest | None, list[str]]:
+        """The newest whole checkpoint and the faults of every newer one that was skipped."""
+        skipped: list[str] = []
+        for ckpt, manifest, faults in self.whole(checksums):
+            if manifest is not None:
+                return ckpt, manifest, skipped
+            skipped.extend(faults)
+        return None, None, skipped
+
+    def layer_sources(self, upto: Path) -> dict[int, Path]:
+        """For each body layer, the newest checkpoint at or before ``upto`` whose layers file holds it.
+
+        Judged by manifests alone, damaged checkpoints included: skipping a damaged source would
+        silently compose an older layer (or the base) instead. Callers verify the sources they get;
+        an unreadable manifest at or before ``upto`` raises, since it may have held a layer.
+        """
+        limit = step_of(upto)
+        assert limit is not None, upto
+        sources: dict[int, Path] = {}
+        for ckpt in self.upto(limit):
+            try:
+                m = read_manifest(ckpt)
+            except CheckpointError as e:
+                raise CheckpointError(f"{e}; {upto.name} may compose layers from it") from None
+            sources.update(dict.fromkeys(m.layers, ckpt))
+        return sources
+
+    def source_faults(self, ckpt: Path) -> list[str]:
+        """The faults of the checkpoints ``ckpt`` composes its layers from (itself excluded), with checksums."""
+        try:
+            sources = set(self.layer_sources(ckpt).values()) - {ckpt}
+        except CheckpointError as e:
+            return [str(e)]
+        return [f for src in sorted(sources) for f in self._verified(src)]
+
+    def restore_point(self) -> RestorePoint:
+        """The newest checkpoint that is whole, and whose layer sources are whole too. Checksums are
+        read once per checkpoint per process (``trusted``)."""
+        skipped: list[tuple[Path, str]] = []
+        for ckpt in reversed(self.all()):
+            faults = self._verified(ckpt) or self.source_faults(ckpt)
+            if not faults:
+                return RestorePoint(ckpt, read_manifest(ckpt), skipped)
+            skipped += [(ckpt, f) for f in faults]
+        return RestorePoint(None, None, skipped)
+
+    def resume_point(self, given: Path) -> Path:
+        """The checkpoint ``given`` names, checked: one of this run's, whole (checksums), and so are
+        the layer files it builds on; InputError naming what is wrong otherwise."""
+        ckpt = Path(given).resolve()
+        if ckpt.parent != self.root.resolve() or not is_checkpoint_dir(ckpt):
+            raise InputError(f"expected a checkpoint of this run ({self.root}/{STEP_DIR_SHAPE}), got {given}")
+        try:
+            faults = [f for src in sorted({ckpt, *self.layer_sources(ckpt).values()}) for f in verify_checkpoint(src)]
+        except CheckpointError as e:
+            faults = [str(e)]
+        if faults:
+            raise InputError(f"{given} is not whole:\n  " + "\n  ".join(faults))
+        return self.root / ckpt.name
+
+    def newest_phase_end(self, upto: int, since: float) -> Path | None:
+        """The newest phase-end checkpoint at or before step ``upto`` committed at ``since`` or later
+        (not one an earlier attempt left); OSError or CheckpointError where one is being replaced."""
+        for ckpt in reversed(self.upto(upto)):
+            m = read_manifest(ckpt)
+            if m.phase_complete and m.created >= since:
+                return ckpt
+        return None
+
+    # -- what changes the run's checkpoints ----------------------------------------------------
+    def purge(self, keep_last: int, protect: set[Path]) -> Iterator[Path]:
+        """Retention: removes, oldest first, every whole checkpoint but the newest ``keep_last`` and
+        those they (or ``protect``, which a phase may still be reading) compose layers from; yields
+        each once it is gone. CheckpointError, before anything is removed, where an older manifest
+        cannot be read: what it holds might be needed."""
+        whole = [c for c in self.all() if not verify_checkpoint(c, checksums=False)]
+        needed = set()
+        for ckpt in whole[-keep_last:] + sorted(protect):
+            needed |= {ckpt, *self.layer_sources(ckpt).values()}
+        for ckpt in whole:
+            if ckpt not in needed:
+                trash = ckpt.with_name(f"{TMP_PREFIX}removing-{ckpt.name}")
+                os.replace(ckpt, trash)
+                shutil.rmtree(trash)
+                yield ckpt
+
+    def set_aside_after(self, chosen: Path) -> SetAside | None:
+        """The checkpoints after ``chosen``, and the run's final model made from them, moved to
+        ``checkpoints/.set-aside-<time>-<pid>/``, never deleted; None where there is nothing to move."""
+        later = [c for c in self.all() if step_of(c) > step_of(chosen)]
+        final = self.run_dir / FINAL
+        if not later and not final.exists():
+            return None
+        aside = self.root / f"{SET_ASIDE}{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        aside.mkdir(mode=0o750)
+        for ckpt in later:
+            os.replace(ckpt, aside / ckpt.name)
+        if final.exists():  # the run writes it anew
+            os.replace(final, aside / FINAL)
+        fsync_path(self.root)
+        self.trusted.add(chosen)
+        return SetAside(aside, [c.name for c in later])
+
+    # -- what killed writers left ----------------------------------------------------------------
+    def stray_temporaries(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.iterdir() if p.name.startswith(TMP_PREFIX))
+
+    def remove_stray_temporaries(self) -> list[Path]:
+        """Removes what killed writers left behind, once none can still write; returns what it removed."""
+        gone = self.stray_temporaries()
+        for p in gone:
+            _remove(p)
+        return gone
+
+    def remove_temporaries_of(self, pids: set[int]) -> list[Path]:
+        """Removes the temporaries (``.tmp-<what>.<pid>[.<n>]``) of processes that are gone."""
+        gone = [p for p in self.stray_temporaries() if _pid_of(p.name) in pids]
+        for p in gone:
+            _remove(p)
+        return gone
+
+
+def _remove(path: Path) -> None:
+    # A symbolic link to a directory goes as a link: what it points to is not the run's to delete.
+    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+
+
+def _pid_of(name: str) -> int | None:
+    parts = name[len(TMP_PREFIX):].split(".")
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None

@@ -1,0 +1,171 @@
+"""shard_tools.state and shard_tools.store without a run: a phase's state written and read back
+bitwise by the mirror pair, in the format every reader knows, older checkpoints read too, and a
+run's checkpoints found, composed, kept and set aside by the store."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from shard_tools.errors import CheckpointError, InputError
+from shard_tools.manifest import BODY_OPTIM, FINAL, HEAD, LAYERS, MANIFEST, STATE, read_manifest
+from shard_tools.model import ModelSpec
+from shard_tools.state import OPTIM_KEYS, Origin, PhaseState, RunState, StateFiles, load_state, save_state
+from shard_tools.store import Checkpoints
+
+ORIGIN = Origin(base_model=ModelSpec(path="/models/tiny", config=None, dtype="float32", seed=3), tokenizer=None,
+                persistent=["model.norm"], layers_attr="model.layers", world_size=2, zero_stage=2)
+HEAD_SHAPES = {"model.norm.weight": (4,)}
+
+
+def layer_shapes(layers: list[int]) -> dict[str, tuple[int, ...]]:
+    return {f"model.layers.{i}.w": (2, 3) for i in layers}
+
+
+def state(step: int, phase: int, layers: list[int], complete: bool = True, seed: int = 0) -> PhaseState:
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(shape):
+        return torch.randn(shape, generator=g)
+
+    masters = {n: rand(s) for n, s in layer_shapes(layers).items()}
+    return PhaseState(
+        step=step, phase=phase, layers=layers, phase_complete=complete, head_step=step, body_step=step % 7,
+        head={k: {n: rand(s) for n, s in HEAD_SHAPES.items()} for k in OPTIM_KEYS}, masters=masters,
+        run=RunState(data_position=8 * step, rng={"cpu.rank0": torch.get_rng_state(), "cpu.rank1": torch.get_rng_state()},
+                     scaler={"cur_scale": 1024.0, "cur_iter": 37.0}),
+        body=None if complete else {k: {n: rand(t.shape) for n, t in masters.items()} for k in OPTIM_KEYS[1:]},
+        lr=1e-3)
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        same(a[k], b[k]) if isinstance(a[k], dict) else torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_what_save_state_writes_load_state_reads_back_bitwise(tmp_path, complete):
+    before = state(10, 1, [0, 2], complete)
+    path = save_state(tmp_path, before, ORIGIN).path
+    assert Checkpoints(tmp_path).faults(path) == []
+    after, manifest = load_state(path)
+    for field in ("step", "phase", "layers", "phase_complete", "head_step", "body_step", "lr"):
+        assert getattr(after, field) == getattr(before, field), field
+    assert same(after.head, before.head) and same(after.masters, before.masters)
+    assert (after.body is None) if complete else same(after.body, before.body)
+    assert after.run.data_position == 80 and after.run.scaler == before.run.scaler and same(after.run.rng, before.run.rng)
+    mapped, _ = load_state(path, mapped=True)
+    assert same(mapped.head, before.head) and manifest == read_manifest(path)
+
+
+def test_the_files_are_those_every_reader_knows(tmp_path):
+    """The format is unchanged: readers of checkpoints written before (export, diff, verify, a
+    resume) and after read the same names."""
+    path = save_state(tmp_path, state(4, 0, [1], complete=False), ORIGIN).path
+    assert sorted(p.name for p in path.iterdir()) == sorted([MANIFEST, HEAD, LAYERS, BODY_OPTIM, STATE])
+    names = {}
+    for file in (HEAD, LAYERS, BODY_OPTIM, STATE):
+        with safe_open(str(path / file), framework="pt") as f:
+            names[file] = (sorted(f.keys()), f.metadata())
+    assert names[HEAD][0] == [f"{k}/model.norm.weight" for k in ("exp_avg", "exp_avg_sq", "master")]
+    assert names[LAYERS] == (["model.layers.1.w"], {"layers": "1", "layers_prefix": "model.layers"})
+    assert names[BODY_OPTIM][0] == ["exp_avg/model.layers.1.w", "exp_avg_sq/model.layers.1.w"]
+    assert names[STATE][0] == ["data_position", "global_step", "loss_scaler/cur_iter", "loss_scaler/cur_scale",
+                               "rng/cpu.rank0", "rng/cpu.rank1"]
+    m = json.loads((path / MANIFEST).read_text())
+    assert m["extra"] == {"data_position": 32, "persistent": ["model.norm"], "tokenizer": None, "lr": 1e-3,
+                          "base_model": {"path": "/models/tiny", "config": None, "dtype": "float32", "seed": 3},
+                          "layers_attr": "model.layers"}
+    assert (m["world_size"], m["zero_stage"], m["dtype"], m["phase_complete"]) == (2, 2, "float32", False)
+    assert set(m["versions"]) == {"relayer", "torch", "deepspeed", "transformers", "safetensors", "python"}
+
+
+def test_a_checkpoint_of_an_older_writer_loads(tmp_path):
+    """Written before the loss scale was saved and before the manifest said the lr: no scaler,
+    no lr, nothing else missing."""
+    before = state(6, 0, [0])
+    before.run.scaler, before.lr = {}, None
+    path = save_state(tmp_path, before, ORIGIN).path
+    manifest = json.loads((path / MANIFEST).read_text())
+    del manifest["extra"]["lr"], manifest["extra"]["tokenizer"]
+    (path / MANIFEST).write_text(json.dumps(manifest))  # the manifest is not among its own checksums
+    after, _ = load_state(path)
+    assert after.run.scaler == {} and after.lr is None and same(after.head, before.head)
+
+
+def test_files_made_ahead_are_written_in_place(tmp_path):
+    before = state(20, 1, [3])
+    ahead = StateFiles(tmp_path, HEAD_SHAPES, layer_shapes([3]), [3], ORIGIN.layers_attr)
+    for k, by_name in before.head.items():
+        for n, t in by_name.items():
+            ahead.head[k][n].copy_(t)
+    prepared_dir = ahead.files.dir
+    written = save_state(tmp_path, before, ORIGIN, prepared=ahead)
+    assert not prepared_dir.exists() and ahead.files is None and ahead.head == {}  # renamed into place, used up
+    after, _ = load_state(written.path)
+    assert same(after.head, before.head) and same(after.masters, before.masters)
+
+
+def run_of(tmp_path, *phases: tuple[int, list[int]]) -> Checkpoints:
+    """Phase-end checkpoints, one a phase: (end step, layers)."""
+    for k, (step, layers) in enumerate(phases):
+        save_state(tmp_path, state(step, k, layers, seed=k), ORIGIN)
+    return Checkpoints(tmp_path)
+
+
+def test_layer_sources_and_retention_keep_what_the_kept_need(tmp_path):
+    store = run_of(tmp_path, (2, [0]), (4, [1]), (6, [0]), (8, [2]))
+    assert store.layer_sources(store.at(8)) == {0: store.at(6), 1: store.at(4), 2: store.at(8)}
+    assert list(store.purge(2, set())) == [store.at(2)]
+    assert [c.name for c in store.all()] == ["step-00000004", "step-00000006", "step-00000008"]
+    assert list(store.purge(1, {store.at(4)})) == [] and store.at(4).exists()
+
+
+def test_retention_removes_nothing_where_an_older_manifest_is_unreadable(tmp_path):
+    store = run_of(tmp_path, (2, [0]), (4, [1]), (6, [0]))
+    (store.at(2) / MANIFEST).write_text("{")
+    with pytest.raises(CheckpointError, match="may compose layers from it"):
+        list(store.purge(1, set()))
+    assert len(store.all()) == 3
+
+
+def test_the_restore_point_skips_a_damaged_newer_checkpoint_and_trusts_what_it_verified(tmp_path):
+    store = run_of(tmp_path, (2, [0]), (4, [1]))
+    data = bytearray((store.at(4) / HEAD).read_bytes())
+    data[-1] ^= 0xFF
+    (store.at(4) / HEAD).write_bytes(bytes(data))
+    point = store.restore_point()
+    assert point.path == store.at(2) and point.manifest.global_step == 2
+    assert [(c, "checksum mismatch" in f) for c, f in point.skipped] == [(store.at(4), True)]
+    assert store.trusted == {store.at(2)}
+
+
+def test_a_resume_point_is_one_of_this_runs_and_whole(tmp_path):
+    store = run_of(tmp_path, (2, [0]), (4, [1]))
+    assert store.resume_point(store.at(4)) == store.at(4)
+    with pytest.raises(InputError, match="expected a checkpoint of this run"):
+        store.resume_point(tmp_path)
+    (store.at(2) / LAYERS).write_bytes(b"")
+    with pytest.raises(InputError, match=r"step-00000004 is not whole:\n  .*layers.safetensors: size 0 bytes"):
+        store.resume_point(store.at(4))
+
+
+def test_setting_aside_moves_the_later_checkpoints_and_the_final_model(tmp_path):
+    store = run_of(tmp_path, (2, [0]), (4, [1]), (6, [2]))
+    (tmp_path / FINAL).mkdir()
+    aside = store.set_aside_after(store.at(2))
+    assert aside.checkpoints == ["step-00000004", "step-00000006"] and (aside.folder / FINAL).is_dir()
+    assert store.all() == [store.at(2)] and not (tmp_path / FINAL).exists() and store.at(2) in store.trusted
+    assert store.set_aside_after(store.at(2)) is None
+
+
+def test_the_newest_phase_end_written_since_a_time(tmp_path):
+    store = run_of(tmp_path, (2, [0]), (4, [1]))
+    since = time.time()
+    save_state(tmp_path, state(6, 2, [2], complete=False), ORIGIN)  # mid-phase: no phase end
+    assert store.newest_phase_end(6, since) is None
+    assert store.newest_phase_end(6, 0.0) == store.at(4) and store.newest_phase_end(3, 0.0) == store.at(2)
