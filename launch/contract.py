@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
-from shard_tools.files import open_append, read_regular, write_atomic, write_new
+from shard_tools.files import SMALL_FILE, open_append, read_regular, write_atomic, write_new
 
 
 DATA_CACHE = "data-cache"
@@ -172,8 +172,6 @@ def lr_at(step: int, opt) -> float:
 
 # -- the run and phase directories ------------------------------------------------------------
 PHASES = "phases"
-RECORD_BYTES = 64 << 20
-"""The most a reader takes of a phase's record files (a FIFO or a device there is never read)."""
 RANK = "rank-"
 """How the pid, exit and error files of a rank start (``rank-N``); a launcher's pid is ``launcher``."""
 
@@ -293,7 +291,7 @@ class PhaseDir:
     def read_records(self) -> dict[str, Any]:
         """The records, or {} where the phase wrote none (it failed, or was killed first)."""
         try:
-            records = json.loads(read_regular(self.records, RECORD_BYTES))
+            records = json.loads(read_regular(self.records, SMALL_FILE))
         except (OSError, ValueError, RecursionError):
             return {}
         return records if isinstance(records, dict) else {}
@@ -381,7 +379,7 @@ def read_reasons(paths: list[Path]) -> list[str]:
     reasons: list[str] = []
     for path in paths:
         try:
-            text = read_regular(path, RECORD_BYTES).decode(errors="replace").strip()
+            text = read_regular(path, SMALL_FILE).decode(errors="replace").strip()
         except OSError:
             continue
         if text and text not in reasons:
@@ -392,7 +390,7 @@ def read_reasons(paths: list[Path]) -> list[str]:
 def _read(kind: type[_R], path: Path) -> _R | None:
     """The record in ``path``, or None: missing, unreadable, torn, or not one."""
     try:
-        return kind.model_validate_json(read_regular(path, RECORD_BYTES))
+        return kind.model_validate_json(read_regular(path, SMALL_FILE))
     except (OSError, ValidationError):
         return None
 

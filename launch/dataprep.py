@@ -21,7 +21,6 @@ format is a ``DataError`` naming the file and line (jsonl, json lines, csv) or r
 
 from __future__ import annotations
 
-import csv
 import fcntl
 import hashlib
 import json
@@ -35,6 +34,7 @@ import numpy as np
 from launch import faults
 from launch.contract import DataPart, is_template_path
 from launch.rows import IGNORE, pack, pad, ragged
+from launch.records import DataError, find_bad_record, json_lines, nesting_fault, token_fault, where
 from launch.template import BudgetExceeded, Renderer, TemplateFault
 from shard_tools.tokenizer import TOKENIZER_FILES
 
@@ -45,28 +45,12 @@ SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow", ".txt")
 ALPACA = ("Below is an instruction that describes a task{context}. Write a response that appropriately completes "
           "the request.\n\n### Instruction:\n{instruction}\n\n{input}### Response:\n")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-ID_LIMIT = 2 ** 31
-"""Token ids and labels are int32 in the cache; one at or past this is refused, never narrowed."""
-MAX_DEPTH = 100
-"""JSON records nested deeper are refused (``nesting_fault``)."""
 PARALLEL_FROM = 20_000
 """Records from which tokenizing runs in several processes (below it, starting them costs more)."""
 
 
 class StoppedAt(Exception):
     """Raised out of ``datasets.map`` (its workers too): (message, record index); picklable."""
-
-
-class DataError(ValueError):
-    """The data does not fit the schedule. ``file`` and ``line`` (1-based, for jsonl, json lines
-    and csv) or ``record`` (0-based index, other file types) say where, when one record is to blame;
-    the message names them too."""
-
-    def __init__(self, message: str, file: str | None = None, line: int | None = None, record: int | None = None):
-        where = f"{file}:{line}: " if file and line else f"{file}: record {record}: " if file and record is not None \
-            else f"{file}: " if file else ""
-        super().__init__(where + message)
-        self.file, self.line, self.record = file, line, record
 
 
 # -- the cache ---------------------------------------------------------------------------------
@@ -173,26 +157,7 @@ def _build(data: DataPart, tokenizer: str | None, out: Path, vocab_size: int | N
     ds = read_records(data, path, out / "hf-cache")
     if len(ds) == 0:
         raise DataError("no examples", str(path))
-    try:
-        encode = _Encoder(data, tok, vocab_size)
-    except TemplateFault as e:
-        raise DataError(str(e)) from None
-    num_proc = min(8, os.cpu_count() or 1) if len(ds) >= PARALLEL_FROM else None
-    try:
-        enc = ds.map(encode, batched=True, batch_size=256, with_indices=True, num_proc=num_proc,
-                     remove_columns=ds.column_names, desc=None)
-    except UnicodeDecodeError:
-        # pyarrow's JSON reader keeps invalid bytes; they fail when the strings are read here.
-        _find_bad_record(data, path)
-        raise DataError("not UTF-8", str(path)) from None
-    except StoppedAt as e:  # the template's budget: one record named, the rest not rendered
-        raise DataError(e.args[0], str(path), **_where(path, e.args[1])) from None
-    bad = [i for i, e in enumerate(enc["error"]) if e]
-    if bad:
-        # JSON read as columns: one float id makes every record's ids floats; the lines tell.
-        _find_bad_record(data, path, encode)
-        i = bad[0]
-        raise DataError(enc[i]["error"], str(path), **_where(path, i))
+    enc = _encode_all(data, tok, vocab_size, ds, path)
     ids, lengths = ragged(enc, "input_ids")
     labels, _ = ragged(enc, "labels")
     stats: dict[str, Any] = {"format": data.format, "pack": data.packs, "seq_len": data.seq_len,
@@ -210,6 +175,31 @@ def _build(data: DataPart, tokenizer: str | None, out: Path, vocab_size: int | N
               str(out / ROWS))
     _as_umask_allows(out / ROWS)
     (out / STATS).write_text(json.dumps(stats, indent=1) + "\n")
+
+
+def _encode_all(data: DataPart, tok, vocab_size: int | None, ds, path: Path):
+    """Every record rendered and tokenized (``datasets.map``, in worker processes for many); the
+    first record at fault raises ``DataError`` naming its line."""
+    try:
+        encode = _Encoder(data, tok, vocab_size)
+    except TemplateFault as e:
+        raise DataError(str(e)) from None
+    num_proc = min(8, os.cpu_count() or 1) if len(ds) >= PARALLEL_FROM else None
+    try:
+        enc = ds.map(encode, batched=True, batch_size=256, with_indices=True, num_proc=num_proc,
+                     remove_columns=ds.column_names, desc=None)
+    except UnicodeDecodeError:
+        # pyarrow's JSON reader keeps invalid bytes; they fail when the strings are read here.
+        find_bad_record(path, _Encoder(data, None).check)
+        raise DataError("not UTF-8", str(path)) from None
+    except StoppedAt as e:  # the template's budget: one record named, the rest not rendered
+        raise DataError(e.args[0], str(path), **where(path, e.args[1])) from None
+    bad = [i for i, e in enumerate(enc["error"]) if e]
+    if bad:
+        # JSON read as columns: one float id makes every record's ids floats; the lines tell.
+        find_bad_record(path, encode.check)
+        raise DataError(enc[bad[0]]["error"], str(path), **where(path, bad[0]))
+    return enc
 
 
 def _as_umask_allows(path: Path) -> None:
@@ -249,12 +239,12 @@ def read_records(data: DataPart, path: Path, hf_cache: Path):
         except Exception as e:  # noqa: BLE001 - pyarrow raises many kinds; the file is to blame
             raise DataError(f"not an Arrow stream file: {e}", str(path)) from None
     builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}[suffix]
-    if builder == "json" and _json_lines(path):
+    if builder == "json" and json_lines(path):
         nesting_fault(path)
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=str(hf_cache))
     except Exception as e:  # noqa: BLE001 - datasets wraps parse errors in several types
-        _find_bad_record(data, path)
+        find_bad_record(path, _Encoder(data, None).check)
         raise DataError(f"cannot read it as {suffix[1:]}: {_cause(e)}", str(path)) from None
 
 
@@ -270,72 +260,6 @@ def _documents(path: Path) -> list[str]:
     except UnicodeDecodeError as e:
         raise DataError(f"not UTF-8 text (byte {e.start})", str(path)) from None
     return [d.strip() for d in text.split("\n\n") if d.strip()]
-
-
-def _json_lines(path: Path) -> bool:
-    with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
-    return not head.startswith(b"[")
-
-
-def _find_bad_record(data: DataPart, path: Path, encode: _Encoder | None = None) -> None:
-    """After ``datasets`` failed on a file: the first record to blame, as a ``DataError``; each
-    JSON record is parsed alone and checked by ``encode`` (default: the format's checks)."""
-    try:
-        raw = path.read_bytes().decode("utf-8") if path.suffix.lower() in (".jsonl", ".json", ".csv") else None
-    except UnicodeDecodeError as e:
-        line = path.read_bytes()[: e.start].count(b"\n") + 1
-        raise DataError(f"not UTF-8 (byte {e.start})", str(path), line=line) from None
-    if raw is None:
-        return
-    if path.suffix.lower() == ".csv":
-        return
-    encode = encode or _Encoder(data, None)
-    if not _json_lines(path):
-        try:
-            records = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise DataError(f"not valid JSON: {e.msg}", str(path), line=e.lineno) from None
-        except RecursionError:
-            raise DataError(f"a record nested more than {MAX_DEPTH} deep", str(path)) from None
-        for i, rec in enumerate(records if isinstance(records, list) else []):
-            if (err := encode.check(rec)):
-                raise DataError(err, str(path), record=i)
-        return
-    for lineno, line in enumerate(raw.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"not valid JSON: {e.msg}", str(path), line=lineno) from None
-        except RecursionError:
-            raise DataError(f"a record nested more than {MAX_DEPTH} deep", str(path), line=lineno) from None
-        if (err := encode.check(rec)):
-            raise DataError(err, str(path), line=lineno)
-
-
-def _where(path: Path, index: int) -> dict[str, int]:
-    """Record ``index`` of a file: its 1-based line in json lines and csv, else the index itself."""
-    suffix = path.suffix.lower() if path.is_file() else ""
-    if suffix in (".jsonl", ".json") and _json_lines(path):
-        with open(path, "rb") as f:
-            seen = -1
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    seen += 1
-                    if seen == index:
-                        return {"line": lineno}
-    if suffix == ".csv":
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.reader(f)
-            next(reader, None)
-            start = reader.line_num + 1
-            for i, _ in enumerate(reader):
-                if i == index:
-                    return {"line": start}
-                start = reader.line_num + 1
-    return {"record": index}
 
 
 # -- rendering and tokenizing ------------------------------------------------------------------
@@ -474,50 +398,3 @@ class _Encoder:
             return ids, list(ids)
         labels = [t if any(a <= s < b for a, b in spans) else IGNORE for t, (s, _) in zip(ids, enc["offset_mapping"])]
         return ids, labels
-
-
-def token_fault(ids: Any, labels: Any, f, vocab_size: int | None) -> str:
-    """What is wrong with a ``tokens`` record's ids and labels (``f`` names their fields), or "".
-    Every id must be below ``vocab_size`` (else below ``ID_LIMIT``): nothing is narrowed."""
-    if not _ints(ids) or not ids:
-        return f"expected {f('input_ids')}, a non-empty list of token ids"
-    if labels is not None and (not _ints(labels) or len(labels) != len(ids)):
-        return f"{f('labels')}: expected a list of {len(ids)} token ids or -100, aligned with {f('input_ids')}"
-    limit = vocab_size or ID_LIMIT
-    for name, values, ignore in ((f("input_ids"), ids, False), (f("labels"), labels or [], True)):
-        bad = next((t for t in values if not (0 <= t < limit or (ignore and t == IGNORE))), None)
-        if bad is None:
-            continue
-        if bad < 0:
-            return f"{name}: expected token ids >= 0{' or -100' if ignore else ''}, got {bad}"
-        return (f"{name}: token id {bad} is not below the model's vocab_size {vocab_size} (config.json)"
-                if vocab_size else f"{name}: token id {bad} does not fit the data cache's 32-bit ids")
-    return ""
-
-
-def nesting_fault(path: Path) -> None:
-    """``DataError`` naming the first line of a JSON-lines file nested more than ``MAX_DEPTH`` deep:
-    pyarrow's reader recurses in C and crashes the process on a record some thousands deep. A line
-    with fewer brackets cannot be nested deeper, so only the others are parsed here."""
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.count(b"[") + line.count(b"{") <= MAX_DEPTH:
-                continue
-            try:
-                todo, deep = [(json.loads(line), 1)], False
-                while todo and not deep:
-                    value, depth = todo.pop()
-                    deep = depth > MAX_DEPTH
-                    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-                    todo.extend((v, depth + 1) for v in items)
-            except RecursionError:
-                deep = True
-            except ValueError:
-                continue  # not JSON: the reader names it
-            if deep:
-                raise DataError(f"a record nested more than {MAX_DEPTH} deep", str(path), line=lineno)
-
-
-def _ints(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
-

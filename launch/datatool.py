@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launch.dataprep import IGNORE, DataError, _where, load_tokenizer, prepare, read_stats
+from launch.dataprep import IGNORE, DataError, load_tokenizer, prepare, read_stats
+from launch import records
 from launch.contract import DataPart
 from shard_tools.tokenizer import TOKENIZER_FILES
 
@@ -72,7 +73,7 @@ def check(data: DataPart, cache: Path, vocab_size: int | None, key: str = "data.
         row = int(np.argmax(bad))
         top = int(max(ex.input_ids[row].max(), ex.labels[row].max()))
         path = Path(data.path).resolve()
-        where = {"row": row} if data.packs or path.is_dir() else _where(path, row)
+        where = {"row": row} if data.packs or path.is_dir() else records.where(path, row)
         if "row" in where:
             raise DataError(f"row {row}: token id {top} is not below the model's vocab_size {vocab_size} (config.json)",
                             str(path))

@@ -12,7 +12,8 @@ from orchestrator.errors import RelayerError
 from orchestrator.rundir import entry_fault
 from shard_tools.digest import folder_digests
 from shard_tools.files import read_regular
-from shard_tools.manifest import EXPORT_MARKER, FINAL, checkpoints_dir, step_dir_name
+from shard_tools.manifest import EXPORT_MARKER, FINAL
+from shard_tools.store import Checkpoints
 
 EXPORTER = "from shard_tools.cli import main; main(prog_name='shard-tools')"
 OUTPUT_LINES = 5
@@ -29,7 +30,7 @@ def is_current(run_dir: Path, step: int) -> bool:
         return False
     try:
         marker = json.loads(read_regular(folder / EXPORT_MARKER, 1 << 20, follow_symlinks=False))
-        ckpt = checkpoints_dir(run_dir) / step_dir_name(step)
+        ckpt = Checkpoints(run_dir).at(step)
         return (isinstance(marker, dict) and marker.get("run") == str(run_dir.resolve())
                 and marker.get("checkpoint") == str(ckpt.resolve()) and marker.get("global_step") == step
                 and marker.get("files") == folder_digests(folder, skip=EXPORT_MARKER))

@@ -13,6 +13,9 @@ import os
 import stat
 from pathlib import Path
 
+SMALL_FILE = 64 << 20
+"""The most ``read_regular`` is asked to take of a small record file (a spec, an answer, a reason)."""
+
 
 class BadFile(OSError):
     """The path is there but is not a file this reader takes (a directory, a FIFO, too big)."""

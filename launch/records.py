@@ -1,0 +1,141 @@
+"""What is wrong with the records of a data file, and where: ``DataError`` naming the file and the
+line (or record) to blame, the checks of a ``tokens`` record's ids (below the model's vocabulary,
+never narrowed into the cache's int32), JSON nested deeper than a C parser survives, and the
+search for the first bad record once ``datasets`` failed on a file."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from launch.rows import IGNORE
+
+ID_LIMIT = 2 ** 31
+"""Token ids and labels are int32 in the cache; one at or past this is refused, never narrowed."""
+MAX_DEPTH = 100
+"""JSON records nested deeper are refused (``nesting_fault``)."""
+
+
+class DataError(ValueError):
+    """The data does not fit the schedule. ``file`` and ``line`` (1-based, for jsonl, json lines
+    and csv) or ``record`` (0-based index, other file types) say where, when one record is to blame;
+    the message names them too."""
+
+    def __init__(self, message: str, file: str | None = None, line: int | None = None, record: int | None = None):
+        where = f"{file}:{line}: " if file and line else f"{file}: record {record}: " if file and record is not None \
+            else f"{file}: " if file else ""
+        super().__init__(where + message)
+        self.file, self.line, self.record = file, line, record
+
+
+def token_fault(ids: Any, labels: Any, f, vocab_size: int | None) -> str:
+    """What is wrong with a ``tokens`` record's ids and labels (``f`` names their fields), or "".
+    Every id must be below ``vocab_size`` (else below ``ID_LIMIT``): nothing is narrowed."""
+    if not ints(ids) or not ids:
+        return f"expected {f('input_ids')}, a non-empty list of token ids"
+    if labels is not None and (not ints(labels) or len(labels) != len(ids)):
+        return f"{f('labels')}: expected a list of {len(ids)} token ids or -100, aligned with {f('input_ids')}"
+    limit = vocab_size or ID_LIMIT
+    for name, values, ignore in ((f("input_ids"), ids, False), (f("labels"), labels or [], True)):
+        bad = next((t for t in values if not (0 <= t < limit or (ignore and t == IGNORE))), None)
+        if bad is None:
+            continue
+        if bad < 0:
+            return f"{name}: expected token ids >= 0{' or -100' if ignore else ''}, got {bad}"
+        return (f"{name}: token id {bad} is not below the model's vocab_size {vocab_size} (config.json)"
+                if vocab_size else f"{name}: token id {bad} does not fit the data cache's 32-bit ids")
+    return ""
+
+
+def nesting_fault(path: Path) -> None:
+    """``DataError`` naming the first line of a JSON-lines file nested more than ``MAX_DEPTH`` deep:
+    pyarrow's reader recurses in C and crashes the process on a record some thousands deep. A line
+    with fewer brackets cannot be nested deeper, so only the others are parsed here."""
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.count(b"[") + line.count(b"{") <= MAX_DEPTH:
+                continue
+            try:
+                todo, deep = [(json.loads(line), 1)], False
+                while todo and not deep:
+                    value, depth = todo.pop()
+                    deep = depth > MAX_DEPTH
+                    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+                    todo.extend((v, depth + 1) for v in items)
+            except RecursionError:
+                deep = True
+            except ValueError:
+                continue  # not JSON: the reader names it
+            if deep:
+                raise DataError(f"a record nested more than {MAX_DEPTH} deep", str(path), line=lineno)
+
+
+def ints(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def json_lines(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    return not head.startswith(b"[")
+
+
+def find_bad_record(path: Path, check: Callable[[Any], str]) -> None:
+    """After ``datasets`` failed on a file: the first record to blame, as a ``DataError``; each
+    JSON record is parsed alone and checked by ``check`` (a reason, or "" for a record that fits)."""
+    try:
+        raw = path.read_bytes().decode("utf-8") if path.suffix.lower() in (".jsonl", ".json", ".csv") else None
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise DataError(f"not UTF-8 (byte {e.start})", str(path), line=line) from None
+    if raw is None:
+        return
+    if path.suffix.lower() == ".csv":
+        return
+    if not json_lines(path):
+        try:
+            records = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise DataError(f"not valid JSON: {e.msg}", str(path), line=e.lineno) from None
+        except RecursionError:
+            raise DataError(f"a record nested more than {MAX_DEPTH} deep", str(path)) from None
+        for i, rec in enumerate(records if isinstance(records, list) else []):
+            if (err := check(rec)):
+                raise DataError(err, str(path), record=i)
+        return
+    for lineno, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"not valid JSON: {e.msg}", str(path), line=lineno) from None
+        except RecursionError:
+            raise DataError(f"a record nested more than {MAX_DEPTH} deep", str(path), line=lineno) from None
+        if (err := check(rec)):
+            raise DataError(err, str(path), line=lineno)
+
+
+def where(path: Path, index: int) -> dict[str, int]:
+    """Record ``index`` of a file: its 1-based line in json lines and csv, else the index itself."""
+    suffix = path.suffix.lower() if path.is_file() else ""
+    if suffix in (".jsonl", ".json") and json_lines(path):
+        with open(path, "rb") as f:
+            seen = -1
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    seen += 1
+                    if seen == index:
+                        return {"line": lineno}
+    if suffix == ".csv":
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            next(reader, None)
+            start = reader.line_num + 1
+            for i, _ in enumerate(reader):
+                if i == index:
+                    return {"line": start}
+                start = reader.line_num + 1
+    return {"record": index}
