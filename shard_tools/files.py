@@ -35,7 +35,12 @@ def open_regular(path: Path, follow_symlinks: bool = True) -> int:
     ``follow_symlinks=False``: a symbolic link is refused (ELOOP), not followed.
     """
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
-    fd = os.open(path, flags)
+    return _regular(os.open(path, flags), path)
+
+
+def _regular(fd: int, path: Path) -> int:
+    """``fd`` (opened non-blocking, so that a FIFO or a device never blocks the open) in blocking
+    mode, where it is a regular file; closed and BadFile otherwise."""
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -59,15 +64,7 @@ def open_append(path: Path, mode: int = 0o640) -> int:
         if kind is None:
             raise
         raise BadFile(e.errno, f"{kind}, not a file", str(path)) from None
-    try:
-        st_mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(st_mode):
-            raise BadFile(errno.EINVAL, f"{kind_of(st_mode)}, not a file", str(path))
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _regular(fd, path)
 
 
 def regular_fault(path: Path, follow_symlinks: bool = True) -> str | None:
