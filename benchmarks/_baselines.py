@@ -108,7 +108,7 @@ class Trainer:
         from deepspeed.accelerator import get_accelerator
 
         from launch.data import SampleOrder, load_examples, prepare
-        from launch.contract import DataPart
+        from launch.contract.spec import DataPart
 
         self.setup, self.way_dir = setup, way_dir
         accel = get_accelerator()

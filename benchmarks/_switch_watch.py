@@ -19,6 +19,9 @@ from pathlib import Path
 
 import psutil
 
+from shard_tools.errors import CheckpointError
+from shard_tools.store import Checkpoints
+
 
 class Devices:
     """The NVML handles of the first ``count`` GPUs this process's children will see."""
@@ -206,14 +209,15 @@ class ManifestWatch(_Poller):
         self.run_dir, self.manifests = run_dir, {}
 
     def look(self) -> None:
-        for path in (self.run_dir / "checkpoints").glob("step-*/manifest.json"):
-            if path.parent.name in self.manifests:
+        store = Checkpoints(self.run_dir)
+        for ckpt in store.all():
+            if ckpt.name in self.manifests or not store.committed(ckpt):
                 continue
             try:
-                m = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue  # not whole yet (it is renamed into place, but a removal may race)
-            self.manifests[path.parent.name] = {k: m.get(k) for k in self.KEYS}
+                m = store.manifest(ckpt)
+            except (OSError, CheckpointError):
+                continue  # a removal raced this look
+            self.manifests[ckpt.name] = {k: getattr(m, k) for k in self.KEYS}
 
 
 class TreeMemory(_Poller):

@@ -143,7 +143,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50, help="optimizer steps each rank reads")
     args = p.parse_args()
     from launch.dataprep import ROWS, prepare, read_stats
-    from launch.contract import DataPart
+    from launch.contract.spec import DataPart
 
     with tempfile.TemporaryDirectory(prefix="relayer-bench-data-") as tmp:
         tmp = Path(tmp)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from launch.commands import command
 from launch.procs import record_pid, set_parent_death_signal
-from launch.contract import PhaseSpec
+from launch.contract.spec import PhaseSpec
 
 
 def main() -> None:

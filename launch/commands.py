@@ -12,7 +12,7 @@ import re
 import sys
 from collections.abc import Mapping
 
-from launch.contract import PhaseSpec
+from launch.contract.spec import PhaseSpec
 
 WORKER = ["-m", "launch.worker"]
 

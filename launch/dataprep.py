@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from launch import faults
-from launch.contract import DataPart, is_template_path
+from launch.contract.spec import DataPart, is_template_path
 from launch.rows import IGNORE, pack, pad, ragged
 from launch.records import DataError, find_bad_record, json_lines, nesting_fault, token_fault, where
 from launch.template import BudgetExceeded, Renderer, TemplateFault

@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launch.dataprep import IGNORE, DataError, load_tokenizer, prepare, read_stats
 from launch import records
-from launch.contract import DataPart
+from launch.contract.spec import DataPart
+from launch.dataprep import IGNORE, DataError, load_tokenizer, prepare, read_stats
 from shard_tools.tokenizer import TOKENIZER_FILES
 
 

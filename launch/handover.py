@@ -10,8 +10,9 @@ pickled: the offer is JSON, CUDA IPC's handles in it base64.
 
 Transports: ``cuda`` (CUDA IPC, both processes on the same GPU, matched by UUID) and ``host``
 (the bytes in a 0600 file in the predecessor's phase directory: the same choreography without a
-GPU, for testing it on a CPU; ``launch.handover = "on"``). The verified recipe is in
-``shared/notes/deepspeed.md``; the floor it measured is in benchmarks/results/2026-12-01-ipc-handover-h200/.
+GPU, for testing it on a CPU; ``launch.handover = "on"``). The recipe was verified on one H200
+(torch 2.11) by ``benchmarks/handover.py``, whose measured floor is in
+benchmarks/results/2026-12-01-ipc-handover-h200/.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from launch import faults, zero_state
-from launch.contract import Answer, Offer, PhaseDir, TensorRef
+from launch.contract.files import Answer, Offer, PhaseDir, TensorRef
 from launch.record import Phase, Prepared
 from launch.save import snapshot
 from shard_tools.errors import CheckpointError

@@ -12,7 +12,7 @@ from pathlib import Path
 from torch import nn
 
 from launch import handover, prepare, save, switch, train
-from launch.contract import PhaseSpec
+from launch.contract.spec import PhaseSpec
 from launch.record import Phase
 
 PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint was written, run again to go on

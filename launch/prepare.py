@@ -19,7 +19,8 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from launch import handover, procs
-from launch.contract import DATA_CACHE, PhaseSpec
+from launch.contract.files import DATA_CACHE
+from launch.contract.spec import PhaseSpec
 from launch.data import SampleOrder, load_examples, micro_batch, prepare as prepare_data
 from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.record import Assembled, Phase, Prepared, Source

@@ -14,7 +14,8 @@ from typing import Callable
 
 import psutil
 
-from launch.contract import GO, PhaseDir, rank_name
+from launch.contract.channels import GO
+from launch.contract.files import PhaseDir, rank_name
 
 PR_SET_PDEATHSIG = 1
 

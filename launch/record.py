@@ -16,7 +16,8 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from launch.contract import PhaseDir, PhaseSpec
+from launch.contract.files import PhaseDir
+from launch.contract.spec import PhaseSpec
 from launch.data import SampleOrder
 from launch.staging import Staging
 from launch.timeline import Timeline

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from launch import faults, zero_state
-from launch.contract import lr_at
+from launch.contract.spec import lr_at
 from launch.record import Phase, Prepared
 from launch.scaler import scaler_fields
 from launch.zero_state import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DECAY

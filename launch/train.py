@@ -14,7 +14,8 @@ import psutil
 import torch
 
 from launch import faults, procs
-from launch.contract import RunDir, lr_at
+from launch.contract.files import RunDir
+from launch.contract.spec import lr_at
 from launch.data import micro_batch, rows, step_targets
 from launch.record import Phase
 from launch.save import prepare_files, save

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from launch import procs
 from launch.commands import rank_env_from_slurm
-from launch.contract import PhaseSpec
+from launch.contract.spec import PhaseSpec
 
 
 def main(argv: list[str], prebuilt: dict | None = None) -> int:

@@ -1,8 +1,10 @@
 """Reading and writing per-parameter optimizer state of a DeepSpeed ZeRO optimizer.
 
-Facts this relies on are in ``shared/notes/deepspeed.md``: the getters and setters are
-collectives; ``step`` lives only in the wrapped optimizer's state of each flat fp32 tensor; state
-is created lazily at the first step, so a fresh engine's state is materialised here first.
+Facts this relies on (DeepSpeed 0.19.8, verified on CPU/gloo for ZeRO 1, 2 and 3 at world sizes 1
+and 2; ``tests/launch/test_equivalence.py`` holds the results to an independent PyTorch
+reference): the getters and setters are collectives; ``step`` lives only in the wrapped
+optimizer's state of each flat fp32 tensor; state is created lazily at the first step, so a fresh
+engine's state is materialised here first.
 """
 
 from __future__ import annotations

@@ -23,7 +23,9 @@ import traceback
 import psutil
 
 from launch import procs
-from launch.contract import FORK_REQUESTS, PhaseDir, PhaseSpec, RunDir, rank_name, write_reason
+from launch.contract.channels import FORK_REQUESTS
+from launch.contract.files import PhaseDir, RunDir, rank_name, write_reason
+from launch.contract.spec import PhaseSpec
 from shard_tools.files import open_append
 
 # Modules a phase's first optimizer and first deepspeed.initialize import; importing them here (no

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from launch.contract import lr_at
+from launch.contract.spec import lr_at
 
 from orchestrator.errors import ScheduleError
 from orchestrator.rundir import SCHEDULE_COPY

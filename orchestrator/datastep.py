@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +22,8 @@ from typing import Any, Iterator
 
 import psutil
 
-from launch.contract import DATA_CACHE
+from launch.contract.channels import DATA_TOOL, python_m
+from launch.contract.files import DATA_CACHE
 from orchestrator.errors import STOP_SIGNALS, Preempted, RelayerError, ScheduleError
 from orchestrator.groups import exit_text
 from orchestrator.modelcheck import read_model_config
@@ -38,7 +38,7 @@ STAGED = ".relayer-data-"
 """A new run prepares beside its directory into .relayer-data-<run name>.<pid>.*, moved in after."""
 
 def data_spec(loaded: LoadedSchedule) -> dict[str, Any]:
-    """The phase spec's data part (launch/contract.py DataPart): what keys the cache."""
+    """The phase spec's data part (``launch.contract.spec.DataPart``): what keys the cache."""
     d, base = loaded.schedule.data, loaded.source.parent
     return {"path": str(loaded.data_path), "format": d.format, "seq_len": d.seq_len, "pack": d.pack,
             "train_on_prompt": d.train_on_prompt, "fields": d.fields, "chat_template": chat_template_of(d, base),
@@ -63,7 +63,7 @@ def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0, reuse:
     # Its TMPDIR (the workers' pymp-* folders) goes with it; a session of its own: a stop reaches
     # the whole tool, its datasets.map workers too, from here.
     with tempfile.TemporaryDirectory(prefix=f"{TMP_CACHE}{os.getpid()}.", dir=tmp_root) as scratch:
-        proc = subprocess.Popen([sys.executable, "-m", "launch.datatool"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen(python_m(DATA_TOOL), stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                                 env={**os.environ, "TMPDIR": scratch})
         try:

@@ -21,7 +21,7 @@ from orchestrator.plan import plan_phases
 from orchestrator.rundir import lock_held
 from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.supervisor import Observer, State
-from shard_tools.history import read_journal
+from shard_tools.history import JOURNAL, read_journal
 from shard_tools.sizes import format_bytes
 
 # Off a terminal, lines are logs: never wrap them (rich would at 80 columns).
@@ -199,8 +199,8 @@ def run_state(run_dir: Path, events: list[dict]) -> str:
 def print_status(run_dir: Path) -> None:
     from shard_tools.store import Checkpoints
 
-    if not (run_dir / "journal.jsonl").exists():
-        raise ScheduleError(f"{run_dir}: not a relayer run directory (no journal.jsonl)")
+    if not (run_dir / JOURNAL).exists():
+        raise ScheduleError(f"{run_dir}: not a relayer run directory (no {JOURNAL})")
     events = read_journal(run_dir)
     ckpt, manifest, skipped = Checkpoints(run_dir).newest_whole(checksums=False)
     out = Console()

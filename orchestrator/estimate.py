@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.errors import ScheduleError
-from orchestrator.modelcheck import num_layers_of
+from orchestrator.modelcheck import CONFIG, num_layers_of
 from orchestrator.schedule import LoadedSchedule, Phase
 from shard_tools.sizes import parse_size
 
@@ -211,7 +211,7 @@ def model_config(loaded: LoadedSchedule) -> dict[str, Any]:
     if loaded.schedule.model.config is not None:
         return loaded.schedule.model.config
     assert loaded.model_path is not None
-    return json.loads((loaded.model_path / "config.json").read_text())
+    return json.loads((loaded.model_path / CONFIG).read_text())
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ the run's fork server), the go of a pre-warmed group, and taking groups down.
 
 The channels are FIFOs in the run directory, mode 0600: fork requests to the fork server
 (``RunDir.zygote_fifo``) and each pre-warmed phase's go (``PhaseDir.go``), framed as
-``launch.contract`` says. This process holds each FIFO open, so a reader sees EOF when it dies.
+``launch.contract.channels`` says. This process holds each FIFO open, so a reader sees EOF when it dies.
 """
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from launch.contract import FORK_REQUESTS, GO, RANK, Answer, PhaseDir, PhaseSpec, RunDir, read_reasons
+from launch.contract.channels import FORK_REQUESTS, FORK_SERVER, GO, PHASE_LAUNCHER, python_m
+from launch.contract.files import RANK, Answer, PhaseDir, RunDir, read_reasons
+from launch.contract.spec import PhaseSpec
 from orchestrator import procs
 from orchestrator.schedule import LaunchSection, Phase
 from shard_tools.files import describe, open_append, open_regular, write_atomic
@@ -146,7 +147,7 @@ class PhaseProcesses:
             proc: subprocess.Popen | ForkedProc = ForkedProc(files.path, ph.nproc, zygote)
         else:
             with open(open_append(files.log), "ab") as log:
-                proc = subprocess.Popen([sys.executable, "-m", "launch", str(files.spec)], stdout=log,
+                proc = subprocess.Popen(python_m(PHASE_LAUNCHER, str(files.spec)), stdout=log,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
         return Group(work=work, phase_dir=files.path, proc=proc, log_path=files.log, t_start=time.time(),
@@ -167,7 +168,7 @@ class PhaseProcesses:
             self.zygote_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
             self.files.zygote_error.unlink(missing_ok=True)  # an earlier orchestrator's
             log = open(open_append(self.files.zygote_log), "ab")
-            self.zygote = subprocess.Popen([sys.executable, "-m", "launch.zygote", str(spec_path), str(fifo)],
+            self.zygote = subprocess.Popen(python_m(FORK_SERVER, str(spec_path), str(fifo)),
                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
             log.close()
@@ -254,7 +255,7 @@ class PhaseProcesses:
         the bytes it offered through the host transport (``launch.handover``)."""
         for path in Checkpoints(self.run_dir).remove_temporaries_of(procs.recorded_pids(group.phase_dir)):
             self.event("stray_removed", path=str(path))
-        for blob in PhaseDir(group.phase_dir).handover.glob("*.bin"):  # host transport: offered bytes
+        for blob in PhaseDir(group.phase_dir).blobs():
             blob.unlink(missing_ok=True)
         procs.remove_comm_buffers(group.port)
 

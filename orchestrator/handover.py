@@ -2,7 +2,7 @@
 
 At the switch from phase i to i + 1 a device handover lets the finished phase offer its state where
 it lies and its pre-warmed successor copy it, so the successor trains while the predecessor writes
-its checkpoint (``launch.contract.HandoverPart``). It needs both phases alive at once on the same
+its checkpoint (``launch.contract.spec.HandoverPart``). It needs both phases alive at once on the same
 devices, rank for rank; where the schedule rules that out, the switch goes through the checkpoint
 as it always did. The rules, in the order ``boundary_reason`` names them:
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launch.contract import HandoverPart
+from launch.contract.spec import HandoverPart
 from orchestrator.estimate import PlanEstimate
 from orchestrator.schedule import LoadedSchedule, Phase
 from shard_tools.sizes import format_bytes

@@ -16,6 +16,9 @@ from orchestrator.schedule import ModelSection, _show
 from shard_tools.errors import CheckpointError
 from shard_tools.header import tensor_headers
 
+CONFIG = "config.json"
+"""A Hugging Face model folder's configuration."""
+
 
 def path_kind(path: Path) -> str:
     """What is at ``path``, following symlinks: 'a file', 'a directory', 'a symlink loop', ..."""
@@ -69,7 +72,7 @@ def read_model_config(model: ModelSection, model_path: Path | None, source: Path
     if model.config is not None:
         return model.config
     assert model_path is not None
-    cfg = model_path / "config.json"
+    cfg = model_path / CONFIG
     if path_kind(model_path) != "a directory":
         raise ScheduleError(f"{source}: model.path: expected a Hugging Face model directory, {model_path} "
                             f"{path_is(model_path)}")
@@ -161,7 +164,18 @@ def check_weights(model: ModelSection, config: dict[str, Any], n_layers: int, mo
     """Every weight config.json implies is in the safetensors files, and only those: the layer list
     covers exactly layers 0..n-1, no layer lacks a tensor its siblings hold, the embedding is there."""
     weights, names = _weight_names(model_path, source)
-    cfg = model_path / "config.json"
+    prefix, held = _body(model, names, n_layers, weights, model_path / CONFIG, source)
+    _check_layer_kinds(prefix, held, weights, source)
+    outside = [n for n in names if not n.startswith(prefix + ".")]
+    if not any(re.search(r"embed|wte", n) for n in outside):
+        raise ScheduleError(f"{source}: model.path: {weights} holds no token embedding (no tensor named like "
+                            "embed_tokens or wte)")
+    _check_persistent(model, config, names, outside, prefix, weights, source)
+
+
+def _body(model: ModelSection, names: set[str], n_layers: int, weights: str, cfg: Path,
+          source: Path) -> tuple[str, dict[int, set[str]]]:
+    """The body's prefix and each of its layers' tensor names (past the prefix and the index)."""
     layers: dict[str, dict[int, set[str]]] = {}
     for name in names:
         m = _LAYER_NAME.fullmatch(name)
@@ -177,6 +191,10 @@ def check_weights(model: ModelSection, config: dict[str, Any], n_layers: int, mo
     if set(held) != set(range(n_layers)):
         raise ScheduleError(f"{source}: model.path: {cfg} names {n_layers} layers, {weights} holds layers "
                             f"{_ranges(set(held))} ({prefix}.N)")
+    return prefix, held
+
+
+def _check_layer_kinds(prefix: str, held: dict[int, set[str]], weights: str, source: Path) -> None:
     # Layers of one model may differ (dense and MoE, attention and linear attention): only a layer
     # holding a strict subset of another's tensors is missing some.
     kinds: dict[frozenset[str], int] = {}
@@ -189,18 +207,12 @@ def check_weights(model: ModelSection, config: dict[str, Any], n_layers: int, mo
                 more = f" (and {len(lacking) - 1} more)" if len(lacking) > 1 else ""
                 raise ScheduleError(f"{source}: model.path: {weights}: layer {prefix}.{i} lacks {lacking[0]}{more}, "
                                     f"which {prefix}.{j} holds")
-    outside = [n for n in names if not n.startswith(prefix + ".")]
-    if not any(re.search(r"embed|wte", n) for n in outside):
-        raise ScheduleError(f"{source}: model.path: {weights} holds no token embedding (no tensor named like "
-                            "embed_tokens or wte)")
-    _check_persistent(model, config, names, prefix, weights, source)
 
 
-def _check_persistent(model: ModelSection, config: dict[str, Any], names: set[str], prefix: str, weights: str,
-                      source: Path) -> None:
-    """Each model.persistent prefix names tensors outside the body ``prefix`` (a body layer in the
-    head would be trained and saved twice)."""
-    outside = [n for n in names if not n.startswith(prefix + ".")]
+def _check_persistent(model: ModelSection, config: dict[str, Any], names: set[str], outside: list[str],
+                      prefix: str, weights: str, source: Path) -> None:
+    """Every ``model.persistent`` name matches a tensor (a tied lm_head, the input embedding) outside
+    the body ``prefix`` (a body layer in the head would be trained and saved twice)."""
     for p in model.persistent or []:
         if p == prefix or p.startswith(prefix + ".") or prefix.startswith(p + "."):
             raise ScheduleError(f"{source}: model.persistent: {p!r} names the body ({prefix}.N), whose layers the "

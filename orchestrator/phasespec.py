@@ -1,4 +1,4 @@
-"""The phase spec a phase's processes start from (``launch.contract.PhaseSpec``), built from the
+"""The phase spec a phase's processes start from (``launch.contract.spec.PhaseSpec``), built from the
 schedule for one piece of work.
 
 Built typed, so it is validated here, before the phase's processes start: a ValidationError is a
@@ -11,7 +11,7 @@ import os
 import socket
 from pathlib import Path
 
-from launch.contract import DataPart, ModelPart, OptimizerPart, PhaseSpec
+from launch.contract.spec import DataPart, ModelPart, OptimizerPart, PhaseSpec
 from orchestrator.datastep import data_spec
 from orchestrator.estimate import EstimateError, PlanEstimate, estimate_plan
 from orchestrator.groups import Work

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import psutil
 
-from launch.contract import PhaseDir
+from launch.contract.files import PhaseDir
 
 
 def recorded(phase_dir: Path, prefix: str = "") -> list[psutil.Process]:

@@ -22,6 +22,7 @@ from typing import Callable
 
 import psutil
 
+from launch.contract.files import RANK
 from orchestrator import procs
 from orchestrator.groups import Group
 
@@ -60,7 +61,7 @@ class Pauser:
         and must not start preparing in the middle of the switch."""
         for g, ranks in self.paused.values():
             known = {p.pid for p in ranks}
-            new = [p for p in procs.recorded(g.phase_dir, "rank-") if p.pid not in known]
+            new = [p for p in procs.recorded(g.phase_dir, RANK) if p.pid not in known]
             if new:
                 procs.signal_all(new, signal.SIGSTOP)
                 ranks.extend(new)
@@ -73,7 +74,7 @@ class Pauser:
             return
         for i in chosen:
             g, ranks = self.paused.pop(i)
-            procs.signal_all(ranks + procs.recorded(g.phase_dir, "rank-"), signal.SIGCONT)
+            procs.signal_all(ranks + procs.recorded(g.phase_dir, RANK), signal.SIGCONT)
         seconds = time.time() - self.since
         if not self.paused:
             self.since = None

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from launch.contract import RunDir
+from launch.contract.files import RunDir
 from orchestrator.errors import RelayerError, ScheduleError
 from orchestrator.journal import open_run_file
 from shard_tools.files import write_atomic
@@ -105,52 +105,62 @@ def plot(report: RunReport, out: Path, title: str) -> None:
     fig = Figure(figsize=(11, 11), layout="constrained")
     ax_loss, ax_mem, ax_switch = fig.subplots(3, 1, height_ratios=[2, 1, 1])
     fig.suptitle(title)
-
-    steps, losses = list(report.loss), list(report.loss.values())
-    ax_loss.plot(steps, losses, color="tab:blue", linewidth=1.2, marker="." if len(steps) <= 100 else None)
-    ax_loss.set_xlabel("global step")
-    ax_loss.set_ylabel("loss")
-    ax_loss.grid(alpha=0.3)
-    many = len(report.phases) > 12
-    for row in report.phases:
-        if row.start_step > 0:
-            # Metrics count steps done: phase k's last is end_step, phase k+1's first end_step + 1.
-            ax_loss.axvline(row.start_step + 0.5, color="tab:gray", linestyle="--", linewidth=0.8)
-        ax_loss.text((row.start_step + row.end_step + 1) / 2, 0.98, _layers_label(row.layers),
-                     transform=ax_loss.get_xaxis_transform(), ha="center", va="top",
-                     fontsize=7 if many else 9, rotation=90 if many else 0, color="tab:gray")
-
-    series = memory_series(report.phases)
-    peak = max((v for s in series.values() for v in s.values()), default=0.0)
-    scale, unit = (2**30, "GiB") if peak >= 2**30 else (2**20, "MiB")
-    for label, by_phase in series.items():
-        ax_mem.plot(list(by_phase), [v / scale for v in by_phase.values()], marker="o", label=label)
-    ax_mem.set_xlabel("phase")
+    _plot_loss(ax_loss, report)
+    _plot_memory(ax_mem, report)
     ax_mem.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_mem.set_ylabel(f"memory ({unit})")
-    ax_mem.set_title("memory per phase (device memory on CUDA, process RSS elsewhere)", fontsize=10)
-    ax_mem.grid(alpha=0.3)
-    if series:
-        ax_mem.legend(fontsize=8, ncols=3)
-    else:
-        ax_mem.text(0.5, 0.5, "no phase has finished yet", transform=ax_mem.transAxes, ha="center")
-
-    switches = report.switch_seconds
-    ax_switch.bar([f"{k - 1}→{k}" for k in switches], list(switches.values()), color="tab:orange")
-    ax_switch.set_xlabel("switch (phase k → k+1)")
-    ax_switch.set_ylabel("seconds")
-    ax_switch.set_title("switch overhead: first step of k+1 ends − last step of k ends − median step of k+1",
-                        fontsize=10)
-    ax_switch.grid(alpha=0.3, axis="y")
-    if not switches:
-        ax_switch.text(0.5, 0.5, "no switch measured in one go", transform=ax_switch.transAxes, ha="center")
-    if len(switches) > 12:
-        ax_switch.tick_params(axis="x", labelrotation=90, labelsize=7)
-
+    _plot_switches(ax_switch, report)
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=100)
     # Any file's mode (0666 less the umask), as savefig gives; not fsynced: a report is redrawn at will.
     write_atomic(out, png.getvalue(), mode=0o666, durable=False)
+
+
+def _plot_loss(ax, report: RunReport) -> None:
+    """Loss per step, with the phases' bounds and layers."""
+    steps, losses = list(report.loss), list(report.loss.values())
+    ax.plot(steps, losses, color="tab:blue", linewidth=1.2, marker="." if len(steps) <= 100 else None)
+    ax.set_xlabel("global step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    many = len(report.phases) > 12
+    for row in report.phases:
+        if row.start_step > 0:
+            # Metrics count steps done: phase k's last is end_step, phase k+1's first end_step + 1.
+            ax.axvline(row.start_step + 0.5, color="tab:gray", linestyle="--", linewidth=0.8)
+        ax.text((row.start_step + row.end_step + 1) / 2, 0.98, _layers_label(row.layers),
+                transform=ax.get_xaxis_transform(), ha="center", va="top",
+                fontsize=7 if many else 9, rotation=90 if many else 0, color="tab:gray")
+
+
+def _plot_memory(ax, report: RunReport) -> None:
+    """Memory per phase, in GiB or MiB as the peak needs."""
+    series = memory_series(report.phases)
+    peak = max((v for s in series.values() for v in s.values()), default=0.0)
+    scale, unit = (2**30, "GiB") if peak >= 2**30 else (2**20, "MiB")
+    for label, by_phase in series.items():
+        ax.plot(list(by_phase), [v / scale for v in by_phase.values()], marker="o", label=label)
+    ax.set_xlabel("phase")
+    ax.set_ylabel(f"memory ({unit})")
+    ax.set_title("memory per phase (device memory on CUDA, process RSS elsewhere)", fontsize=10)
+    ax.grid(alpha=0.3)
+    if series:
+        ax.legend(fontsize=8, ncols=3)
+    else:
+        ax.text(0.5, 0.5, "no phase has finished yet", transform=ax.transAxes, ha="center")
+
+
+def _plot_switches(ax, report: RunReport) -> None:
+    """The overhead of each switch measured in one go."""
+    switches = report.switch_seconds
+    ax.bar([f"{k - 1}→{k}" for k in switches], list(switches.values()), color="tab:orange")
+    ax.set_xlabel("switch (phase k → k+1)")
+    ax.set_ylabel("seconds")
+    ax.set_title("switch overhead: first step of k+1 ends − last step of k ends − median step of k+1", fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    if not switches:
+        ax.text(0.5, 0.5, "no switch measured in one go", transform=ax.transAxes, ha="center")
+    if len(switches) > 12:
+        ax.tick_params(axis="x", labelrotation=90, labelsize=7)
 
 
 def write_report(run_dir: Path, out: Path | None = None) -> Path:

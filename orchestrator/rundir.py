@@ -11,7 +11,7 @@ import stat
 import tomllib
 from pathlib import Path
 
-from launch.contract import DATA_CACHE, PHASES, PhaseDir, RunDir
+from launch.contract.files import DATA_CACHE, PHASES, PhaseDir, RunDir
 
 from orchestrator.errors import RunLocked, ScheduleError
 from shard_tools.files import kind_of, write_atomic

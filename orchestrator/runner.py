@@ -10,10 +10,11 @@ import shutil
 import signal
 import tomllib
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from launch.contract import PhaseDir, RunDir
+from launch.contract.files import RunDir
 
 from orchestrator import devmem, final, procs
 from orchestrator.datastep import adopt_data, stage_data
@@ -35,6 +36,44 @@ from shard_tools.store import Checkpoints
 
 
 
+@dataclass
+class Switch:
+    """The switch from the phase that finished last into the next, as the runner sees it; one for
+    each phase, in this life cycle:
+
+    - opened when the finished phase's supervisor returns, with the work that comes next (None:
+      the run is complete); the run's first switch has no finished phase;
+    - ``settle``, before the successor's go and at the run's end: where the finished phase is
+      handing its state over and no group will take it (none was made for the work, it is gone,
+      or the run stops), the offer is declined, and the phase, followed to its end, is DONE;
+    - ``close``: at the successor's go, or at the run's end: a DONE phase's checkpoint is made
+      durable and the phase journaled done (``orchestrator.commit``). A phase still handing over
+      lives on as the successor's ``predecessor``, whose supervisor ends it.
+    """
+
+    finished: Supervisor | None
+    """DONE (its checkpoint committed, not yet durable), or HANDING_OVER (alive, offering its
+    state); None before the run's first phase."""
+    work: Work | None
+
+    @property
+    def predecessor(self) -> Supervisor | None:
+        """The finished phase, where it is handing its state over."""
+        handing = self.finished is not None and self.finished.state is State.HANDING_OVER
+        return self.finished if handing else None
+
+    def settle(self, taker: Group | None, stopped: bool) -> None:
+        """``taker``: the group ahead made for the work, alive, if any."""
+        if self.predecessor is None or (taker is not None and taker.takes and not stopped):
+            return
+        self.finished.decline("stopped" if stopped else "the next phase is not pre-warmed to take it")
+
+    def close(self, committer: Committer, successor: Group | None) -> None:
+        """``successor``: the group that got its go (None: the run ends), which retention spares."""
+        if self.finished is not None and self.finished.state is State.DONE:
+            committer.submit(self.finished.group, successor)
+
+
 class Runner:
     """Runs a schedule to completion in its run directory. ``run()`` is the whole public API."""
 
@@ -50,7 +89,8 @@ class Runner:
         self.changed: list[str] = []
         """How the schedule given differs from the run's copy, where the change was accepted."""
         self.checkpoints = Checkpoints(self.run_dir)
-        self.live_pending: list[Group] = []
+        self.ahead: list[Group] = []
+        """The pre-warmed groups of the next phases, in order."""
         estimate = plan_estimate(loaded, self.phases)  # the handovers' planned peaks
         self.groups = PhaseProcesses(self.run_dir, loaded.schedule.launch, self._event,
                                      lambda work, phase_dir: phase_spec(loaded, self.phases, work, phase_dir, estimate))
@@ -59,8 +99,8 @@ class Runner:
         self.supervision = Context(
             run_dir=self.run_dir, grace=loaded.schedule.launch.grace_seconds, groups=self.groups,
             pauser=self.pauser, event=self._event, stop_signal=lambda: self.stop_signal, abort=self._abort,
-            records=lambda phase_dir: PhaseDir(phase_dir).read_records(), observer=observer or Observer(),
-            tick=self.committer.poll, flush=self._commit_all)
+            checkpoints=self.checkpoints, observer=observer or Observer(), tick=self.committer.poll,
+            flush=self._commit_all)
 
     # -- entry ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -137,57 +177,68 @@ class Runner:
 
     # -- the loop ------------------------------------------------------------------------------
     def _loop(self, fresh: bool) -> None:
+        self._clear_leftovers()
+        switch = Switch(None, self._start_point(fresh))
+        while switch.work is not None and self.stop_signal is None:
+            switch = self._phase(switch)
+        self._end_run(switch)
+
+    def _phase(self, switch: Switch) -> Switch:
+        """Runs ``switch.work``: its group's go closes ``switch``; it is supervised until it
+        finishes; the switch after it, opened and settled."""
+        group = self._go(switch)
+        switch.close(self.committer, group)
+        finished = self._supervise(group, switch.predecessor)
+        after = Switch(finished, self._work_after(finished))
+        after.settle(self._prewarmed(after.work), self.stop_signal is not None)
+        return after
+
+    def _clear_leftovers(self) -> None:
+        """What an orchestrator that was killed left: go FIFOs, processes, temporaries."""
         for files in RunDir(self.run_dir).phase_dirs():
-            files.go.unlink(missing_ok=True)  # left by an orchestrator that was killed
+            files.go.unlink(missing_ok=True)
             killed = procs.reap(files.path, None, grace=self.loaded.schedule.launch.grace_seconds)
             if killed:
                 self._event("killed", phase_dir=str(files.path), pids=killed)
         for stray in self.checkpoints.remove_stray_temporaries():  # once no process can still write them
             self._event("stray_removed", path=str(stray))
-        first = True
-        pending: list[Group] = []  # pre-warmed groups of the next phases, in order
-        finished: Group | None = None
-        handing: Supervisor | None = None  # a finished phase, alive, offering its state (launch.handover)
-        while True:
-            if handing is not None:
-                work = self._successor_work(handing)
-            else:
-                ckpt, manifest = restore_point(self.checkpoints, self._event)
-                work = next_work(self.phases, ckpt, manifest)
-                if first:
-                    self._event_start(fresh, manifest.global_step if manifest else 0, ckpt)
-                    first = False
-            if handing is not None and (work is None or self.stop_signal is not None
-                                        or not self._takes(pending, work)):
-                finished = self._release(handing, "stopped" if self.stop_signal is not None else
-                                         "the next phase is not pre-warmed to take it")
-                handing = None
-            if work is None or self.stop_signal is not None:
-                # The run ends here: the pre-warmed groups go, every finished phase is journaled done.
-                self._abort(pending)
-                self._after_switch(finished, None)
-                self.committer.poll(block=True)
-            if work is None:
-                self._final_model()
-                self._event("run_done", step=self.phases[-1].end_step)
-                return
-            if self.stop_signal is not None:
-                self._event("preempted", step=work.start_step, signal=self.stop_signal)
-                raise Preempted(f"stopped by signal {self.stop_signal} before phase {work.phase.index}; run again to resume")
-            current = self._take(pending, work, handing)
-            self._after_switch(finished, current)
-            # With a switch to keep quiet, the phases further ahead start once it is over (a start
-            # would slow it as much as a preparation does).
-            defer = current.prewarmed and bool(pending) and self.pauser.limit > 0
-            if not defer:
-                self._prewarm_ahead(pending, work)
-            try:
-                supervisor = self._supervise(current, pending, ahead=defer, predecessor=handing)
-            except BaseException:
-                self._abort(pending)  # already done, unless this process itself failed
-                raise
-            handing = supervisor if supervisor.state is State.HANDING_OVER else None
-            finished = None if handing is not None else current
+
+    def _start_point(self, fresh: bool) -> Work | None:
+        """The run's first work, from the newest whole checkpoint; the run journaled started or resumed."""
+        ckpt, manifest = restore_point(self.checkpoints, self._event)
+        step = manifest.global_step if manifest else 0
+        if fresh:
+            self._event("run_started", phases=len(self.phases), total_steps=self.phases[-1].end_step, pid=os.getpid())
+        else:
+            self._event("resumed", step=step, checkpoint=str(ckpt) if ckpt else None, pid=os.getpid())
+            self._journal_recovered(step)
+        return next_work(self.phases, ckpt, manifest)
+
+    def _work_after(self, finished: Supervisor) -> Work | None:
+        """The work after ``finished``: the next phase, from the checkpoint a phase handing over is
+        about to commit; else from the newest whole checkpoint."""
+        if finished.state is not State.HANDING_OVER:
+            ckpt, manifest = restore_point(self.checkpoints, self._event)
+            return next_work(self.phases, ckpt, manifest)
+        end_step = finished.phase.end_step
+        nxt = self._after(finished.phase)
+        return None if nxt is None else Work(nxt, end_step, self.checkpoints.at(end_step))
+
+    def _end_run(self, switch: Switch) -> None:
+        """The run ends here, all done (no work left) or stopped: no successor takes the finished
+        phase's state, the pre-warmed groups go, every finished phase is journaled done, then the
+        final model or the stop."""
+        switch.settle(None, self.stop_signal is not None)  # a stop since the switch was settled
+        self._abort(self.ahead)
+        switch.close(self.committer, None)
+        self.committer.poll(block=True)
+        if switch.work is None:
+            self._final_model()
+            self._event("run_done", step=self.phases[-1].end_step)
+            return
+        self._event("preempted", step=switch.work.start_step, signal=self.stop_signal)
+        raise Preempted(f"stopped by signal {self.stop_signal} before phase {switch.work.phase.index}; "
+                        "run again to resume")
 
     def _commit_all(self) -> None:
         """Waits for every durability fsync and journals those phases done, on the way out."""
@@ -195,13 +246,6 @@ class Runner:
             self.committer.poll(block=True)
         except OSError as e:
             self._journal_failure(e)
-
-    def _event_start(self, fresh: bool, step: int, ckpt: Path | None) -> None:
-        if fresh:
-            self._event("run_started", phases=len(self.phases), total_steps=self.phases[-1].end_step, pid=os.getpid())
-        else:
-            self._event("resumed", step=step, checkpoint=str(ckpt) if ckpt else None, pid=os.getpid())
-            self._journal_recovered(step)
 
     def _journal_recovered(self, step: int) -> None:
         """Phases that ended by the restore point ``step`` but were never journaled done: an
@@ -213,30 +257,9 @@ class Runner:
                 self._event("phase_done", phase=row.index, step=row.end_step, layers=row.layers, nproc=row.nproc,
                             records={}, recovered=True)
 
-    def _successor_work(self, handing: Supervisor) -> Work | None:
-        """The work after a phase that is handing its state over: the next phase, from the
-        checkpoint the finished one is about to commit."""
-        done = handing.phase
-        nxt = self._after(done)
-        end = self.checkpoints.at(done.end_step)
-        return None if nxt is None else Work(nxt, done.end_step, end)
-
     def _after(self, phase: Phase) -> Phase | None:
         """The phase that starts where ``phase`` ends; None after the last."""
         return next((p for p in self.phases if p.start_step == phase.end_step), None)
-
-    def _takes(self, pending: list[Group], work: Work) -> bool:
-        """Whether the first pre-warmed group is the one for ``work``, alive, and prepared to take
-        its predecessor's state over."""
-        first = pending[0] if pending else None
-        return (first is not None and first.takes and first.work.phase == work.phase
-                and first.work.start_step == work.start_step and first.proc.poll() is None)
-
-    def _release(self, handing: Supervisor, reason: str) -> Group:
-        """A finished phase whose offer nobody takes: it writes its checkpoint, and is done."""
-        handing.finish(reason)
-        self.checkpoints.trust(handing.group.end)
-        return handing.group
 
     def _final_model(self) -> None:
         step = self.phases[-1].end_step
@@ -252,15 +275,10 @@ class Runner:
                                f"(exit code {rc}):\n{output}\nthe checkpoints are intact; run again to retry")
         self._event("final_model_written", path=str(out), step=step)
 
-    def _abort(self, pending: list[Group]) -> None:
-        self.pauser.resume("aborted", pending)
-        self.groups.abort(pending)
-
-    def _after_switch(self, finished: Group | None, current: Group | None) -> None:
-        """What can wait until the next phase has its go: making the finished phase's checkpoint
-        durable (in a thread, ``orchestrator.commit``), then journaling it done."""
-        if finished is not None and finished.end is not None:
-            self.committer.submit(finished, current)
+    def _abort(self, groups: list[Group]) -> None:
+        """Takes pre-warmed groups down, paused ones included."""
+        self.pauser.resume("aborted", groups)
+        self.groups.abort(groups)
 
     def _phase_done(self, finished: Group, current: Group | None) -> None:
         """A finished phase's checkpoint is durable: journaled done, the device check (NVML is slow
@@ -271,61 +289,72 @@ class Runner:
                     seconds=finished.records["t_gone"] - finished.t_start, records=finished.records)
         finished.end = None
         self._event("device_after_phase", phase=ph.index, nvml=devmem.snapshot(finished.pids))
-        protect = {g.preload for g in (current, *self.live_pending) if g is not None and g.preload}
+        protect = {g.preload for g in (current, *self.ahead) if g is not None and g.preload}
         retain(self.checkpoints, self.loaded.schedule.checkpoint.keep_last, protect, self._event)
 
-    def _take(self, pending: list[Group], work: Work, handing: Supervisor | None = None) -> Group:
-        """The group to run ``work``: the first pre-warmed one when it was made for it, else a new one
-        (and then the others, made for a future that did not come, go too). With ``handing`` (the
-        finished phase offering its state), that group's go names it."""
-        if pending:
-            first = pending[0]
-            fits = first.work.phase == work.phase and first.work.start_step == work.start_step
-            if fits and first.proc.poll() is None:
-                pending.pop(0)
-                self.groups.go(first, work.restore, handing.group.phase_dir if handing is not None else None)
-                first.work = work
-                first.prewarmed = True
-                return first
+    def _prewarmed(self, work: Work | None) -> Group | None:
+        """The first group ahead, where it was made for ``work`` and is alive."""
+        first = self.ahead[0] if self.ahead and work is not None else None
+        fits = first is not None and first.work.phase == work.phase and first.work.start_step == work.start_step
+        return first if fits and first.proc.poll() is None else None
+
+    def _go(self, switch: Switch) -> Group:
+        """The group to run ``switch.work``: the first pre-warmed one when it was made for it, told
+        to go (naming the predecessor, which hands its state over), else a new one."""
+        work, group, predecessor = switch.work, self._prewarmed(switch.work), switch.predecessor
+        if group is None:
+            return self._start_cold(work)
+        self.ahead.pop(0)
+        self.groups.go(group, work.restore, predecessor.group.phase_dir if predecessor is not None else None)
+        group.work, group.prewarmed = work, True
+        return group
+
+    def _start_cold(self, work: Work) -> Group:
+        """A new group for ``work``; the ones ahead, made for a future that did not come, go."""
+        if self.ahead:
+            first = self.ahead[0]
             self._event("prewarm_unused", phase=first.work.phase.index, rc=first.proc.poll())
-            self._abort(pending)
+            self._abort(self.ahead)
         return self.groups.start(work, prewarm=False)
 
-    def _prewarm_ahead(self, pending: list[Group], work: Work) -> None:
+    def _prewarm_ahead(self, work: Work) -> None:
         """Starts the next ``prewarm_depth`` phases' groups, to prepare while this one trains.
 
         Each preloads every weight as of this phase's start; at its go it reads only what changed
         since (the layers of the phases between, and the head). Local only: the go channel is a
         FIFO on this machine.
         """
-        launch = self.loaded.schedule.launch
-        self.live_pending = pending
+        launch, ahead = self.loaded.schedule.launch, self.ahead
         if not launch.prewarm or launch.nnodes > 1 or launch.launcher == "slurm":
             return
-        last = pending[-1].work.phase if pending else work.phase
-        while len(pending) < launch.prewarm_depth:
+        last = ahead[-1].work.phase if ahead else work.phase
+        while len(ahead) < launch.prewarm_depth:
             nxt = self._after(last)
             if nxt is None:
                 return
-            pending.append(self.groups.start(Work(nxt, nxt.start_step, work.restore), prewarm=True))
+            ahead.append(self.groups.start(Work(nxt, nxt.start_step, work.restore), prewarm=True))
             self._event("prewarm_started", phase=nxt.index)
             last = nxt
 
-    def _supervise(self, group: Group, pending: list[Group], ahead: bool = False,
-                   predecessor: Supervisor | None = None) -> Supervisor:
+    def _supervise(self, group: Group, predecessor: Supervisor | None) -> Supervisor:
         """Waits for a phase's group until all of it is gone, or until it hands its state over
-        (``orchestrator.supervisor``); with ``ahead``, starts the phases further ahead once the
-        switch into it is over. ``predecessor``: the phase that handed its state over to it."""
-        later = (lambda: self._prewarm_ahead(pending, group.work)) if ahead else None
+        (``orchestrator.supervisor``), following ``predecessor`` on, the phase that hands its state
+        over to it. With a switch to keep quiet, the phases further ahead start once it is over (a
+        start would slow it as much as a preparation does)."""
 
-        def predecessor_done(done: Group) -> None:
-            self.checkpoints.trust(done.end)
-            self._after_switch(done, group)
+        def start_ahead() -> None:
+            self._prewarm_ahead(group.work)
 
-        supervisor = Supervisor(self.supervision, group, pending, later, predecessor, predecessor_done)
-        supervisor.run()
-        if supervisor.state is not State.HANDING_OVER:
-            self.checkpoints.trust(group.end)
+        deferred = group.prewarmed and bool(self.ahead) and self.pauser.limit > 0
+        if not deferred:
+            start_ahead()
+        supervisor = Supervisor(self.supervision, group, self.ahead, start_ahead if deferred else None, predecessor,
+                                lambda done: self.committer.submit(done, group))
+        try:
+            supervisor.run()
+        except BaseException:
+            self._abort(self.ahead)  # already done, unless this process itself failed
+            raise
         return supervisor
 
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from launch.contract import FIELDS
+from launch.contract.spec import FIELDS, DataFormat
 from orchestrator.libfacts import deepspeed_refusal
 
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -89,7 +89,7 @@ class DataSection(Section):
     path: str
     """A .jsonl, .json (an array or JSON lines), .parquet, .csv, .arrow or .txt file, or a folder
     written by datasets.save_to_disk; relative to the schedule file."""
-    format: Literal["tokens", "text", "instruction", "chat"] = "tokens"
+    format: DataFormat = "tokens"
     """tokens: {"input_ids": [...], "labels": [...] (optional, aligned as in Hugging Face; -100: no
     loss)}; text: a .txt file (documents separated by blank lines) or {"text": "..."} records, loss
     on every token; instruction: Alpaca {"instruction", "input", "output"}, loss on the output and

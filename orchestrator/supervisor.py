@@ -2,23 +2,32 @@
 
     STARTING ─> SWITCHING ─> TRAINING ─> ENDING      (STARTING ─> TRAINING where no switch is kept quiet)
     TRAINING, ENDING ─(every rank offered its state: launch.handover)─> HANDING_OVER
-    SWITCHING, TRAINING, ENDING, HANDING_OVER ─(a stop signal)─> STOPPING
-    any of those five ─(the group ended; a stop's grace is up)─> REAPING ─> DONE | FAILED | PREEMPTED
+    SWITCHING, TRAINING, ENDING ─(a stop signal)─> STOPPING
+    any of those five ─(the group ended; its deadline passed)─> REAPING ─> DONE | FAILED | PREEMPTED
 
 SWITCHING lasts until the phase's first step is done (or ``launch.pause_preparing_seconds`` are
 up): the pre-warmed phases after the next stay paused (``orchestrator.quiet``), and the phases
 further ahead start only then. ENDING is from the phase's last step on: the successors after the
 next are paused for the coming switch. STOPPING forwards the orchestrator's stop signal to every
-rank, which finishes its step and writes a checkpoint, for ``launch.grace_seconds`` at most.
-REAPING makes sure no process of the group is left; the result is judged after it.
+rank, which finishes its step and writes a checkpoint, until the group's ``deadline``
+(``launch.grace_seconds`` after the stop). REAPING makes sure no process of the group is left;
+the result is judged after it.
 
 HANDING_OVER (``launch.handover``): every rank has offered its state to the successor, and the
-group, alive, is handed to the runner, which gives the successor its go; the successor's
+group, alive, is handed to the runner, which gives the successor its go, or, where none will take
+it, declines the offer (``decline``); either way the group goes on to write its checkpoint. What
+it does from then on is not the phase's training: its supervisor reads none of the lines (the
+successor's does) and leaves the pauses to the successor's. A stop signal is forwarded to its
+ranks as in STOPPING and gives it the same deadline; it stays HANDING_OVER. The successor's
 supervisor follows it on (``predecessor``) while its own phase trains: once the group is gone it
 is reaped and judged, and only then, its checkpoint committed, is the phase done. Should it fail,
 the successor is SIGKILLed at once (its checkpoints would compose the lost layers) and the run
-stops as for any failed phase. Where the successor ends first, whoever has not answered the
-offer gets "not taken" from the orchestrator, so that the checkpoint is written anyway.
+stops as for any failed phase. Where the successor ends first, the offer is declined to whoever
+has not answered it, so that the checkpoint is written anyway.
+
+Every group ends in ``_end`` (its last lines, every process gone, the verdict): one that ran to
+its end or to its deadline there, one handing over once it is gone, one whose offer nobody takes
+once ``decline`` has followed it to its end.
 
 Who follows along (the progress display) is an ``Observer``: it hears every state, the phase's
 stages and every line of metrics.jsonl, which the supervisor reads once for itself and for it.
@@ -35,7 +44,7 @@ from typing import Callable
 
 import psutil
 
-from launch.contract import RANK, PhaseDir, RunDir
+from launch.contract.files import RANK, PhaseDir, RunDir
 
 from orchestrator import procs
 from orchestrator.errors import PhaseFailed, Preempted
@@ -65,7 +74,7 @@ NEXT: dict[State, frozenset[State]] = {
     State.SWITCHING: frozenset({State.TRAINING, State.STOPPING, State.REAPING}),
     State.TRAINING: frozenset({State.ENDING, State.HANDING_OVER, State.STOPPING, State.REAPING}),
     State.ENDING: frozenset({State.HANDING_OVER, State.STOPPING, State.REAPING}),
-    State.HANDING_OVER: frozenset({State.STOPPING, State.REAPING}),
+    State.HANDING_OVER: frozenset({State.REAPING}),
     State.STOPPING: frozenset({State.REAPING}),
     State.REAPING: frozenset({State.DONE, State.FAILED, State.PREEMPTED}),
 }
@@ -100,8 +109,9 @@ class Context:
     """The stop signal the orchestrator got, if any."""
     abort: Callable[[list[Group]], None]
     """Takes pre-warmed groups down, paused ones included."""
-    records: Callable[[Path], dict]
-    """The records a phase directory holds."""
+    checkpoints: Checkpoints
+    """The run's checkpoints, as the runner keeps them: a phase's end checkpoint is trusted once
+    the phase is done."""
     observer: Observer = field(default_factory=Observer)
     tick: Callable[[], None] = lambda: None
     """Called at every look while a phase trains (not near a switch, which a slow NVML check or
@@ -120,34 +130,31 @@ def verdict(rc: int, end_whole: Callable[[], bool], stopped: bool) -> State:
 
 
 class Supervisor:
-    """Supervises one group; ``pending`` are the pre-warmed groups of the next phases, in order,
-    which go down with a phase that failed or stopped. ``ahead`` starts the phases further ahead
-    once the switch into this one is over (None: they were started already). ``predecessor``:
-    the supervisor of the phase that handed its state over to this one, still alive;
-    ``predecessor_done`` is told once that phase is done."""
+    """Supervises one group; ``ahead`` are the pre-warmed groups of the next phases, in order,
+    which go down with a phase that failed or stopped. ``switched`` starts the phases further
+    ahead once the switch into this one is over (None: they were started already).
+    ``predecessor``: the supervisor of the phase that handed its state over to this one, still
+    alive; ``predecessor_done`` is told once that phase is done."""
 
-    def __init__(self, context: Context, group: Group, pending: list[Group],
-                 ahead: Callable[[], None] | None = None, predecessor: Supervisor | None = None,
+    def __init__(self, context: Context, group: Group, ahead: list[Group],
+                 switched: Callable[[], None] | None = None, predecessor: Supervisor | None = None,
                  predecessor_done: Callable[[Group], None] = lambda group: None):
-        self.ctx, self.group, self.pending, self.ahead = context, group, pending, ahead
+        self.ctx, self.group, self.ahead, self.switched = context, group, ahead, switched
         self.predecessor, self.predecessor_done = predecessor, predecessor_done
         self.work, self.phase = group.work, group.work.phase
         self.run_dir = context.run_dir
-        self._records = context.records
         self.state = State.STARTING
-        self.done = group.work.start_step
-        """The global step this phase's rank 0 has logged last."""
+        self.logged_step = group.work.start_step
+        """The last step this phase's rank 0 logged (metrics.jsonl's ``step``: the global steps done)."""
         self.metrics = JsonlTail(RunDir(self.run_dir).metrics)
         self.stages = JsonlTail(PhaseDir(group.phase_dir).stages)
         self.stages.offset = 0  # removed at the phase's spawn: all of it is this attempt's
-        self.stop_at: float | None = None
-        """When the stop signal was first forwarded."""
+        self.deadline: float | None = None
+        """When the group's time is up (a stop's grace); None: unbounded."""
         self.signalled: set[int] = set()
         self.rc: int | None = None
         self.killed: list[int] = []
         self.pids: set[int] = set()
-        self.handed_over = False
-        """Every rank offered its state (HANDING_OVER): what follows is written, not trained."""
 
     def run(self) -> None:
         """Returns once the phase is done (``group.end`` and ``group.records`` set) or hands its
@@ -163,42 +170,43 @@ class Supervisor:
             self._reap()
             self.ctx.groups.clean_up(self.group)
             raise
-        self.conclude()
+        self._end()
 
-    def conclude(self) -> None:
-        """Once the group ended (or is to be stopped): its predecessor first, then the last of
+    def decline(self, reason: str) -> None:
+        """HANDING_OVER, and the successor will not take the state: the offer is answered "not
+        taken", and the group, which then writes its checkpoint, is followed to its end."""
+        self.ctx.groups.decline(self.group, reason)
+        while self._watch():
+            time.sleep(POLL_SECONDS)
+        self._end()
+
+    def _end(self) -> None:
+        """Once the group ended (or its deadline passed): its predecessor first, then the last of
         its lines, every process gone, the verdict."""
         try:
-            self._finish_predecessor()
+            self._end_predecessor(declined="the successor ended before it answered")
             self._drain()
         finally:
             self._reap()
         self._settle()
 
-    def finish(self, reason: str) -> None:
-        """A group HANDING_OVER whose successor will not take its state: answered "not taken", it
-        writes its checkpoint; followed until it is gone (a stop's grace at most), then concluded."""
-        self.ctx.groups.decline(self.group, reason)
-        while self._watch():
-            time.sleep(POLL_SECONDS)
-        self.conclude()
-
-    def _follow_predecessor(self) -> None:
-        """One look at the predecessor: once gone, it is concluded (and so done, or raised)."""
+    def _watch_predecessor(self) -> None:
+        """One look at the predecessor: once it is gone, it is ended (and so done, or raised)."""
         if self.predecessor is not None and not self.predecessor._watch():
-            self._end_predecessor(Supervisor.conclude)
+            self._end_predecessor()
 
-    def _finish_predecessor(self) -> None:
-        """This group ended while its predecessor lives: it gets "not taken" from whoever did not
-        answer, and is followed to its end."""
-        if self.predecessor is not None:
-            self._end_predecessor(lambda pred: pred.finish("the successor ended before it answered"))
-
-    def _end_predecessor(self, end: Callable[[Supervisor], None]) -> None:
-        """The predecessor, ended by ``end``, is done; should it fail, this group goes down at once."""
+    def _end_predecessor(self, declined: str | None = None) -> None:
+        """Ends the predecessor, where there is one: gone, as it stands; with ``declined``, alive:
+        its offer declined for that reason to whoever has not answered it, and followed to its end.
+        Done, it goes to ``predecessor_done``; should it fail, this group goes down at once."""
         pred, self.predecessor = self.predecessor, None
+        if pred is None:
+            return
         try:
-            end(pred)
+            if declined is None:
+                pred._end()
+            else:
+                pred.decline(declined)
         except BaseException:
             self._kill_now()
             raise
@@ -212,14 +220,13 @@ class Supervisor:
     def _enter(self, state: State) -> None:
         if state not in NEXT[self.state]:  # a bug in relayer, also under python -O
             raise RuntimeError(f"supervisor of phase {self.phase.index}: no transition {self.state} -> {state}")
-        self.handed_over = self.handed_over or state is State.HANDING_OVER
         self.state = state
         self.ctx.observer.on_state(state, self.group)
 
     # -- the live states, one look every POLL_SECONDS ------------------------------------------
     def _start(self) -> None:
         work, ph, group = self.work, self.phase, self.group
-        switching = self.ahead is not None or self.ctx.pauser.active
+        switching = self.switched is not None or self.ctx.pauser.active
         self.ctx.event("phase_started", phase=ph.index, start_step=work.start_step, end_step=ph.end_step,
                        layers=list(ph.layers), nproc=ph.nproc, pid=group.proc.pid,
                        restore=str(work.restore) if work.restore else None, prewarmed=group.prewarmed)
@@ -227,14 +234,22 @@ class Supervisor:
         self._enter(State.SWITCHING if switching else State.TRAINING)
 
     def _watch(self) -> bool:
-        """One look at the group: False once it is to be reaped (it ended, or a stop's grace is up)."""
-        self._follow_predecessor()
+        """One look at the group: False once it is to be reaped (it ended, or its deadline passed)
+        or is handed to the runner (HANDING_OVER)."""
+        self._watch_predecessor()
         if self.group.proc.poll() is not None:
             return False
-        if self.handed_over:  # it writes its checkpoint; only a stop's grace bounds that
-            if self.ctx.stop_signal() is not None and self.state is not State.STOPPING:
-                self._stop()
-            return self._stopping() if self.state is State.STOPPING else True
+        if self.state is not State.HANDING_OVER:
+            self._look()
+            if self.state is State.HANDING_OVER:
+                return False
+        if self.ctx.stop_signal() is not None and self.deadline is None:
+            self._stop()
+        return self.deadline is None or self._stopping()
+
+    def _look(self) -> None:
+        """The phase's own part of a look, until it hands over: its new lines, the transitions its
+        steps make (HANDING_OVER once every rank has offered its state), the pauses."""
         self._read()
         if self.state is State.SWITCHING:
             self._switching()
@@ -246,74 +261,73 @@ class Supervisor:
         if self.state in (State.TRAINING, State.ENDING) and self.group.offers and \
                 PhaseDir(self.group.phase_dir).offered(self.group.world):
             self._enter(State.HANDING_OVER)
-            return False
-        if self.state is State.TRAINING:  # not while a switch is near: journaling may take a while
+        elif self.state is State.TRAINING:  # not while a switch is near: journaling may take a while
             self.ctx.tick()
-        if self.ctx.stop_signal() is not None and self.state is not State.STOPPING:
-            self._stop()
-        return self._stopping() if self.state is State.STOPPING else True
 
     def _read(self) -> None:
-        """The phase's new stages and metrics to the observer; the last step it has logged."""
-        if self.handed_over:
-            return  # what follows is the successor's, which its own supervisor reads
+        """The phase's new stages and metrics to the observer; the steps it has done."""
         for stage in self.stages.new():
             self.ctx.observer.on_stage(stage)
         for m in self.metrics.new():
             self.ctx.observer.on_metric(m)
             if m.get("phase") == self.phase.index and "loss" in m:
-                self.done = max(self.done, m["step"])
+                self.logged_step = max(self.logged_step, m["step"])
 
     def _switching(self) -> None:
         """SWITCHING -> TRAINING once the first step is done, or the pause has lasted long enough."""
         late = time.time() - self.group.t_start > self.ctx.pauser.limit
-        if self.done > self.work.start_step or late:
-            self.ctx.pauser.resume("limit" if self.done == self.work.start_step else "first_step")
+        if self.logged_step > self.work.start_step or late:
+            self.ctx.pauser.resume("limit" if self.logged_step == self.work.start_step else "first_step")
             self._enter(State.TRAINING)
-            if self.ahead is not None:
-                self.ahead()
+            if self.switched is not None:
+                self.switched()
 
     def _training(self) -> None:
         """TRAINING -> ENDING from the phase's last step on: the successors after the next pause."""
-        if self.done >= self.phase.end_step - 1:
-            self.ctx.pauser.pause(self.pending[1:])
+        if self.logged_step >= self.phase.end_step - 1:
+            self.ctx.pauser.pause(self.ahead[1:])
             self._enter(State.ENDING)
 
     def _stop(self) -> None:
-        self.stop_at = time.time()
-        self._enter(State.STOPPING)
+        """A stop signal: the group has ``launch.grace_seconds`` to finish its step (or its
+        checkpoint, handing over) and exit."""
+        self.deadline = time.time() + self.ctx.grace
+        if self.state is not State.HANDING_OVER:  # which writes its checkpoint already
+            self._enter(State.STOPPING)
         self.ctx.event("stop_requested", phase=self.phase.index, signal=self.ctx.stop_signal())
 
     def _stopping(self) -> bool:
-        """Forwards the stop to every rank; False once the grace is up."""
+        """Forwards the stop to every rank; False once the deadline has passed."""
         # Ranks catch SIGTERM, finish their step and write a checkpoint. Launchers do not
         # forward it, so it goes to every rank directly, also to late starters.
         ranks = [p for p in procs.recorded(self.group.phase_dir, RANK) if p.pid not in self.signalled]
         procs.signal_all(ranks, signal.SIGTERM)
         self.signalled.update(p.pid for p in ranks)
-        return time.time() - self.stop_at <= self.ctx.grace
+        return time.time() <= self.deadline
 
     def _drain(self) -> None:
-        """What the group did last: the ranks of a stopped phase get the rest of their grace (the
-        launcher may be gone while they still write their checkpoint), then the last lines."""
-        if self.stop_at is not None:
-            psutil.wait_procs(procs.recorded(self.group.phase_dir, RANK),
-                              timeout=max(0.0, self.stop_at + self.ctx.grace - time.time()))
-        self._read()
+        """What the group did last: the ranks of a stopped phase get the rest of their time (the
+        launcher may be gone while they still write their checkpoint), then the last lines (none
+        after a handover: the successor's supervisor reads them)."""
+        if self.deadline is not None:
+            psutil.wait_procs(procs.recorded(self.group.phase_dir, RANK), timeout=max(0.0, self.deadline - time.time()))
+        if self.state is not State.HANDING_OVER:
+            self._read()
 
     # -- after it --------------------------------------------------------------------------
     def _reap(self) -> None:
         """REAPING: every process of the group gone, the next phase never left paused."""
         group, proc, grace = self.group, self.group.proc, self.ctx.grace
+        handed_over = self.state is State.HANDING_OVER
         self._enter(State.REAPING)
         self.pids = {p.pid for p in procs.recorded(group.phase_dir)}
-        self.killed = procs.reap(group.phase_dir, proc.pid, grace=grace if self.stop_at is None else 1.0)
+        self.killed = procs.reap(group.phase_dir, proc.pid, grace=grace if self.deadline is None else 1.0)
         if proc.poll() is None:
             proc.kill()
         self.rc = self.ctx.groups.wait(proc, grace)
         self.ctx.groups.close_go(group)
-        if not self.handed_over:  # the successor runs already, and manages the pauses
-            self.ctx.pauser.resume("its_turn", self.pending[:1])
+        if not handed_over:  # else the successor runs already, and keeps the pauses
+            self.ctx.pauser.resume("its_turn", self.ahead[:1])
 
     def _settle(self) -> None:
         """REAPING -> DONE, FAILED or PREEMPTED."""
@@ -323,22 +337,23 @@ class Supervisor:
         if self.killed:
             self.ctx.event("killed", phase=ph.index, pids=self.killed)
         group.pids = self.pids
-        records = {**self._records(phase_dir), **getattr(proc, "times", {}), "t_gone": t_gone}
-        store = Checkpoints(self.run_dir)
+        records = {**PhaseDir(phase_dir).read_records(), **getattr(proc, "times", {}), "t_gone": t_gone}
+        store = self.ctx.checkpoints
         end = store.at(ph.end_step)
         state = verdict(self.rc, lambda: not store.faults(end, checksums=False), self.ctx.stop_signal() is not None)
         self._enter(state)
         if state is State.DONE:
             # Journaled by the runner once the next phase has its go and the checkpoint is durable.
             group.records, group.end = records, end
+            store.trust(end)
             return
-        self.ctx.abort(self.pending)
+        self.ctx.abort(self.ahead)
         self.ctx.flush()
         raise self._preempted() if state is State.PREEMPTED else self._failed(end)
 
     def _preempted(self) -> Preempted:
         ph, sig = self.phase, self.ctx.stop_signal()
-        kept, manifest, _ = Checkpoints(self.run_dir).newest_whole(checksums=False)
+        kept, manifest, _ = self.ctx.checkpoints.newest_whole(checksums=False)
         step = manifest.global_step if manifest else 0
         self.ctx.event("preempted", phase=ph.index, step=step, signal=sig, rc=self.rc)
         return Preempted(f"preempted by signal {sig} in phase {ph.index}; kept: the checkpoint at "

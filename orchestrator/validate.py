@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from launch.contract import is_template_path
+from launch.contract.spec import is_template_path
 from orchestrator.errors import ScheduleError
 from orchestrator.libfacts import causal_lm_types
 from orchestrator.modelcheck import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from launch.commands import command, first_host, launcher_of, rank_env_from_slurm
-from launch.contract import PhaseSpec
+from launch.contract.spec import PhaseSpec
 
 PY = "/venv/bin/python"
 SPEC = "/runs/a/phases/phase-0002/spec.json"

@@ -1,17 +1,18 @@
 """The contract between the orchestrator and the phase processes (launch.contract): the learning
 rate of a step, the phase directory's files and their readers, the channels' framing, the spec."""
 
+import importlib.util
 import json
 import math
 import os
+import typing
 
 import pytest
 from pydantic import ValidationError
 
-from launch.contract import (
-    FORK_REQUESTS, GO, RANK, ExitRecord, OptimizerPart, PhaseDir, PhaseSpec, PidRecord, RunDir, lr_at, read_reasons,
-    write_reason,
-)
+from launch.contract.channels import DATA_TOOL, FORK_REQUESTS, FORK_SERVER, GO, PHASE_LAUNCHER
+from launch.contract.files import RANK, ExitRecord, PhaseDir, PidRecord, RunDir, read_reasons, write_reason
+from launch.contract.spec import FIELDS, DataFormat, OptimizerPart, PhaseSpec, lr_at
 
 
 def opt(kind: str, warmup: int = 0) -> OptimizerPart:
@@ -52,6 +53,25 @@ def test_the_layout_names_the_files_both_sides_use(tmp_path):
     d.path.mkdir()
     (tmp_path / "phases" / "other").mkdir()
     assert [p.path.name for p in run.phase_dirs()] == ["phase-0001", "phase-0003"]
+
+
+def test_the_host_transports_bytes_are_listed_by_the_name_they_are_written_under(tmp_path):
+    d = PhaseDir(tmp_path)
+    d.handover.mkdir()
+    for path in (d.blob_path(1), d.blob_path(0), d.offer_path(0), d.handover / "other.bin"):
+        path.write_bytes(b"")
+    assert d.blobs() == [d.blob_path(0), d.blob_path(1)]
+    assert d.blob_path(0).name == "rank-0.bin"
+
+
+@pytest.mark.parametrize("module", [PHASE_LAUNCHER, FORK_SERVER, DATA_TOOL])
+def test_the_entry_points_the_orchestrator_starts_are_modules_that_run(module):
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and (spec.submodule_search_locations is None or importlib.util.find_spec(f"{module}.__main__"))
+
+
+def test_every_data_format_has_its_fields():
+    assert set(FIELDS) == set(typing.get_args(DataFormat))
 
 
 def test_records_round_trip_and_a_torn_or_missing_file_reads_as_none(tmp_path):

@@ -17,7 +17,7 @@ import transformers
 from transformers import AutoTokenizer
 
 from launch.data import DataError, Examples, SampleOrder, load_examples, micro_batch, prepare
-from launch.contract import DataPart
+from launch.contract.spec import DataPart
 from tests.conftest import ROOT
 
 DOCS = [

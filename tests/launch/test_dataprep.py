@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from launch import dataprep
 from launch.data import DataError, SampleOrder, load_examples, micro_batch, prepare, read_stats, training_rows
-from launch.contract import DataPart
+from launch.contract.spec import DataPart
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")

@@ -7,7 +7,8 @@ import stat
 import pytest
 from pydantic import ValidationError
 
-from launch.contract import GO, Answer, Offer, PhaseDir, TensorRef
+from launch.contract.channels import GO
+from launch.contract.files import Answer, Offer, PhaseDir, TensorRef
 
 
 def offer(pid: int = 42) -> Offer:

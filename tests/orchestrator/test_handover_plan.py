@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from launch.contract import HandoverPart
+from launch.contract.spec import HandoverPart
 from orchestrator import phasespec
 from orchestrator.cli import main
 from orchestrator.display import switch_lines

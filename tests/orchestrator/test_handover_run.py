@@ -21,7 +21,7 @@ import psutil
 import pytest
 import torch
 
-from launch.contract import RANK
+from launch.contract.files import RANK
 from orchestrator.procs import recorded
 from shard_tools.checkpoint import load_tensors
 from tests.conftest import cli, faults_env, schedule_dict, write_schedule

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from launch.contract import PhaseSpec
+from launch.contract.spec import PhaseSpec
 from orchestrator import phasespec
 from orchestrator.groups import Work
 from orchestrator.plan import plan_phases

@@ -1,7 +1,8 @@
 """The supervisor's state machine (orchestrator.supervisor): its transitions on the metrics lines a
-phase logs, a stop signal and its grace, and how it judges a group that ended. The phase's own
-process is a stand-in where only its being alive matters; ranks that get signals, and groups
-that end, are real processes. Nothing here starts a phase."""
+phase logs, a stop signal and its grace, how it judges a group that ended, and how a group that
+handed its state over ends (followed by its successor's supervisor, or settled by the runner's
+Switch). The phase's own process is a stand-in where only its being alive matters; ranks that
+get signals, and groups that end, are real processes. Nothing here starts a phase."""
 
 from __future__ import annotations
 
@@ -10,15 +11,19 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
 
+from launch.contract.files import Offer, PhaseDir
 from orchestrator.errors import PhaseFailed, Preempted
 from orchestrator.groups import Group, PhaseProcesses, Work
 from orchestrator.quiet import Pauser
+from orchestrator.runner import Switch
 from orchestrator.schedule import LaunchSection, Phase
 from orchestrator.supervisor import NEXT, Context, Observer, State, Supervisor, verdict
+from shard_tools.store import Checkpoints
 
 
 class Alive:
@@ -58,8 +63,9 @@ class Harness:
         self.observer = Recorder()
         self.context = Context(run_dir=run_dir, grace=grace, groups=PhaseProcesses(run_dir, LaunchSection(), self.event, self.no_spec),
                                pauser=Pauser(limit, self.event), event=self.event, stop_signal=lambda: self.stop,
-                               abort=lambda pending: self.aborted.append(list(pending)), records=lambda _: {},
-                               observer=self.observer, flush=lambda: self.events.append(("flushed", {})))
+                               abort=lambda pending: self.aborted.append(list(pending)),
+                               checkpoints=Checkpoints(run_dir), observer=self.observer,
+                               flush=lambda: self.events.append(("flushed", {})))
 
     @staticmethod
     def no_spec(work, phase_dir):
@@ -145,7 +151,7 @@ def test_a_cold_phase_trains_and_pauses_the_ones_after_next_from_its_last_step(r
     run.log(step=12, phase=1, loss=2.0)
     run.log(step=13, phase=0, loss=2.0)  # another phase's line
     run.log(step=13, phase=1, eval_loss=2.0)  # an eval line: no step done
-    assert sup._watch() and sup.state is State.TRAINING and sup.done == 12
+    assert sup._watch() and sup.state is State.TRAINING and sup.logged_step == 12
     run.log(step=13, phase=1, loss=2.0)  # the last step (13) is under way
     assert sup._watch() and sup.state is State.ENDING
     assert run.named("preparing_paused") == [{"phases": [3], "pids": []}]
@@ -157,7 +163,7 @@ def test_a_switch_lasts_until_the_first_step_then_the_phases_ahead_start(run):
     g1, g2, g3 = run.group(1, 10, 14), run.group(2, 14, 18), run.group(3, 18, 22)
     run.context.pauser.pause([g3])  # by the phase before, at its last step
     ahead = []
-    sup = Supervisor(run.context, g1, [g2, g3], ahead=lambda: ahead.append(sup.state))
+    sup = Supervisor(run.context, g1, [g2, g3], switched=lambda: ahead.append(sup.state))
     sup._start()
     assert sup._watch() and sup.state is State.SWITCHING and not ahead and run.context.pauser.active
     run.log(step=11, phase=1, loss=2.0)
@@ -183,7 +189,7 @@ def test_a_stop_goes_to_every_rank_late_ones_too_until_the_grace_is_up(run, slee
     ranks = [sleepers(), sleepers()]
     record_rank(g1.phase_dir, 0, ranks[0])
     ahead = []
-    sup = Supervisor(run.context, g1, [], ahead=lambda: ahead.append(1))
+    sup = Supervisor(run.context, g1, [], switched=lambda: ahead.append(1))
     sup._start()
     run.stop = signal.SIGTERM
     assert sup._watch() and sup.state is State.STOPPING
@@ -193,7 +199,7 @@ def test_a_stop_goes_to_every_rank_late_ones_too_until_the_grace_is_up(run, slee
     run.log(step=11, phase=1, loss=2.0)
     assert sup._watch() and ranks[1].wait(5) == -signal.SIGTERM
     assert not ahead  # a phase that stops starts nothing ahead
-    sup.stop_at -= run.context.grace + 1
+    sup.deadline -= run.context.grace + 1
     assert not sup._watch()
     assert run.observer.states == [State.STARTING, State.SWITCHING, State.STOPPING]
     assert len(run.named("stop_requested")) == 1
@@ -231,6 +237,103 @@ def test_a_stopped_group_is_preempted(run, sleepers):
     assert run.named("preempted") == [{"phase": 1, "step": 0, "signal": signal.SIGTERM, "rc": -signal.SIGTERM}]
     assert [e for e, _ in run.events][-2:] == ["flushed", "preempted"]
     assert run.observer.states == [State.STARTING, State.TRAINING, State.STOPPING, State.REAPING, State.PREEMPTED]
+
+
+def offering(run: Harness, proc) -> Supervisor:
+    """The supervisor of phase 1 (steps 10-13, its rank ``proc``) once every rank has offered its state."""
+    g1 = run.group(1, 10, 14, proc=proc)
+    g1.offers = True
+    record_rank(g1.phase_dir, 0, proc)
+    sup = Supervisor(run.context, g1, [])
+    sup._start()
+    run.log(step=13, phase=1, loss=2.0)
+    assert sup._watch() and sup.state is State.ENDING
+    PhaseDir(g1.phase_dir).write_offer(0, Offer(pid=proc.pid, device="host", transport="host", blocks=[], tensors=[],
+                                                carried={}))
+    assert not sup._watch() and sup.state is State.HANDING_OVER
+    return sup
+
+
+def answered_in_time(run: Harness) -> subprocess.Popen:
+    """Phase 1's rank: it exits once its offer is answered (as it would, its checkpoint written)."""
+    answer = PhaseDir(run.run_dir / "phases" / "phase-0001").answer_path(0)
+    return subprocess.Popen(["sh", "-c", f"i=0; while [ ! -e {answer} ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done"])
+
+
+def test_a_group_that_offered_reads_no_more_and_a_stop_bounds_its_write(run, sleepers):
+    sup = offering(run, sleepers())
+    run.log(step=15, phase=2, loss=1.0)  # the successor's: its own supervisor reads it
+    run.stop = signal.SIGTERM
+    assert sup._watch() and sup.state is State.HANDING_OVER and sup.deadline is not None
+    assert sup.group.proc.wait(5) == -signal.SIGTERM
+    assert not sup._watch()
+    with pytest.raises(Preempted):
+        sup._end()
+    assert [m["step"] for m in run.observer.metrics] == [13]
+    assert run.observer.states == [State.STARTING, State.TRAINING, State.ENDING, State.HANDING_OVER, State.REAPING,
+                                   State.PREEMPTED]
+    assert run.named("stop_requested") == [{"phase": 1, "signal": signal.SIGTERM}]
+
+
+def test_a_predecessor_that_fails_takes_its_successor_down_at_once(run, sleepers):
+    pred = offering(run, sleepers())
+    rank = sleepers()
+    g2 = run.group(2, 14, 18)
+    record_rank(g2.phase_dir, 0, rank)
+    done = []
+    succ = Supervisor(run.context, g2, [], predecessor=pred, predecessor_done=done.append)
+    succ._start()
+    assert succ._watch()
+    pred.group.proc.kill()
+    pred.group.proc.wait()
+    with pytest.raises(PhaseFailed, match="^phase 1 "):
+        succ._watch()
+    assert rank.wait(5) == -signal.SIGKILL
+    assert run.named("successor_stopped") == [{"phase": 2, "reason": "its predecessor failed"}]
+    assert done == [] and succ.predecessor is None
+
+
+def test_a_successor_that_ends_before_it_answered_has_the_offer_declined(run, monkeypatch):
+    monkeypatch.setattr(run.context.checkpoints, "faults", lambda ckpt, checksums: [])  # the end checkpoint is whole
+    pred = offering(run, answered_in_time(run))
+    g2 = run.group(2, 14, 18, proc=subprocess.Popen(["sh", "-c", "exit 3"]))
+    done = []
+    with pytest.raises(PhaseFailed, match="^phase 2 "):
+        Supervisor(run.context, g2, [], predecessor=pred, predecessor_done=done.append).run()
+    assert run.named("handover_declined") == [{"phase": 1, "ranks": [0], "reason": "the successor ended before it answered"}]
+    assert PhaseDir(pred.group.phase_dir).read_answer(0).by == "orchestrator"
+    assert done == [pred.group] and pred.state is State.DONE
+    assert pred.group.end in run.context.checkpoints.trusted
+
+
+@pytest.mark.parametrize("takes, stopped, reason", [
+    (None, False, "the next phase is not pre-warmed to take it"),  # no group ahead made for the work
+    (False, False, "the next phase is not pre-warmed to take it"),  # one that does not take over
+    (True, True, "stopped"),
+])
+def test_a_switch_declines_the_offer_no_group_will_take_and_commits_the_phase_at_its_close(run, monkeypatch, takes,
+                                                                                          stopped, reason):
+    monkeypatch.setattr(run.context.checkpoints, "faults", lambda ckpt, checksums: [])  # the end checkpoint is whole
+    pred = offering(run, answered_in_time(run))
+    g2 = run.group(2, 14, 18)
+    g2.takes = bool(takes)
+    switch = Switch(pred, g2.work)
+    switch.settle(None if takes is None else g2, stopped)
+    assert run.named("handover_declined") == [{"phase": 1, "ranks": [0], "reason": reason}]
+    assert pred.state is State.DONE and switch.predecessor is None
+    submitted = []
+    switch.close(SimpleNamespace(submit=lambda finished, current: submitted.append((finished, current))), g2)
+    assert submitted == [(pred.group, g2)]
+
+
+def test_a_switch_whose_successor_takes_over_leaves_the_phase_to_the_successors_supervisor(run, sleepers):
+    pred = offering(run, sleepers())
+    g2 = run.group(2, 14, 18)
+    g2.takes = True
+    switch = Switch(pred, g2.work)
+    switch.settle(g2, stopped=False)
+    assert switch.predecessor is pred and pred.state is State.HANDING_OVER and not run.named("handover_declined")
+    switch.close(SimpleNamespace(submit=lambda finished, current: pytest.fail("committed before it is done")), g2)
 
 
 def test_a_transition_the_machine_does_not_have_is_a_bug_even_under_python_O(run):
