@@ -277,7 +277,7 @@ def test_cache_is_made_once_and_mapped(tmp_path):
 
 
 def _prepare_forever(data, cache: str) -> None:
-    def stuck(_data, _tokenizer, tmp):
+    def stuck(_data, _tokenizer, tmp, *_):
         (tmp / "rows.safetensors").write_bytes(b"half")
         time.sleep(600)
 
