@@ -23,4 +23,5 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) examples/tiny/runs examples/tiny/model examples/tiny/export \
-		examples/alpaca/runs examples/alpaca/model examples/alpaca/export examples/alpaca/schedule.short.toml
+		examples/alpaca/runs examples/alpaca/model examples/alpaca/export examples/alpaca/schedule.short.toml \
+		examples/mixed/runs examples/mixed/model

@@ -108,7 +108,7 @@ class Trainer:
         from deepspeed.accelerator import get_accelerator
 
         from launch.data import SampleOrder, load_examples, prepare
-        from launch.contract.spec import DataPart
+        from launch.contract.data import DataPart, SourcePart
 
         self.setup, self.way_dir = setup, way_dir
         accel = get_accelerator()
@@ -117,8 +117,9 @@ class Trainer:
         if self.cuda:
             torch.cuda.set_device(0)
         self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
-        data = DataPart(path=setup["data_path"], format="tokens", seq_len=setup["seq_len"],
-                        batch_size=setup["batch_size"], micro_batch_size=setup["micro_batch_size"], shuffle=True)
+        data = DataPart(sources=[SourcePart(path=setup["data_path"], format="tokens")], seed=setup["seed"],
+                        seq_len=setup["seq_len"], batch_size=setup["batch_size"],
+                        micro_batch_size=setup["micro_batch_size"], shuffle=True)
         # relayer's own sample order, so every way sees the same rows at the same global step.
         self.examples = load_examples(prepare(data, None, way_dir))
         self.order = SampleOrder(len(self.examples), setup["seed"], True)

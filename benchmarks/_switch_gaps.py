@@ -24,7 +24,8 @@ import collections
 
 LATE = 0.05
 """Seconds a piece may take before it counts as a cause (a go is normally 0.01-0.02 s after the offer)."""
-LOOP_EVENTS = ("checkpoint_committed", "phase_done", "device_after_phase", "checkpoint_removed", "retention_skipped")
+LOOP_EVENTS = ("checkpoint_committed", "phase_done", "device_after_phase", "checkpoint_removed", "checkpoint_layers_kept",
+               "retention_skipped")
 
 
 def _thread_summary(intervals: list[dict], t0: float, t1: float) -> dict:

@@ -66,13 +66,16 @@ def make_tokenizer(out: Path) -> Path:
 
 def single_process_loop(data, tokenizer: str, path: Path) -> float:
     """Every record rendered and tokenized in this one process, one after the other."""
-    from launch.dataprep import _Encoder, load_tokenizer
+    from launch.dataprep import load_tokenizer
+    from launch.formats import Encoder
 
     t0 = time.perf_counter()
-    enc = _Encoder(data, load_tokenizer(data, tokenizer))
+    source = data.sources[0]
+    tok = load_tokenizer(source, tokenizer)
+    enc = Encoder(source, tok)
     with open(path) as f:
         for line in f:
-            enc.encode(json.loads(line))
+            enc.encode(enc.format.sample(json.loads(line), tok))
     return time.perf_counter() - t0
 
 
@@ -143,14 +146,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50, help="optimizer steps each rank reads")
     args = p.parse_args()
     from launch.dataprep import ROWS, prepare, read_stats
-    from launch.contract.spec import DataPart
+    from launch.contract.data import DataPart, SourcePart
 
     with tempfile.TemporaryDirectory(prefix="relayer-bench-data-") as tmp:
         tmp = Path(tmp)
         path = write_records(tmp / "alpaca-52k.jsonl", args.records)
         tokenizer = str(make_tokenizer(tmp / "model"))
-        data = DataPart(path=str(path), format="instruction", seq_len=SEQ_LEN, batch_size=BATCH,
-                        micro_batch_size=MICRO, shuffle=True)
+        data = DataPart(sources=[SourcePart(path=str(path), format="instruction")], seq_len=SEQ_LEN,
+                        batch_size=BATCH, micro_batch_size=MICRO, shuffle=True)
         t0 = time.perf_counter()
         cache = prepare(data, tokenizer, tmp / "cache")
         prepare_s = time.perf_counter() - t0

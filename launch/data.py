@@ -5,8 +5,15 @@ any phase boundary picks up exactly where the last optimizer step left off. The 
 rows ``launch.dataprep.prepare`` wrote once per run; every process maps them (no copy).
 
     cache = prepare(spec.data, spec.model.tokenizer, run_dir / "data-cache")
-    examples = load_examples(cache)                        # memory-mapped rows
+    examples = load_examples(cache)                        # memory-mapped rows (load_validation: the held-out)
     batch = micro_batch(examples, order, step, ...)        # {"input_ids", "labels", "attention_mask"}
+
+Rows of examples packed whole (``data.layout == "whole"``) carry position ids that restart with every
+example; their micro-batch is one flattened sequence with ``position_ids`` and no attention mask,
+from which transformers builds a block-diagonal causal mask (``masking_utils``, SDPA and eager)
+or runs varlen flash attention (``flash_attention_2``, ``launch.train.packed_attention``): an
+example attends to itself only, as ``DataCollatorWithFlattening`` arranges it. Transformers reads
+packed position ids only where there is no KV cache: a phase's model has ``use_cache = False``.
 """
 
 from __future__ import annotations
@@ -22,10 +29,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from launch.dataprep import IGNORE, ROWS, DataError, prepare, read_stats
+from launch import faults
+from launch.dataprep import IGNORE, ROWS, VALIDATION, DataError, prepare, read_stats
 
-__all__ = ["IGNORE", "DataError", "Examples", "SampleOrder", "load_examples", "micro_batch", "prepare", "read_stats",
-           "rows", "step_targets", "training_rows"]
+__all__ = ["IGNORE", "DataError", "Examples", "SampleOrder", "load_examples", "load_validation", "micro_batch",
+           "prepare", "read_stats", "rows", "step_targets", "training_rows"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,8 @@ class Examples:
     """[rows] tokens before the padding (seq_len when packed)."""
     targets: np.ndarray
     """[rows] tokens of the row that carry loss: ``(labels[:, 1:] != -100).sum(1)``."""
+    positions: np.ndarray | None = None
+    """[rows, seq_len] position ids of rows packed whole (each example's from 0); None: 0..seq_len-1."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -53,10 +63,15 @@ class Examples:
         return cls(input_ids, labels, lengths, (labels[:, 1:] != IGNORE).sum(axis=1))
 
 
-def load_examples(cache_dir: Path) -> Examples:
+def load_examples(cache_dir: Path, name: str = ROWS) -> Examples:
     """The rows of a cache entry (``prepare``'s result), memory-mapped read-only: the pages are
     the page cache's, shared by every process that maps them."""
-    return Examples(**_map_safetensors(Path(cache_dir) / ROWS))
+    return Examples(**_map_safetensors(Path(cache_dir) / name))
+
+
+def load_validation(cache_dir: Path) -> Examples | None:
+    """The held-out rows of a cache entry; None where the data holds none out."""
+    return load_examples(cache_dir, VALIDATION) if (Path(cache_dir) / VALIDATION).exists() else None
 
 
 _NP = {"I32": np.int32, "I64": np.int64}
@@ -104,18 +119,27 @@ def _indices(order: SampleOrder, step: int, batch_size: int, micro: int, rank: i
 def micro_batch(examples: Examples, order: SampleOrder, step: int, batch_size: int, micro: int,
                 rank: int, world: int, mb: int) -> dict[str, torch.Tensor]:
     """What rank ``rank`` feeds in micro-step ``micro`` of optimizer step ``step``: int64
-    ``input_ids``, ``labels`` (-100 on padding and non-targets) and ``attention_mask`` [mb, seq_len]."""
-    idx = _indices(order, step, batch_size, micro, rank, world, mb)
-    return rows(examples, idx)
+    ``input_ids``, ``labels`` (-100 on padding and non-targets) and ``attention_mask`` [mb, seq_len],
+    or its rows packed whole flattened with their ``position_ids`` (``rows``)."""
+    batch = rows(examples, _indices(order, step, batch_size, micro, rank, world, mb))
+    faults.point("data.micro_batch", batch=batch)
+    return batch
 
 
 def rows(examples: Examples, idx: list[int]) -> dict[str, torch.Tensor]:
-    """Rows ``idx`` as a model batch (copies only these rows out of the cache)."""
+    """Rows ``idx`` as a model batch (copies only these rows out of the cache): [len(idx), seq_len]
+    with an attention mask over the padding, or, for rows packed whole, one flattened row
+    [1, len(idx) x seq_len] with its position ids (see the module docstring). Flattening changes
+    no loss: a row's first token is an example's first, never a target."""
     ids = torch.from_numpy(_take(examples.input_ids, idx).astype(np.int64))
+    labels = torch.from_numpy(_take(examples.labels, idx).astype(np.int64))
+    if examples.positions is not None:
+        positions = torch.from_numpy(_take(examples.positions, idx).astype(np.int64))
+        return {"input_ids": ids.reshape(1, -1), "labels": labels.reshape(1, -1),
+                "position_ids": positions.reshape(1, -1)}
     lengths = torch.from_numpy(np.asarray(examples.lengths[idx], dtype=np.int64))
     mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
-    return {"input_ids": ids, "labels": torch.from_numpy(_take(examples.labels, idx).astype(np.int64)),
-            "attention_mask": mask}
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
 def _take(a: np.ndarray, idx: list[int]) -> np.ndarray:

@@ -1,22 +1,23 @@
-"""Prepare once: read a data file with Hugging Face ``datasets``, render and tokenize it in
-parallel, pack or pad it into ``seq_len`` rows, and write the rows to a cache every process maps.
+"""Prepare once: read each source with Hugging Face ``datasets``, render and tokenize it in parallel,
+hold out and draw its examples, mix them into one seeded order, lay them into ``seq_len`` rows and
+write the rows to a cache every process maps.
 
     cache = prepare(data, tokenizer_dir, run_dir / "data-cache")   # idempotent, safe to race
-    read_stats(cache)                                              # {"examples": ..., "rows": ...}
+    read_stats(cache)                                              # {"train": {...}, "sources": [...], ...}
 
 A cache entry ``<cache_root>/<key>/`` holds ``rows.safetensors`` (int32 ``input_ids`` and
-``labels`` [rows, seq_len], int32 ``lengths`` [rows] (tokens before the padding) and ``targets``
-[rows] (tokens that carry loss: ``labels[1:] != -100``)) and ``stats.json``. The key is the data
-file's identity (resolved path, size, mtime_ns: no full-file hash), the tokenizer files' digest and
-every format option, so an edited file or another option is another entry. Labels are aligned as
-in Hugging Face: the model shifts them, -100 carries no loss.
+``labels`` [rows, seq_len], int32 ``lengths`` [rows] (tokens before the padding), ``targets``
+[rows] (tokens that carry loss: ``labels[1:] != -100``) and, for examples packed whole,
+``positions`` [rows, seq_len]), ``validation.safetensors`` alike where the data holds some out,
+``records.safetensors`` (each record's largest token id, for the vocabulary check) and
+``stats.json``. The key is every source's identity (resolved path, size, mtime_ns: no full-file
+hash) and options, the tokenizer files' digest and every data option, so an edited file or another
+option is another entry. Labels are aligned as in Hugging Face: the model shifts them, -100 carries
+no loss.
 
-Formats (``data.format``): ``tokens`` (``input_ids`` rows of any length, optional ``labels``),
-``text`` (a ``.txt`` file, documents separated by blank lines, or records with a text field; loss
-on every token; an EOS closes each document), ``instruction`` (Alpaca records; loss on the response
-and its EOS), ``chat`` (``messages`` [{role, content}] or ShareGPT ``conversations`` [{from,
-value}]; loss on each assistant turn and its end-of-turn tokens). A record that does not fit its
-format is a ``DataError`` naming the file and line (jsonl, json lines, csv) or record index.
+Formats (``launch.formats``): ``tokens``, ``text``, ``instruction``, ``chat``. A record that does
+not fit its format is a ``DataError`` naming the file and line (jsonl, json lines, csv) or record
+index.
 """
 
 from __future__ import annotations
@@ -26,31 +27,28 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from launch import faults
-from launch.contract.spec import DataPart, is_template_path
-from launch.rows import IGNORE, pack, pad, ragged
-from launch.records import DataError, find_bad_record, json_lines, nesting_fault, token_fault, where
-from launch.template import BudgetExceeded, Renderer, TemplateFault
+from launch import mix, rows as layouts
+from launch.contract.data import DataPart, SourcePart
+from launch.formats import MARKINGS, Encoder, StoppedAt
+from launch.records import DataError, find_bad_record, read_records, where
+from launch.rows import IGNORE, gather, ragged, starts_of
+from launch.template import TemplateFault
+from launch.templates import check_markers, template_text
 from shard_tools.tokenizer import TOKENIZER_FILES
 
-CACHE_VERSION = 1
+__all__ = ["IGNORE", "ROWS", "VALIDATION", "DataError", "cache_key", "load_tokenizer", "prepare", "read_stats"]
+
+CACHE_VERSION = 2
 """Part of every cache key: bump it when the rows prepared from the same input change."""
-ROWS, STATS = "rows.safetensors", "stats.json"
-SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow", ".txt")
-ALPACA = ("Below is an instruction that describes a task{context}. Write a response that appropriately completes "
-          "the request.\n\n### Instruction:\n{instruction}\n\n{input}### Response:\n")
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+ROWS, VALIDATION, RECORDS, STATS = "rows.safetensors", "validation.safetensors", "records.safetensors", "stats.json"
 PARALLEL_FROM = 20_000
 """Records from which tokenizing runs in several processes (below it, starting them costs more)."""
-
-
-class StoppedAt(Exception):
-    """Raised out of ``datasets.map`` (its workers too): (message, record index); picklable."""
 
 
 # -- the cache ---------------------------------------------------------------------------------
@@ -105,26 +103,32 @@ def _made(entry: Path) -> bool:
 
 
 def read_stats(cache_dir: Path) -> dict[str, Any]:
-    """``stats.json`` of a cache entry: examples (records read), tokens (of the examples, before
-    packing or truncation), target_tokens (tokens that carry loss, in the rows), truncated
-    (examples cut to seq_len, pad mode), dropped_tokens (pack mode: the last partial row),
-    rows, seq_len, padding_tokens, rows_without_targets, format, pack, source."""
+    """``stats.json`` of a cache entry: ``layout`` and ``seq_len``; ``train`` and ``validation``
+    (null without), each with examples, tokens (of the examples, before the layout), target_tokens
+    (tokens that carry loss, in the rows), truncated (examples cut to seq_len), dropped_tokens,
+    rows, padding_tokens, rows_without_targets; ``sources`` and ``validation_files``, one object a
+    file (key, path, format, weight, records, held_out, examples, tokens, target_tokens, truncated,
+    template, marking: ``_source_stats``)."""
     return json.loads((Path(cache_dir) / STATS).read_text())
 
 
 def cache_key(data: DataPart, tokenizer: str | None) -> str:
-    path = Path(data.path).resolve()
-    h = hashlib.sha256(json.dumps({"v": CACHE_VERSION, "path": str(path), "file": _identity(path),
-                                   "format": data.format, "seq_len": data.seq_len, "pack": data.packs,
-                                   "train_on_prompt": data.train_on_prompt, "fields": data.fields,
-                                   "template": _template_text(data) if data.format != "tokens" else None},
-                                  sort_keys=True).encode())
-    if data.format != "tokens" and tokenizer:
+    h = hashlib.sha256(json.dumps({
+        "v": CACHE_VERSION, "sources": [_source_key(s) for s in data.sources],
+        "validation": [_source_key(s) for s in data.validation], "split": data.validation_split, "seed": data.seed,
+        "shuffle": data.shuffle, "seq_len": data.seq_len, "layout": data.layout}, sort_keys=True).encode())
+    if tokenizer and any(s.format != "tokens" for s in (*data.sources, *data.validation)):
         for name in TOKENIZER_FILES:
             f = Path(tokenizer) / name
             if f.is_file():
                 h.update(name.encode() + f.read_bytes())
     return h.hexdigest()[:20]
+
+
+def _source_key(s: SourcePart) -> dict[str, Any]:
+    path = Path(s.path).resolve()
+    return {"path": str(path), "file": _identity(path), "format": s.format, "train_on_prompt": s.train_on_prompt,
+            "fields": s.fields, "weight": s.weight, "template": template_text(s) if s.format != "tokens" else None}
 
 
 def _identity(path: Path) -> list:
@@ -138,59 +142,57 @@ def _identity(path: Path) -> list:
     return [st.st_size, st.st_mtime_ns]
 
 
-def _template_text(data: DataPart) -> str | None:
-    t = data.chat_template
-    if t is None or not is_template_path(t):
-        return t
+# -- encoding a source -------------------------------------------------------------------------
+@dataclass
+class Encoded:
+    """A source's records, tokenized: flat ids and labels, each record's length and largest id."""
+
+    source: SourcePart
+    ids: np.ndarray
+    labels: np.ndarray
+    lengths: np.ndarray
+    max_ids: np.ndarray
+    template: str | None
+    """The chat template it was rendered with, in words (None: a format without one)."""
+    markings: list[str]
+    """How its assistant turns were found (``launch.chat``), every way that some record needed."""
+
+    @property
+    def starts(self) -> np.ndarray:
+        return starts_of(self.lengths)
+
+
+def encode_source(source: SourcePart, tokenizer: str | None, hf_cache: Path,
+                  vocab_size: int | None = None) -> Encoded:
+    """Every record of ``source`` as tokens and labels; a record that does not fit is a DataError."""
+    path = Path(source.path).resolve()
+    tok = load_tokenizer(source, tokenizer) if source.format != "tokens" else None
     try:
-        return Path(t).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"data.chat_template: cannot read it: {e}", t) from None
-
-
-# -- building an entry -------------------------------------------------------------------------
-def _build(data: DataPart, tokenizer: str | None, out: Path, vocab_size: int | None = None) -> None:
-    from safetensors.numpy import save_file
-
-    path = Path(data.path).resolve()
-    tok = load_tokenizer(data, tokenizer) if data.format != "tokens" else None
-    ds = read_records(data, path, out / "hf-cache")
-    if len(ds) == 0:
-        raise DataError("no examples", str(path))
-    enc = _encode_all(data, tok, vocab_size, ds, path)
-    ids, lengths = ragged(enc, "input_ids")
-    labels, _ = ragged(enc, "labels")
-    stats: dict[str, Any] = {"format": data.format, "pack": data.packs, "seq_len": data.seq_len,
-                             "source": str(path), "examples": len(ds), "tokens": int(lengths.sum())}
-    input_ids, row_labels, row_lengths = (pack if data.packs else pad)(ids, labels, lengths, data.seq_len, stats)
-    if len(input_ids) == 0:
-        raise DataError(f"{stats['tokens']} tokens, fewer than one example of data.seq_len = {data.seq_len}",
-                        str(path))
-    targets = (row_labels[:, 1:] != IGNORE).sum(axis=1).astype(np.int32)
-    stats.update(rows=len(input_ids), target_tokens=int(targets.sum()),
-                 padding_tokens=int(data.seq_len * len(input_ids) - row_lengths.sum()),
-                 rows_without_targets=int((targets == 0).sum()))
-    shutil.rmtree(out / "hf-cache", ignore_errors=True)
-    save_file({"input_ids": input_ids, "labels": row_labels, "lengths": row_lengths, "targets": targets},
-              str(out / ROWS))
-    _as_umask_allows(out / ROWS)
-    (out / STATS).write_text(json.dumps(stats, indent=1) + "\n")
-
-
-def _encode_all(data: DataPart, tok, vocab_size: int | None, ds, path: Path):
-    """Every record rendered and tokenized (``datasets.map``, in worker processes for many); the
-    first record at fault raises ``DataError`` naming its line."""
-    try:
-        encode = _Encoder(data, tok, vocab_size)
+        encode = Encoder(source, tok, vocab_size)
     except TemplateFault as e:
         raise DataError(str(e)) from None
+    ds = read_records(source, path, hf_cache, encode.check)
+    if len(ds) == 0:
+        raise DataError("no examples", str(path))
+    enc = _encode_all(encode, ds, path)
+    ids, lengths = ragged(enc, "input_ids")
+    labels, _ = ragged(enc, "labels")
+    starts = starts_of(lengths)
+    max_ids = np.maximum(np.maximum.reduceat(ids, starts), np.maximum.reduceat(labels, starts)).astype(np.int32)
+    markings = [MARKINGS[m] for m in sorted(set(enc["marking"])) if m]
+    return Encoded(source, ids, labels, lengths, max_ids, _template_in_words(source, tok), markings)
+
+
+def _encode_all(encode: Encoder, ds, path: Path):
+    """Every record rendered and tokenized (``datasets.map``, in worker processes for many); the
+    first record at fault raises ``DataError`` naming its line."""
     num_proc = min(8, os.cpu_count() or 1) if len(ds) >= PARALLEL_FROM else None
     try:
         enc = ds.map(encode, batched=True, batch_size=256, with_indices=True, num_proc=num_proc,
                      remove_columns=ds.column_names, desc=None)
     except UnicodeDecodeError:
         # pyarrow's JSON reader keeps invalid bytes; they fail when the strings are read here.
-        find_bad_record(path, _Encoder(data, None).check)
+        find_bad_record(path, encode.check)
         raise DataError("not UTF-8", str(path)) from None
     except StoppedAt as e:  # the template's budget: one record named, the rest not rendered
         raise DataError(e.args[0], str(path), **where(path, e.args[1])) from None
@@ -202,199 +204,120 @@ def _encode_all(data: DataPart, tok, vocab_size: int | None, ds, path: Path):
     return enc
 
 
+def _template_in_words(source: SourcePart, tok) -> str | None:
+    if source.format in ("tokens", "text"):
+        return None
+    t = source.chat_template
+    if t is not None:
+        return t if "{" not in t else "inline"
+    return "the tokenizer's" if tok.chat_template else "none: the Alpaca prompt"
+
+
+def load_tokenizer(source: SourcePart, tokenizer: str | None):
+    """The fast tokenizer of ``tokenizer`` (with ``source.chat_template`` set over its own)."""
+    import transformers
+
+    if not tokenizer or not any((Path(tokenizer) / f).is_file() for f in TOKENIZER_FILES):
+        raise DataError(f'{source.key}: format = "{source.format}" needs a tokenizer: model.tokenizer (default '
+                        f"model.path) {tokenizer or '(none)'} has no tokenizer files")
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=False)
+    if not tok.is_fast:
+        raise DataError("expected a fast tokenizer (tokenizer.json); this one is slow", tokenizer)
+    template = template_text(source)
+    if template is not None:
+        tok.chat_template = template
+        check_markers(source, tok)
+    if source.format == "chat" and not tok.chat_template:
+        raise DataError(f'{source.key}: format = "chat" needs a chat template: the tokenizer has none; set '
+                        f"{source.key}.chat_template", tokenizer)
+    return tok
+
+
+# -- building an entry -------------------------------------------------------------------------
+def _build(data: DataPart, tokenizer: str | None, out: Path, vocab_size: int | None = None) -> None:
+    from safetensors.numpy import save_file
+
+    sources = [encode_source(s, tokenizer, out / "hf-cache", vocab_size) for s in data.sources]
+    files = [encode_source(s, tokenizer, out / "hf-cache", vocab_size) for s in data.validation]
+    shutil.rmtree(out / "hf-cache", ignore_errors=True)
+    train_picks, held_picks = [], []
+    for i, enc in enumerate(sources):
+        train, held = _split(data, enc, i)
+        train_picks.append(mix.draws(train, enc.source.weight, data.seed, i))
+        held_picks.append(held)
+    held_picks += [np.arange(len(f.lengths)) for f in files]
+    stats: dict[str, Any] = {"layout": data.layout, "seq_len": data.seq_len}
+    stats["sources"] = [_source_stats(data, e, p, len(h)) for e, p, h in zip(sources, train_picks, held_picks)]
+    stats["validation_files"] = [_source_stats(data, f, np.arange(len(f.lengths)), 0) for f in files]
+    # Rows are drawn in a seeded order anyway (launch.data.SampleOrder); packing whole takes the
+    # examples shuffled too, so that a row mixes sources and lengths.
+    order = mix.mixed(sum(len(p) for p in train_picks), data.seed, data.shuffle and data.layout == "whole")
+    stats["train"] = _write_rows(data, sources, train_picks, order, out / ROWS)
+    everything = sources + files
+    total = sum(len(p) for p in held_picks)
+    stats["validation"] = _write_rows(data, everything, held_picks, np.arange(total), out / VALIDATION) \
+        if total else None
+    save_file({f"max_id.{i}": e.max_ids for i, e in enumerate(everything)}, str(out / RECORDS))
+    for name in (ROWS, VALIDATION, RECORDS):
+        if (out / name).exists():
+            _as_umask_allows(out / name)
+    (out / STATS).write_text(json.dumps(stats, indent=1) + "\n")
+
+
+def _split(data: DataPart, enc: Encoded, index: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training, held-out) records of source ``index``; one left with nothing to train on is refused."""
+    n, s = len(enc.lengths), enc.source
+    train, held = mix.split(n, data.validation_split, data.seed, index)
+    if not len(train):
+        raise DataError(f"data.validation_split = {data.validation_split} holds out {len(held)} of {s.key}'s {n} "
+                        "records: none is left to train on", str(Path(s.path).resolve()))
+    if mix.drawn_count(len(train), s.weight) == 0:
+        raise DataError(f"{s.key}.weight = {s.weight} draws none of its {len(train)} training examples",
+                        str(Path(s.path).resolve()))
+    return train, held
+
+
+def _source_stats(data: DataPart, enc: Encoded, picks: np.ndarray, held: int) -> dict[str, Any]:
+    """One source's part: its records, held out and drawn, and its drawn examples' tokens and
+    targets as a row of their own would hold them (cut to seq_len, except in a stream)."""
+    s, lengths = enc.source, enc.lengths[picks]
+    kept = lengths if data.layout == "stream" else np.minimum(lengths, data.seq_len)
+    counted = np.concatenate([[0], np.cumsum(enc.labels != IGNORE)])
+    starts = enc.starts[picks]
+    targets = counted[starts + kept] - counted[starts + 1]  # a row's first token is never a target
+    return {"key": s.key, "path": str(Path(s.path).resolve()), "format": s.format, "weight": s.weight,
+            "records": len(enc.lengths), "held_out": held, "examples": len(picks), "tokens": int(lengths.sum()),
+            "target_tokens": int(targets.sum()), "truncated": int((lengths > kept).sum()),
+            "template": enc.template, "marking": enc.markings}
+
+
+def _write_rows(data: DataPart, encs: list[Encoded], picks: list[np.ndarray], order: np.ndarray,
+                path: Path) -> dict[str, Any]:
+    """The examples ``picks`` of ``encs`` in ``order``, laid into rows and saved to ``path``; their stats."""
+    from safetensors.numpy import save_file
+
+    base = np.cumsum([0] + [len(e.ids) for e in encs])[:-1]
+    starts = np.concatenate([b + e.starts[p] for b, e, p in zip(base, encs, picks)])[order]
+    lengths = np.concatenate([e.lengths[p] for e, p in zip(encs, picks)])[order]
+    ids = gather(np.concatenate([e.ids for e in encs]), starts, lengths)
+    labels = gather(np.concatenate([e.labels for e in encs]), starts, lengths)
+    stats: dict[str, Any] = {"examples": len(lengths), "tokens": int(lengths.sum())}
+    layout = {"pad": layouts.pad, "stream": layouts.stream, "whole": layouts.whole}[data.layout]
+    input_ids, row_labels, row_lengths, positions = layout(ids, labels, lengths, data.seq_len, stats)
+    if len(input_ids) == 0:
+        raise DataError(f"{stats['tokens']} tokens, fewer than one example of data.seq_len = {data.seq_len}",
+                        ", ".join(str(Path(e.source.path).resolve()) for e in encs))
+    targets = (row_labels[:, 1:] != IGNORE).sum(axis=1).astype(np.int32)
+    stats.update(rows=len(input_ids), target_tokens=int(targets.sum()),
+                 padding_tokens=int(data.seq_len * len(input_ids) - row_lengths.sum()),
+                 rows_without_targets=int((targets == 0).sum()))
+    tensors = {"input_ids": input_ids, "labels": row_labels, "lengths": row_lengths, "targets": targets}
+    save_file(tensors | ({"positions": positions} if positions is not None else {}), str(path))
+    return stats
+
+
 def _as_umask_allows(path: Path) -> None:
     """safetensors creates its files 0600 whatever the umask; the run's umask decides (run.group_readable)."""
     mask = os.umask(0o077)
     os.umask(mask)
     os.chmod(path, 0o666 & ~mask)
-
-
-# -- reading records ---------------------------------------------------------------------------
-def read_records(data: DataPart, path: Path, hf_cache: Path):
-    """The file as a ``datasets.Dataset`` of records (a ``.txt`` file: one record a document)."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
-    if path.is_dir():
-        try:
-            ds = datasets.load_from_disk(str(path))
-        except (FileNotFoundError, ValueError) as e:
-            raise DataError(f"expected a folder written by datasets.save_to_disk: {e}", str(path)) from None
-        if isinstance(ds, datasets.DatasetDict):
-            if "train" not in ds:
-                raise DataError(f"a DatasetDict without a train split (splits: {', '.join(ds)})", str(path))
-            ds = ds["train"]
-        return ds
-    suffix = path.suffix.lower()
-    if suffix not in SUFFIXES:
-        raise DataError(f"expected a {', '.join(SUFFIXES)} file or a datasets.save_to_disk folder", str(path))
-    if suffix == ".txt":
-        if data.format != "text":
-            raise DataError(f'a .txt file is text; data.format = "{data.format}" needs records', str(path))
-        return datasets.Dataset.from_dict({"text": _documents(path)})
-    if suffix == ".arrow":
-        try:
-            return datasets.Dataset.from_file(str(path))
-        except Exception as e:  # noqa: BLE001 - pyarrow raises many kinds; the file is to blame
-            raise DataError(f"not an Arrow stream file: {e}", str(path)) from None
-    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}[suffix]
-    if builder == "json" and json_lines(path):
-        nesting_fault(path)
-    try:
-        return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=str(hf_cache))
-    except Exception as e:  # noqa: BLE001 - datasets wraps parse errors in several types
-        find_bad_record(path, _Encoder(data, None).check)
-        raise DataError(f"cannot read it as {suffix[1:]}: {_cause(e)}", str(path)) from None
-
-
-def _cause(e: BaseException) -> str:
-    while e.__cause__ is not None or e.__context__ is not None:
-        e = e.__cause__ or e.__context__
-    return f"{type(e).__name__}: {e}"[:300]
-
-
-def _documents(path: Path) -> list[str]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"not UTF-8 text (byte {e.start})", str(path)) from None
-    return [d.strip() for d in text.split("\n\n") if d.strip()]
-
-
-# -- rendering and tokenizing ------------------------------------------------------------------
-def load_tokenizer(data: DataPart, tokenizer: str | None):
-    """The fast tokenizer of ``tokenizer`` (with ``data.chat_template`` set over its own)."""
-    import transformers
-
-    if not tokenizer or not any((Path(tokenizer) / f).is_file() for f in TOKENIZER_FILES):
-        raise DataError(f'data.format = "{data.format}" needs a tokenizer: model.tokenizer (default model.path) '
-                        f"{tokenizer or '(none)'} has no tokenizer files")
-    tok = transformers.AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=False)
-    if not tok.is_fast:
-        raise DataError("expected a fast tokenizer (tokenizer.json); this one is slow", tokenizer)
-    template = _template_text(data)
-    if template is not None:
-        tok.chat_template = template
-    if data.format == "chat" and not tok.chat_template:
-        raise DataError("data.format = \"chat\" needs a chat template: the tokenizer has none; set data.chat_template",
-                        tokenizer)
-    return tok
-
-
-class _Encoder:
-    """``datasets.map`` function: a batch of records -> input_ids, labels and an error per record
-    (a string, empty when the record is fine: an exception inside a worker would lose its index)."""
-
-    def __init__(self, data: DataPart, tok, vocab_size: int | None = None):
-        self.data, self.tok, self.f, self.vocab_size = data, tok, data.field, vocab_size
-        self.eos = [] if tok is None or tok.eos_token_id is None else [tok.eos_token_id]
-        key = "data.chat_template" if data.chat_template is not None else "the tokenizer's chat_template"
-        self.template = (Renderer(tok.get_chat_template(), tok.special_tokens_map, key)
-                         if tok is not None and tok.chat_template else None)
-
-    def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        faults.point("data.batch")
-        out: dict[str, list] = {"input_ids": [], "labels": [], "error": []}
-        for i in range(len(indices)):
-            rec = {k: v[i] for k, v in batch.items()}
-            err, ids, labels = self.check(rec), [], []
-            if not err:
-                try:
-                    ids, labels = self.encode(rec)
-                except BudgetExceeded as e:
-                    raise StoppedAt(str(e), indices[i]) from None
-                except (DataError, TemplateFault) as e:
-                    err = str(e)
-            if not err and not ids:
-                err = "no tokens"
-            out["input_ids"].append(ids)
-            out["labels"].append(labels)
-            out["error"].append(err)
-        return out
-
-    def check(self, rec: Any) -> str:
-        """What is wrong with one record for the format, or ""."""
-        if not isinstance(rec, dict):
-            return f"expected a record (an object), got {type(rec).__name__}"
-        fmt, f = self.data.format, self.f
-        if fmt == "tokens":
-            return token_fault(rec.get(f("input_ids")), rec.get(f("labels")), f, self.vocab_size)
-        if fmt == "text":
-            return "" if isinstance(rec.get(f("text")), str) else f'expected a "{f("text")}" field holding a string'
-        if fmt == "instruction":
-            for name, required in (("instruction", True), ("input", False), ("output", True)):
-                v = rec.get(f(name))
-                if not isinstance(v, str) and (required or v is not None):
-                    return f'expected a "{f(name)}" field holding a string' + ("" if required else " (or none)")
-            return ""
-        turns = self.messages(rec)
-        return turns if isinstance(turns, str) else ""
-
-    def messages(self, rec: dict) -> list[dict] | str:
-        """A chat record as [{"role", "content"}], or what is wrong with it."""
-        f = self.f
-        if rec.get(f("messages")) is not None:
-            turns, role, content, roles = rec[f("messages")], "role", "content", None
-        elif rec.get(f("conversations")) is not None:
-            turns, role, content, roles = rec[f("conversations")], "from", "value", SHAREGPT_ROLES
-        else:
-            return f'expected "{f("messages")}" [{{"role", "content"}}] or "{f("conversations")}" [{{"from", "value"}}]'
-        if not isinstance(turns, list) or not turns:
-            return "expected a non-empty list of turns"
-        out = []
-        for j, t in enumerate(turns):
-            if not isinstance(t, dict) or not isinstance(t.get(role), str) or not isinstance(t.get(content), str):
-                return f'turn {j}: expected {{"{role}": string, "{content}": string}}'
-            r = t[role] if roles is None else roles.get(t[role])
-            if r not in ("system", "user", "assistant"):
-                known = "system, user, assistant" if roles is None else ", ".join(SHAREGPT_ROLES)
-                return f'turn {j}: {role} "{t[role]}" is not one of {known}'
-            out.append({"role": r, "content": t[content]})
-        if not any(t["role"] == "assistant" for t in out):
-            return "no assistant turn: nothing to learn"
-        return out
-
-    def encode(self, rec: dict) -> tuple[list[int], list[int]]:
-        fmt, f, tok = self.data.format, self.f, self.tok
-        if fmt == "tokens":
-            ids = list(rec[f("input_ids")])
-            labels = rec.get(f("labels"))
-            return ids, list(ids if labels is None else labels)
-        if fmt == "text":
-            ids = tok(rec[f("text")], add_special_tokens=False)["input_ids"] + self.eos
-            return ids, list(ids)
-        if fmt == "instruction":
-            instruction, context, output = rec[f("instruction")], rec.get(f("input")) or "", rec[f("output")]
-            if tok.chat_template:
-                user = instruction + ("\n\n" + context if context else "")
-                return self.chat([{"role": "user", "content": user}, {"role": "assistant", "content": output}])
-            prompt = ALPACA.format(context=", paired with an input that provides further context" if context else "",
-                                   instruction=instruction, input=f"### Input:\n{context}\n\n" if context else "")
-            # The tokenizer's own special tokens (a BOS where it adds one), as a plain prompt gets them.
-            p = tok(prompt)["input_ids"]
-            r = tok(output, add_special_tokens=False)["input_ids"] + self.eos
-            return p + r, (p if self.data.train_on_prompt else [IGNORE] * len(p)) + r
-        return self.chat(self.messages(rec))
-
-    def chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
-        """Rendered with the chat template; the targets are the characters each assistant turn adds
-        to the rendering (its content and end-of-turn tokens), found by rendering prefixes."""
-        tok, render = self.tok, self.template.render
-        text = render(messages)
-        spans = []
-        for j, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            before = render(messages[:j], add_generation_prompt=True) if j else ""
-            through = render(messages[: j + 1])
-            if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
-                raise DataError("the chat template does not render a conversation's prefixes as prefixes of the "
-                                "whole; it cannot mark assistant turns")
-            spans.append((len(before), len(through)))
-        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = enc["input_ids"]
-        if self.data.train_on_prompt:
-            return ids, list(ids)
-        labels = [t if any(a <= s < b for a, b in spans) else IGNORE for t, (s, _) in zip(ids, enc["offset_mapping"])]
-        return ids, labels

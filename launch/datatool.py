@@ -1,14 +1,14 @@
 """The orchestrator's data step, run as ``python -m launch.datatool`` (the orchestrator imports no
-datasets or transformers): prepares the training (and validation) data into a cache, checks it
+datasets or transformers): prepares the training and validation data into a cache, checks it
 against the model and prints what the run will see as one JSON object on stdout.
 
     echo '{"data": {...DataPart...}, "tokenizer": "model", "cache_root": "RUN/data-cache",
-           "seed": 0, "vocab_size": 384, "show": 2}' | python -m launch.datatool
+           "vocab_size": 384, "show": 2}' | python -m launch.datatool
 
-Output: ``{"stats": read_stats(...), "validation": stats or null, "rows": [{"text", "target",
-"input_ids", "target_ids"}, ...]}`` (``rows``: the first ``show`` training rows in the run's order;
-``text`` and ``target`` are null without a tokenizer). Exit 2 with the ``DataError`` on stderr
-when the data does not fit the schedule or the model.
+Output: ``{"stats": read_stats(...), "rows": [{"text", "target", "input_ids", "target_ids"}, ...]}``
+(``rows``: the first ``show`` training rows in the run's order; ``text`` and ``target`` are null
+without a tokenizer). Exit 2 with the ``DataError`` on stderr when the data does not fit the
+schedule or the model.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launch import records
-from launch.contract.spec import DataPart
-from launch.dataprep import IGNORE, DataError, load_tokenizer, prepare, read_stats
+from launch.dataprep import IGNORE, RECORDS, DataError, load_tokenizer, prepare, read_stats
+from launch.contract.data import DataPart
+from launch.records import where
 from shard_tools.tokenizer import TOKENIZER_FILES
 
 
@@ -32,20 +32,16 @@ def inspect(req: dict[str, Any]) -> dict[str, Any]:
     data = DataPart.model_validate(req["data"])
     tokenizer, root = req.get("tokenizer"), Path(req["cache_root"])
     reuse = tuple(Path(p) for p in req.get("reuse", ()))
-    if data.format != "tokens":
-        _check_tokenizer(data, tokenizer)
+    for source in (*data.sources, *data.validation):
+        if source.format != "tokens":
+            _check_tokenizer(source, tokenizer)
     vocab = req.get("vocab_size")
     cache = prepare(data, tokenizer, root, reuse, vocab_size=vocab)
     check(data, cache, vocab)
-    out: dict[str, Any] = {"stats": read_stats(cache), "validation": None, "rows": []}
-    if data.validation_path:
-        val = data.model_copy(update={"path": data.validation_path})
-        val_cache = prepare(val, tokenizer, root, reuse, vocab_size=vocab)
-        check(val, val_cache, vocab, "data.validation_path")
-        out["validation"] = read_stats(val_cache)
+    out: dict[str, Any] = {"stats": read_stats(cache), "rows": []}
     if req.get("show"):
         examples = load_examples(cache)
-        order = SampleOrder(len(examples), req.get("seed", 0), data.shuffle)
+        order = SampleOrder(len(examples), data.seed, data.shuffle)
         tok = _decoder(data, tokenizer)
         for ids, labels in training_rows(examples, order, req["show"]):
             targets = [t for t in labels[1:] if t != IGNORE]
@@ -55,47 +51,57 @@ def inspect(req: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def check(data: DataPart, cache: Path, vocab_size: int | None, key: str = "data.path") -> None:
-    """Rows that the model can take and learn from: at least one target token (``key`` names the
-    data), every token id and target below its vocabulary size (the first offending record named
-    where rows are records). ``seq_len`` against the model's positions is the schedule's check
-    (``orchestrator.validate``), made before this runs."""
+def check(data: DataPart, cache: Path, vocab_size: int | None) -> None:
+    """Records that the model can take and learn from: some target tokens (``no_targets``), every
+    token id and target below its vocabulary size (the first offending record of a file named).
+    ``seq_len`` against the model's positions is the schedule's check (``orchestrator.validate``),
+    made before this runs."""
     import numpy as np
+    from safetensors.numpy import load_file
 
-    from launch.data import load_examples
-
-    no_targets(data, read_stats(cache), key)
+    no_targets(data, read_stats(cache))
     if not vocab_size:
         return
-    ex = load_examples(cache)
-    bad = (ex.input_ids >= vocab_size).any(axis=1) | ((ex.labels >= vocab_size) & (ex.labels != IGNORE)).any(axis=1)
-    if bad.any():
-        row = int(np.argmax(bad))
-        top = int(max(ex.input_ids[row].max(), ex.labels[row].max()))
-        path = Path(data.path).resolve()
-        where = {"row": row} if data.packs or path.is_dir() else records.where(path, row)
-        if "row" in where:
-            raise DataError(f"row {row}: token id {top} is not below the model's vocab_size {vocab_size} (config.json)",
-                            str(path))
-        raise DataError(f"token id {top} is not below the model's vocab_size {vocab_size} (config.json)", str(path),
-                        **where)
+    max_ids = load_file(str(cache / RECORDS))
+    for i, source in enumerate((*data.sources, *data.validation)):
+        bad = max_ids[f"max_id.{i}"] >= vocab_size
+        if bad.any():
+            record = int(np.argmax(bad))
+            path = Path(source.path).resolve()
+            raise DataError(f"token id {int(max_ids[f'max_id.{i}'][record])} is not below the model's vocab_size "
+                            f"{vocab_size} (config.json)", str(path), **where(path, record))
 
 
-def no_targets(data: DataPart, stats: dict[str, Any], key: str) -> None:
-    """DataError where no token carries loss: a run would train on nothing (loss 0.0) and end well."""
-    if stats["target_tokens"]:
-        return
-    why = {"tokens": f"every label is -100 or a row's first (data.seq_len = {data.seq_len}), which nothing predicts",
-           "text": f"every row is one token long (data.seq_len = {data.seq_len})"}.get(
-        data.format, f"no assistant turn is rendered within data.seq_len = {data.seq_len} (a template that renders "
-                     f"none, or prompts that fill every row: {stats['truncated']} of {stats['examples']} examples cut)")
-    raise DataError(f"{key}: no target tokens, nothing to train on: {why}", str(Path(data.path).resolve()))
+def no_targets(data: DataPart, stats: dict[str, Any]) -> None:
+    """DataError where no token carries loss: a run would train on nothing (loss 0.0) and end well.
+    The training rows as a whole, then each source (one that adds nothing is a mistake too), then
+    the held-out rows (an eval_loss of nothing)."""
+    train, sources = stats["train"], stats["sources"]
+    if not train["target_tokens"]:
+        key = f"{sources[0]['key']}.path" if len(sources) == 1 else "data.sources"
+        raise DataError(f"{key}: no target tokens, nothing to train on: {_why(data, sources[0], train)}",
+                        ", ".join(s["path"] for s in sources))
+    for s in sources:
+        if not s["target_tokens"]:
+            raise DataError(f"{s['key']}.path: no target tokens, nothing to train on: {_why(data, s, s)}", s["path"])
+    if stats["validation"] is not None and not stats["validation"]["target_tokens"]:
+        key = "data.validation_path" if data.validation else "data.validation_split"
+        raise DataError(f"{key}: no target tokens in the held-out rows, nothing to evaluate")
 
 
-def _check_tokenizer(data: DataPart, tokenizer: str | None) -> None:
+def _why(data: DataPart, source: dict[str, Any], counts: dict[str, Any]) -> str:
+    """Why ``source``'s rows carry no loss, by its format; ``counts``: the examples and truncated of those rows."""
+    return {"tokens": f"every label is -100 or a row's first (data.seq_len = {data.seq_len}), which nothing predicts",
+            "text": f"every row is one token long (data.seq_len = {data.seq_len})"}.get(
+        source["format"], f"no assistant turn is rendered within data.seq_len = {data.seq_len} (a template that "
+                          f"renders none, or prompts that fill every row: {counts['truncated']} of "
+                          f"{counts['examples']} examples cut)")
+
+
+def _check_tokenizer(source, tokenizer: str | None) -> None:
     """A tokenizer that does not load is bad input (exit 2), not a fault of the preparation."""
     try:
-        load_tokenizer(data, tokenizer)
+        load_tokenizer(source, tokenizer)
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds for broken files
@@ -106,8 +112,6 @@ def _check_tokenizer(data: DataPart, tokenizer: str | None) -> None:
 
 def _decoder(data: DataPart, tokenizer: str | None):
     """The tokenizer for showing rows; tokens data shows ids alone where there is none."""
-    if data.format != "tokens":
-        return load_tokenizer(data, tokenizer)
     if tokenizer and any((Path(tokenizer) / f).is_file() for f in TOKENIZER_FILES):
         import transformers
 

@@ -6,14 +6,16 @@ PYTHONPATH (tests/faults/); the fork server imports it before it forks, so its c
 the handlers. Points:
 
 - ``checkpoint.file_written`` (``name``: the file): one checkpoint file is written in full.
-- ``phase.first_step`` (``prewarm``: whether the phase was pre-warmed): a phase is about to take
-  its first step.
+- ``phase.first_step`` (``prewarm``: whether the phase was pre-warmed; ``phase``: its index): a
+  phase is about to take its first step.
 - ``handover.offered`` (``rank``): a finished phase's rank has written its offer
   (``launch.handover``), before it waits for the answer.
 - ``handover.copying`` (``rank``): a successor's rank has mapped its predecessor's offer, before
   it copies and answers.
 - ``data.batch``: a batch of records is about to be rendered and tokenized (``datasets.map``,
   in its workers too).
+- ``data.micro_batch`` (``batch``: the dict): a micro-batch is made, before it is fed; a handler
+  may change it (the packing tests take the position ids away, to see examples attend across).
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ build, which guards the build directory with a lock *file* (torch's FileBaton). 
 while holding it (a phase SIGKILLed during its start) leaves the file behind, and every later
 process waits on it forever. relayer serialises the load under an flock, which the kernel drops
 when its holder dies: whoever holds the flock knows any baton file is stale and removes it.
-Loaded once, the op is cached in the process (and in everything the fork server forks).
+Loaded once, the op is cached in the process (and in everything the fork server forks), which then
+never takes the flock again: a phase paused while it held it (``orchestrator.quiet``, SIGSTOP)
+stalled the next phase's start at "starting the process group" until the pause ended.
 """
 
 from __future__ import annotations
@@ -15,22 +17,37 @@ import os
 from pathlib import Path
 
 COMM_BUFFER = "deepspeed_allreduce_buffer"
+_loaded = False
+"""The comm op is loaded in this process (or in the fork server it was forked from)."""
 
 
 def load_comm_ops() -> None:
+    global _loaded
+    if _loaded:
+        return
     from deepspeed.accelerator import get_accelerator
     from deepspeed.comm.torch import build_shm_op
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None:
-        return
-    from torch.utils.cpp_extension import _get_build_directory  # where torch puts JIT builds and their baton
+    if builder is not None:
+        build_dir = build_directory(builder.NAME)
+        with open(build_lock(builder.NAME), "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            build_shm_op()
+    _loaded = True
 
-    build_dir = Path(_get_build_directory(builder.NAME, verbose=False))
-    with open(build_dir.parent / f".relayer-{builder.NAME}.lock", "w") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
-        (build_dir / "lock").unlink(missing_ok=True)
-        build_shm_op()
+
+def build_directory(name: str) -> Path:
+    """Where torch JIT-builds the op ``name`` (and keeps its baton file)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
+def build_lock(name: str) -> Path:
+    """The file whose flock serialises loading the op ``name``."""
+    return build_directory(name).parent / f".relayer-{name}.lock"
 
 
 def unlink_comm_buffers(rank: int) -> None:

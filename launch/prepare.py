@@ -18,15 +18,15 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from launch import handover, procs
+from launch import handover, procs, rendezvous
 from launch.contract.files import DATA_CACHE
 from launch.contract.spec import PhaseSpec
-from launch.data import SampleOrder, load_examples, micro_batch, prepare as prepare_data
+from launch.data import SampleOrder, load_examples, load_validation, micro_batch, prepare as prepare_data
 from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.record import Assembled, Phase, Prepared, Source
 from launch.save import prepare_files
 from launch.staging import Staging
-from launch.train import token_loss
+from launch.train import packed_attention, token_loss
 from launch.zero_state import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DECAY
 from shard_tools.later import Later
 from shard_tools.model import (
@@ -87,7 +87,8 @@ def _start_group(ph: Phase) -> Staging | None:
         staging = Staging(ph.device)
     ph.stage("starting the process group")
     load_comm_ops()
-    deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
+    with rendezvous.bounded(ph.spec.rendezvous_seconds, Path(ph.spec.phase_dir), ph.rank):
+        deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
     unlink_comm_buffers(ph.rank)
     ph.timeline.mark("t_group_ready")
     return staging
@@ -100,6 +101,7 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
     skeleton = refusal is None
     model = build_skeleton(model_spec(spec)) if skeleton else base_model(model_spec(spec), ph.prebuilt)
     model.config.use_cache = False
+    packed_attention(model, spec.data, m.dtype)
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     persistent, layers_attr = detect_parts(model, m.persistent, m.layers)
@@ -131,6 +133,7 @@ def host_model(ph: Phase, made: Prepared) -> None:
     the host model as a phase without a handover has it, built now."""
     model = base_model(model_spec(ph.spec), ph.prebuilt)
     model.config.use_cache = False
+    packed_attention(model, ph.spec.data, ph.spec.model.dtype)
     if ph.spec.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     made.model, made.trained, made.skeleton = model, {}, False
@@ -140,12 +143,8 @@ def host_model(ph: Phase, made: Prepared) -> None:
 def _load_data(ph: Phase) -> tuple:
     """The training rows and the validation rows: prepared by the orchestrator before the first
     phase, or here by the first process (once)."""
-    spec = ph.spec
-    cache = ph.run_dir / DATA_CACHE
-    examples = load_examples(prepare_data(spec.data, spec.model.tokenizer, cache))
-    validation = (load_examples(prepare_data(spec.data.model_copy(update={"path": spec.data.validation_path}),
-                                             spec.model.tokenizer, cache)) if spec.data.validation_path else None)
-    return examples, validation
+    entry = prepare_data(ph.spec.data, ph.spec.model.tokenizer, ph.run_dir / DATA_CACHE)
+    return load_examples(entry), load_validation(entry)
 
 
 def _prepare_host_side(ph: Phase, made: Prepared) -> StateFiles | None:

@@ -4,8 +4,10 @@ never outlive the orchestrator (which may have been SIGKILLed and so could not c
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -15,7 +17,7 @@ from typing import Callable
 import psutil
 
 from launch.contract.channels import GO
-from launch.contract.files import PhaseDir, rank_name
+from launch.contract.files import DUMP_STACKS, PhaseDir, rank_name
 
 PR_SET_PDEATHSIG = 1
 
@@ -29,7 +31,12 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
 def record_pid(phase_dir: Path, name: str) -> None:
     """Records this process as ``name`` in the phase directory, so the orchestrator can reap it."""
     me = psutil.Process()
-    PhaseDir(phase_dir).record_pid(name, me.pid, me.create_time())
+    PhaseDir(phase_dir).record_pid(name, me.pid, me.create_time(), node_name())
+
+
+def node_name() -> str:
+    """This process's node: SLURM's name for it in a job (nodes may share a host), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def _watch(pid: int, create_time: float, interval: float) -> None:
@@ -53,8 +60,17 @@ def watch_orchestrator(pid: int, interval: float = 0.5) -> None:
     threading.Thread(target=_watch, args=(pid, create_time, interval), daemon=True, name="orchestrator-watch").start()
 
 
+def dump_stacks_on_signal(phase_dir: Path, rank: int) -> None:
+    """On DUMP_STACKS, every thread's Python stack is appended to the rank's stacks file, from C:
+    also while the interpreter is stuck in a call that never returns (a collective, a write)."""
+    stacks = PhaseDir(phase_dir).stacks
+    stacks.mkdir(exist_ok=True)
+    faulthandler.register(DUMP_STACKS, file=open(stacks / f"{rank_name(rank)}.txt", "a"), all_threads=True)
+
+
 def guard_process(phase_dir: Path, rank: int, orchestrator_pid: int | None) -> None:
     set_parent_death_signal()
+    dump_stacks_on_signal(phase_dir, rank)
     record_pid(phase_dir, rank_name(rank))
     if orchestrator_pid is not None:
         watch_orchestrator(orchestrator_pid)

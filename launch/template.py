@@ -11,6 +11,7 @@ a process, a ``datasets.map`` worker's too; a trace function elsewhere).
 
     renderer = Renderer(tok.chat_template, tok.special_tokens_map, "data.chat_template")
     text = renderer.render(messages, add_generation_prompt=True)  # TemplateFault, BudgetExceeded
+    text, spans = renderer.render_marked(messages)                # and its {% generation %} spans
 """
 
 from __future__ import annotations
@@ -56,14 +57,33 @@ class Renderer:
         self.__dict__.update(state, _template=None)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        out: list[str] = []
+        self._generate(messages, add_generation_prompt, out)
+        return "".join(out)
+
+    def render_marked(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The whole conversation and the character spans its ``{% generation %}`` marks enclose,
+        as transformers' ``return_assistant_tokens_mask`` finds them (its tracker, this rendering)."""
+        out: list[str] = []
+        spans: list[tuple[int, int]] = []
+        with self._compiled().environment.activate_tracker(out, spans):
+            self._generate(messages, False, out)
+        return "".join(out), [tuple(s) for s in spans]
+
+    def _compiled(self):
         if self._template is None:
             self._template = _compile(self.source, self.key)
+        return self._template
+
+    def _generate(self, messages: list[dict], add_generation_prompt: bool, out: list[str]) -> None:
+        """The rendering's chunks appended to ``out`` within the budget."""
+        template = self._compiled()
         limit = CHARS + PER_CHAR * sum(len(m["content"]) for m in messages)
-        out, size = [], 0
+        size = 0
         try:
             with deadline(SECONDS, self.key):
-                for chunk in self._template.generate(messages=messages, tools=None, documents=None,
-                                                     add_generation_prompt=add_generation_prompt, **self.variables):
+                for chunk in template.generate(messages=messages, tools=None, documents=None,
+                                               add_generation_prompt=add_generation_prompt, **self.variables):
                     size += len(chunk)
                     if size > limit:
                         raise BudgetExceeded(f"{self.key}: rendered more than {limit:,} characters for one "
@@ -73,7 +93,6 @@ class Renderer:
             raise
         except Exception as e:  # noqa: BLE001 - whatever a template raises is the template's fault
             raise TemplateFault(f"{self.key}: {_one_line(e)}") from None
-        return "".join(out)
 
 
 def _one_line(e: BaseException) -> str:

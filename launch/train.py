@@ -14,6 +14,7 @@ import psutil
 import torch
 
 from launch import faults, procs
+from launch.contract.data import DataPart
 from launch.contract.files import RunDir
 from launch.contract.spec import lr_at
 from launch.data import micro_batch, rows, step_targets
@@ -41,7 +42,7 @@ def train(ph: Phase, stop: dict) -> bool:
     metrics = RunDir(ph.run_dir).metrics
     step_times: list[float] = []
     ph.step = spec.start_step
-    faults.point("phase.first_step", prewarm=spec.prewarm)
+    faults.point("phase.first_step", prewarm=spec.prewarm, phase=spec.phase)
     ph.stage("first step")
     while ph.step < spec.end_step:
         stop_asked = _step(ph, stop, metrics, step_times)
@@ -175,5 +176,15 @@ def token_loss(engine, batch: dict[str, torch.Tensor], device: torch.device) -> 
     batch = {k: v.to(device) for k, v in batch.items()}
     if count:
         return engine(**batch).loss, count
-    logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = engine(**{k: v for k, v in batch.items() if k != "labels"}).logits
     return logits.sum() * 0.0, 0
+
+
+def packed_attention(model, data: DataPart, dtype: str) -> None:
+    """Rows packed whole attend per example through their position ids (``launch.data``): on a GPU
+    with flash-attn installed and a half-precision model, by varlen flash attention; otherwise the
+    model's own attention (SDPA) with the block-diagonal mask transformers builds from them."""
+    from transformers.utils import is_flash_attn_2_available
+
+    if data.layout == "whole" and torch.cuda.is_available() and dtype != "float32" and is_flash_attn_2_available():
+        model.set_attn_implementation("flash_attention_2")

@@ -16,10 +16,13 @@ import os
 import signal
 import socket
 import sys
+import time
+import traceback
 from pathlib import Path
 
 from launch import procs
 from launch.commands import rank_env_from_slurm
+from launch.contract.files import PhaseDir
 from launch.contract.spec import PhaseSpec
 
 
@@ -27,7 +30,7 @@ def main(argv: list[str], prebuilt: dict | None = None) -> int:
     """``prebuilt``: base models built before this process was forked (``launch.zygote``)."""
     spec = PhaseSpec.read(argv[1])
     if spec.launcher == "slurm":
-        os.environ.update(rank_env_from_slurm(os.environ))
+        os.environ.update(rank_env_from_slurm(os.environ, spec.master_addr))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     same_host = spec.orchestrator_host in (None, socket.gethostname())
     procs.guard_process(Path(spec.phase_dir), rank, spec.orchestrator_pid if same_host else None)
@@ -51,8 +54,26 @@ def main(argv: list[str], prebuilt: dict | None = None) -> int:
         raise
 
 
+def launched(argv: list[str]) -> int:
+    """``main`` in a process that a launcher started (the fork server records how its ranks end):
+    the exit code is left in the phase directory, so the orchestrator knows how every rank ended
+    on every node, and that one without a record was killed (or lost with its node)."""
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # the orchestrator went away before the go
+        if not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        rc = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    if "RANK" in os.environ:  # else it failed before it knew its rank
+        PhaseDir(PhaseSpec.read(argv[1]).phase_dir).write_exit(int(os.environ["RANK"]), rc, time.time())
+    return rc
+
+
 if __name__ == "__main__":
-    rc = main(sys.argv)
+    rc = launched(sys.argv)
     # Everything is written and fsynced; tearing down torch and DeepSpeed module by module takes
     # seconds that the next phase would wait for, so the process ends here.
     sys.stdout.flush()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -24,7 +25,7 @@ import psutil
 
 from launch import procs
 from launch.contract.channels import FORK_REQUESTS
-from launch.contract.files import PhaseDir, RunDir, rank_name, write_reason
+from launch.contract.files import DUMP_STACKS, PhaseDir, RunDir, rank_name, write_reason
 from launch.contract.spec import PhaseSpec
 from shard_tools.files import open_append
 
@@ -59,7 +60,7 @@ class Zygote:
                 continue
         from launch.ops import load_comm_ops
 
-        load_comm_ops()  # cached in every forked phase: none of them touches the build lock
+        load_comm_ops()  # cached in every forked phase: none of them takes the build lock
 
         base = model_spec(spec)
         self.model = build_base_model(base)
@@ -132,6 +133,9 @@ def serve(spec: PhaseSpec, requests: str) -> None:
     procs.set_parent_death_signal()
     if spec.orchestrator_pid is not None:
         procs.watch_orchestrator(spec.orchestrator_pid)
+    # Its ranks are recorded as soon as forked: a stack dump asked for before one registered for it
+    # (launch.procs.guard_process) must not end it, as the signal's default would.
+    signal.signal(DUMP_STACKS, signal.SIG_IGN)
     zygote = Zygote(spec)
     threading.Thread(target=zygote.reap_forever, daemon=True, name="reaper").start()
     fd = os.open(requests, os.O_RDONLY)

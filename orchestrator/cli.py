@@ -93,14 +93,14 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
     switches = plan_switches(loaded, phases, estimate, device)
     if device is None:
         print_plan(loaded, phases, switches)
-        _echo_data_line(data)
+        _echo_data_line(loaded, phases, data)
         return
     if estimate is None:
         print_plan(loaded, phases, switches)
         click.echo(f"orchestrator: warning: no memory estimate: {failure}", err=True)
         return
     print_plan(loaded, phases, switches, estimate, device)
-    _echo_data_line(data)
+    _echo_data_line(loaded, phases, data)
     if estimate.unsized:
         click.echo(f"orchestrator: warning: the estimate counts nothing for model.persistent "
                    f"{', '.join(estimate.unsized)}", err=True)
@@ -112,10 +112,39 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
                    f"{format_bytes(device)}", err=True)
 
 
-def _echo_data_line(data: dict) -> None:
-    st = data["stats"]
-    click.echo(f"data: {st['examples']} examples, {st['rows']} rows of {st['seq_len']} tokens, "
-               f"{st['target_tokens']} target tokens, {st['truncated']} truncated (orchestrator data shows more)")
+LAYOUTS = {"pad": "one example a row, padded or cut to", "stream": "one stream cut into rows of",
+           "whole": "examples packed whole into rows of"}
+
+
+def _echo_data_line(loaded, phases, data: dict) -> None:
+    from orchestrator.space import data_cache_bytes, describe, disk_need, file_system_of
+
+    st, train = data["stats"], data["stats"]["train"]
+    click.echo(f"data: {train['examples']} examples, {train['rows']} rows of {st['seq_len']} tokens "
+               f"({st['layout']}), {train['target_tokens']} target tokens, {train['truncated']} truncated "
+               "(orchestrator data shows more)")
+    for src in st["sources"] if len(st["sources"]) > 1 or st["validation"] else ():
+        click.echo(f"  {_source_line(src)}")
+    if loaded.schedule.schedule.epochs is not None:
+        click.echo(f"schedule: epochs = {loaded.schedule.schedule.epochs:g} of {train['rows']} rows at data.batch_size "
+                   f"{loaded.schedule.data.batch_size}: total_steps = {loaded.total_steps}")
+    splits = [{**split, "seq_len": st["seq_len"]} for split in (train, st["validation"]) if split]
+    need = disk_need(loaded, phases, data_cache_bytes(splits))
+    if need is not None:
+        click.echo(describe(need, file_system_of(loaded.output_dir)))
+
+
+def _source_line(src: dict) -> str:
+    """One data file as ``data`` and ``plan`` name it: records, held out, drawn, its chat template
+    and how its assistant turns were marked (``launch.chat``)."""
+    parts = [f"{src['records']} records"] + [f"{src['held_out']} held out"] * bool(src["held_out"])
+    if src["key"] != "data.validation_path":
+        parts.append(f"weight {src['weight']:g}: {src['examples']} examples an epoch")
+    if src["template"]:
+        parts.append(f"chat template {src['template']}")
+    if src["marking"]:
+        parts.append(f"assistant turns marked by {' and '.join(src['marking'])}")
+    return f"{src['key']}: {src['path']} ({src['format']}): {', '.join(parts)}"
 
 
 @main.command()
@@ -132,21 +161,23 @@ def data(schedule: Path, show: int | None, as_json: bool) -> None:
     from orchestrator.validate import load_schedule
 
     out = check_data(load_schedule(schedule), show or 0)
+    st = out["stats"]
     if as_json:
         if show:  # one row a line
             click.echo("[\n" + ",\n".join(json.dumps(r) for r in out["rows"]) + "\n]")
         else:
-            click.echo(json.dumps({"train": out["stats"], "validation": out["validation"]}, indent=1))
+            click.echo(json.dumps({k: st[k] for k in ("train", "validation", "sources", "validation_files")}, indent=1))
         return
-    for name, st in (("train", out["stats"]), ("validation", out["validation"])):
-        if st is None:
+    for src in st["sources"] + st["validation_files"]:
+        click.echo(_source_line(src))
+    for name, split in (("train", st["train"]), ("validation", st["validation"])):
+        if split is None:
             continue
-        layout = "packed into" if st["pack"] else "one example a row, padded or cut to"
-        click.echo(f"{name}: {st['source']} ({st['format']}, {layout} {st['seq_len']} tokens)")
+        click.echo(f"{name}: {LAYOUTS[st['layout']]} {st['seq_len']} tokens")
         for label, key in (("examples", "examples"), ("tokens", "tokens"), ("target tokens", "target_tokens"),
                            ("truncated examples", "truncated"), ("rows", "rows"), ("padding tokens", "padding_tokens"),
                            ("dropped tokens", "dropped_tokens"), ("rows without targets", "rows_without_targets")):
-            click.echo(f"  {label:<21} {st[key]:>12,}")
+            click.echo(f"  {label:<21} {split[key]:>12,}")
     for i, row in enumerate(out["rows"]):
         text = row["text"] if row["text"] is not None else " ".join(map(str, row["input_ids"]))
         target = row["target"] if row["target"] is not None else " ".join(map(str, row["target_ids"]))

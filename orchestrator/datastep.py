@@ -23,13 +23,13 @@ from typing import Any, Iterator
 import psutil
 
 from launch.contract.channels import DATA_TOOL, python_m
+from launch.contract.data import is_template_path
 from launch.contract.files import DATA_CACHE
 from orchestrator.errors import STOP_SIGNALS, Preempted, RelayerError, ScheduleError
 from orchestrator.groups import exit_text
-from orchestrator.modelcheck import read_model_config
+from orchestrator.modelcheck import read_model_config, resolve_path, tokenizer_of
 from orchestrator.procs import end_session
-from orchestrator.schedule import LoadedSchedule
-from orchestrator.validate import chat_template_of, tokenizer_of
+from orchestrator.schedule import LoadedSchedule, SourceSection
 
 TMP_CACHE = "relayer-data-"
 """``plan`` and ``data`` prepare into TMPDIR/relayer-data-<pid>.*, and the data tool keeps its
@@ -37,14 +37,27 @@ temporaries in another, both removed after (and by the next command where this o
 STAGED = ".relayer-data-"
 """A new run prepares beside its directory into .relayer-data-<run name>.<pid>.*, moved in after."""
 
+
 def data_spec(loaded: LoadedSchedule) -> dict[str, Any]:
-    """The phase spec's data part (``launch.contract.spec.DataPart``): what keys the cache."""
+    """The phase spec's data part (``launch.contract.data.DataPart``): what keys the cache."""
     d, base = loaded.schedule.data, loaded.source.parent
-    return {"path": str(loaded.data_path), "format": d.format, "seq_len": d.seq_len, "pack": d.pack,
-            "train_on_prompt": d.train_on_prompt, "fields": d.fields, "chat_template": chat_template_of(d, base),
-            "batch_size": d.batch_size, "micro_batch_size": d.micro_batch_size, "shuffle": d.shuffle,
-            "eval_every": d.eval_every,
-            "validation_path": str(base / d.validation_path) if d.validation_path else None}
+    sources = [_source_spec(key, s, base) for key, s in d.resolved_sources()]
+    validation = [{**sources[0], "path": str(resolve_path(base, d.validation_path)), "key": "data.validation_path"}] \
+        if d.validation_path else []
+    return {"sources": sources, "validation": validation, "validation_split": d.validation_split,
+            "seed": loaded.schedule.run.seed, "seq_len": d.seq_len, "pack": d.pack, "batch_size": d.batch_size,
+            "micro_batch_size": d.micro_batch_size, "shuffle": d.shuffle, "eval_every": d.eval_every}
+
+
+def _source_spec(key: str, s: SourceSection, base: Path) -> dict[str, Any]:
+    return {"path": str(resolve_path(base, s.path)), "format": s.format, "train_on_prompt": s.train_on_prompt,
+            "chat_template": chat_template_of(s.chat_template, base), "fields": s.fields, "weight": s.weight,
+            "key": key}
+
+
+def chat_template_of(template: str | None, base: Path) -> str | None:
+    """A chat_template key for the phase spec: the template itself or its name, or its file's absolute path."""
+    return str((base / template).resolve()) if template is not None and is_template_path(template) else template
 
 
 def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0, reuse: tuple[Path, ...] = (),
@@ -57,7 +70,7 @@ def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0, reuse:
     config = read_model_config(s.model, loaded.model_path, loaded.source)
     tok = tokenizer_of(s.model, loaded.source.parent)
     req = {"data": data_spec(loaded), "tokenizer": str(tok) if tok else None, "cache_root": str(cache_root),
-           "reuse": [str(p) for p in reuse], "seed": s.run.seed, "show": show, "vocab_size": config.get("vocab_size")}
+           "reuse": [str(p) for p in reuse], "show": show, "vocab_size": config.get("vocab_size")}
     tmp_root = Path(tempfile.gettempdir())
     remove_left(tmp_root, TMP_CACHE)
     # Its TMPDIR (the workers' pymp-* folders) goes with it; a session of its own: a stop reaches
@@ -97,7 +110,11 @@ def stopped_by(signals: tuple[int, ...], loaded: LoadedSchedule) -> Iterator[Non
 
 def check_data(loaded: LoadedSchedule, show: int = 0) -> dict[str, Any]:
     """``inspect_data`` into a temporary cache that is removed (a stop too): nothing is written.
-    Data the run has prepared already (``RUN_DIR/data-cache``, the same key) is read from there."""
+    Data the run has prepared already (``RUN_DIR/data-cache``, the same key) is read from there, not
+    again; the statistics that loading the schedule asked for already (``LoadedSchedule.data_check``)
+    are those."""
+    if loaded.data_check is not None and not show:
+        return loaded.data_check
     run_cache = loaded.output_dir / DATA_CACHE
     reuse = (run_cache,) if run_cache.is_dir() and not run_cache.is_symlink() else ()
     with stopped_by(STOP_SIGNALS, loaded), tempfile.TemporaryDirectory(prefix=f"{TMP_CACHE}{os.getpid()}.") as tmp:

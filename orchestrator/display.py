@@ -16,6 +16,7 @@ from orchestrator.errors import ScheduleError
 from orchestrator.estimate import PlanEstimate
 from orchestrator.groups import Group
 from orchestrator.handover import Switch
+from orchestrator.nodes import plan_lines
 from orchestrator.pace import Pace, clock
 from orchestrator.plan import plan_phases
 from orchestrator.rundir import lock_held
@@ -52,7 +53,7 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switc
     out.print(table)
     out.print(f"ZeRO stage {s.deepspeed.zero_stage}, {s.model.dtype}, launcher {s.launch.launcher}, "
               f"batch {s.data.batch_size} (micro {s.data.micro_batch_size}), run directory {loaded.output_dir}")
-    for line in switch_lines(switches, host=s.launch.handover == "on"):
+    for line in [*switch_lines(switches, host=s.launch.handover == "on"), *plan_lines(s.launch)]:
         out.print(line, markup=False, highlight=False)
     if estimate:
         device = f", device {format_bytes(device_memory)}" if device_memory is not None else ""
@@ -187,11 +188,12 @@ def run_state(run_dir: Path, events: list[dict]) -> str:
     if lock_held(run_dir):
         return "running"
     last = next((e for e in reversed(events) if e["event"] in
-                 ("run_done", "preempted", "phase_failed", "run_failed", "phase_started", "run_started", "resumed")),
-                {"event": None})
-    if last["event"] in ("phase_failed", "run_failed"):
-        where = f"phase {last['phase']}: " if last["event"] == "phase_failed" else ""
-        return f"failed ({where}{last.get('reason') or 'no reason recorded'})"
+                 ("run_done", "preempted", "phase_failed", "phase_stalled", "run_failed", "phase_started", "run_started",
+                  "resumed")), {"event": None})
+    if last["event"] in ("phase_failed", "phase_stalled", "run_failed"):
+        where = f"phase {last['phase']}: " if last["event"] != "run_failed" else ""
+        how = "stalled" if last["event"] == "phase_stalled" else "failed"
+        return f"{how} ({where}{last.get('reason') or 'no reason recorded'})"
     return {"run_done": "done", "preempted": "preempted", None: "not started"}.get(
         last["event"], "stopped (the orchestrator was killed; run again to resume)")
 

@@ -22,6 +22,10 @@ class PhaseFailed(RelayerError):
     """A phase's processes ended without committing the phase."""
 
 
+class Stalled(PhaseFailed):
+    """A phase made no progress for ``launch.stall_seconds`` and was ended (``orchestrator.watchdog``)."""
+
+
 class RunLocked(RelayerError):
     """Another orchestrator holds the run directory."""
 

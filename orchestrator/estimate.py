@@ -226,6 +226,12 @@ class PlanEstimate:
     towards the run's end, as fewer phases wait pre-warmed."""
 
 
+def trained_head(loaded: LoadedSchedule, count: ParamCount) -> int:
+    """The head parameters every phase trains (model.persistent; all of the head by default)."""
+    persistent = loaded.schedule.model.persistent
+    return sum(count.head.get(p, 0) for p in (persistent if persistent is not None else count.head))
+
+
 def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
     """Per phase, the memory one of its processes needs, and per switch the handover's overlap peak;
     raises EstimateError for an unknown family."""

@@ -21,6 +21,7 @@ from launch.contract.channels import FORK_REQUESTS, FORK_SERVER, GO, PHASE_LAUNC
 from launch.contract.files import RANK, Answer, PhaseDir, RunDir, read_reasons
 from launch.contract.spec import PhaseSpec
 from orchestrator import procs
+from orchestrator.nodes import silent_ranks
 from orchestrator.schedule import LaunchSection, Phase
 from shard_tools.files import describe, open_append, open_regular, write_atomic
 from shard_tools.store import Checkpoints
@@ -208,6 +209,8 @@ class PhaseProcesses:
             return (f"the fork server (launch.zygote, pid {proc.zygote.pid}) ended {exit_text(proc.server_rc)}",
                     self.files.zygote_log, read_reasons([self.files.zygote_error]))
         reasons = PhaseDir(group.phase_dir).error_reasons()
+        if not isinstance(proc, ForkedProc):  # a launcher's ranks record how they end, unless killed
+            reasons = [*silent_ranks(group.phase_dir, group.world), *reasons]
         return f"its processes ended {exit_text(rc)}", group.log_path, reasons
 
     def go(self, group: Group, restore: Path | None, handover: Path | None = None) -> None:

@@ -9,7 +9,8 @@ as it always did. The rules, in the order ``boundary_reason`` names them:
 - ``launch.handover = "off"``;
 - ``launch.prewarm = false``: no successor is alive to take anything;
 - a launcher other than "local": only the fork server starts both phases on this node, and more
-  than one node needs another launcher (schedule.py), so this also rules out ``launch.nnodes > 1``;
+  than one node needs another launcher (schedule.py), so this also rules out ``launch.nnodes > 1``
+  (where, as under srun, every switch starts its phase cold: ``orchestrator.nodes.cold_switch``);
 - different process counts: rank N hands to rank N;
 - ZeRO stage 3: no process holds the whole head.
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 from launch.contract.spec import HandoverPart
 from orchestrator.estimate import PlanEstimate
+from orchestrator.nodes import cold_switch
 from orchestrator.schedule import LoadedSchedule, Phase
 from shard_tools.sizes import format_bytes
 
@@ -38,7 +40,7 @@ def boundary_reason(loaded: LoadedSchedule, phases: list[Phase], index: int) -> 
     if not launch.prewarm:
         return "launch.prewarm = false: no successor is alive to take the state"
     if launch.launcher != "local":
-        return f'launch.launcher = "{launch.launcher}": only "local" starts both phases on this node'
+        return cold_switch(launch) or f'launch.launcher = "{launch.launcher}": only "local" starts both phases on this node'
     if before.nproc != after.nproc:
         return f"phase {before.index} runs {before.nproc} processes, phase {after.index} {after.nproc}"
     if s.deepspeed.zero_stage == 3:

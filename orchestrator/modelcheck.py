@@ -44,6 +44,12 @@ def path_is(path: Path) -> str:
     return {"missing": "does not exist", "not a valid path": "is not a valid path"}.get(kind, f"is {kind}")
 
 
+def tokenizer_of(model: ModelSection, base: Path) -> Path | None:
+    """The tokenizer directory: model.tokenizer, else model.path (None for an inline config)."""
+    path = model.tokenizer or model.path
+    return (base / path).resolve() if path else None
+
+
 def resolve_path(base: Path, value: str) -> Path:
     """``value`` against ``base``, symlinks followed where they lead somewhere; a loop stays as written."""
     path = base / value

@@ -16,9 +16,10 @@ from orchestrator.datastep import data_spec
 from orchestrator.estimate import EstimateError, PlanEstimate, estimate_plan
 from orchestrator.groups import Work
 from orchestrator.handover import handover_part
+from orchestrator.modelcheck import tokenizer_of
+from orchestrator.nodes import master_addr
 from orchestrator.plan import check_batch
 from orchestrator.schedule import LoadedSchedule, Phase
-from orchestrator.validate import tokenizer_of
 
 
 def free_port() -> int:
@@ -43,7 +44,8 @@ def phase_spec(loaded: LoadedSchedule, phases: list[Phase], work: Work, phase_di
         zero_stage=s.deepspeed.zero_stage, deepspeed_config=s.deepspeed.config,
         every_steps=s.checkpoint.every_steps, launcher=s.launch.launcher, nproc=ph.nproc, nnodes=s.launch.nnodes,
         hostfile=str((loaded.source.parent / s.launch.hostfile).resolve()) if s.launch.hostfile else None,
-        master_port=free_port(), orchestrator_pid=os.getpid(), orchestrator_host=socket.gethostname(),
+        master_port=free_port(), master_addr=master_addr(s.launch), rendezvous_seconds=s.launch.rendezvous_seconds,
+        orchestrator_pid=os.getpid(), orchestrator_host=socket.gethostname(),
         handover=handover_part(loaded, phases, ph.index, estimate),
     )
 

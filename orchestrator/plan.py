@@ -37,28 +37,28 @@ def plan_phases(loaded: LoadedSchedule) -> list[Phase]:
             phases.append(Phase(index=i, start_step=step, end_step=step + p.steps, layers=tuple(p.layers), nproc=nproc))
             step += p.steps
         return phases
-    sc = s.schedule
+    sc, total = s.schedule, loaded.total_steps
     n, k = loaded.num_layers, sc.layers_per_phase
-    assert sc.total_steps and sc.interval and k
+    assert total and sc.interval and k
     if k > n:
         raise ScheduleError(f"{loaded.source}: schedule.layers_per_phase: expected at most the model's {n} layers, "
                             f"got {k}")
-    count = -(-sc.total_steps // sc.interval)
+    count = -(-total // sc.interval)
     if count > MAX_PHASES:
         raise ScheduleError(f"{loaded.source}: schedule.interval: expected at most {MAX_PHASES:,} phases, got "
-                            f"total_steps / interval = {sc.total_steps:,} / {sc.interval:,} = {count:,} phases")
+                            f"total_steps / interval = {total:,} / {sc.interval:,} = {count:,} phases")
     if count * k > MAX_PLANNED_LAYERS:
         raise ScheduleError(f"{loaded.source}: schedule.layers_per_phase: expected at most {MAX_PLANNED_LAYERS:,} "
                             f"layers over all phases, got {count:,} phases x {k:,}")
     rng = random.Random(f"relayer-lisa-{s.run.seed}")
     phases, step, i = [], 0, 0
-    while step < sc.total_steps:
+    while step < total:
         if sc.strategy == "lisa":
             layers = tuple(sorted(rng.sample(range(n), k)))
         else:
             walk = ((i * k + j) % n for j in range(k))
             layers = tuple(sorted(walk if sc.strategy == "ascending" else (n - 1 - x for x in walk)))
-        end = min(step + sc.interval, sc.total_steps)
+        end = min(step + sc.interval, total)
         phases.append(Phase(index=i, start_step=step, end_step=end, layers=layers, nproc=nproc_default))
         step, i = end, i + 1
     return phases

@@ -1,5 +1,5 @@
-"""Retention: the newest ``checkpoint.keep_last`` checkpoints stay, with every older one whose layer
-files they still read; the rest go (``Checkpoints.purge``), each journaled."""
+"""Retention: the newest ``checkpoint.keep_last`` checkpoints stay whole; of every older one whose
+layers file they still read only that file stays; the rest go (``Checkpoints.purge``), each journaled."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def retain(store: Checkpoints, keep_last: int, protect: set[Path], event: Callab
     ``protect``: checkpoints a pre-warmed successor may still be reading.
     """
     try:
-        for gone in store.purge(keep_last, protect):
-            event("checkpoint_removed", path=str(gone))
+        for done in store.purge(keep_last, protect):
+            event("checkpoint_removed" if done.removed else "checkpoint_layers_kept", path=str(done.path))
     except CheckpointError as e:  # a damaged older checkpoint: keep everything rather than guess
         event("retention_skipped", reason=str(e))

@@ -16,7 +16,7 @@ from typing import Callable
 
 from launch.contract.files import RunDir
 
-from orchestrator import devmem, final, procs
+from orchestrator import backstop, devmem, final, procs
 from orchestrator.datastep import adopt_data, stage_data
 from orchestrator.groups import Group, PhaseProcesses, Work
 from orchestrator.errors import STOP_SIGNALS, PhaseFailed, Preempted, RelayerError
@@ -30,6 +30,7 @@ from orchestrator.rundir import SCHEDULE_COPY, RunLock, check_entries, create_ru
 from orchestrator.phasespec import phase_spec, plan_estimate
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import LoadedSchedule, Phase
+from orchestrator.space import check_space
 from orchestrator.supervisor import Context, Observer, State, Supervisor
 from shard_tools.history import read_journal, replay
 from shard_tools.store import Checkpoints
@@ -100,7 +101,7 @@ class Runner:
             run_dir=self.run_dir, grace=loaded.schedule.launch.grace_seconds, groups=self.groups,
             pauser=self.pauser, event=self._event, stop_signal=lambda: self.stop_signal, abort=self._abort,
             checkpoints=self.checkpoints, observer=observer or Observer(), tick=self.committer.poll,
-            flush=self._commit_all)
+            flush=self._commit_all, stall_seconds=loaded.schedule.launch.stall_seconds)
 
     # -- entry ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -120,6 +121,7 @@ class Runner:
         with ExitStack() as held:
             if staged:
                 held.callback(shutil.rmtree, staged, ignore_errors=True)
+            check_space(self.loaded, self.phases, staged)  # before any phase process: exit 2, nothing written
             fresh = self._prepare_run_dir()
             self.journal = Journal(self.run_dir)
             held.enter_context(RunLock(self.run_dir))
@@ -132,6 +134,7 @@ class Runner:
             old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
             for s in STOP_SIGNALS:
                 signal.signal(s, self._on_signal)
+            disarm = backstop.arm(self.run_dir, self.loaded.schedule.launch.grace_seconds, STOP_SIGNALS)
             try:
                 self._loop(fresh)
             except (PhaseFailed, Preempted):
@@ -142,6 +145,7 @@ class Runner:
             finally:
                 self._commit_all()  # a phase done before a failure or a stop is journaled done
                 self.groups.stop_fork_server()
+                disarm()
                 for s, h in old.items():
                     signal.signal(s, h)
 

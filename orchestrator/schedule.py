@@ -9,32 +9,16 @@ Nothing here imports torch. docs/schedule.md is generated from the sections' fie
 from __future__ import annotations
 
 import difflib
+import math
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from launch.contract.spec import FIELDS, DataFormat
+from orchestrator.datasection import DataSection, SourceSection  # noqa: F401 - the [data] section, its own module
 from orchestrator.libfacts import deepspeed_refusal
-
-PositiveInt = Annotated[int, Field(gt=0)]
-NonNegInt = Annotated[int, Field(ge=0)]
-
-
-class KeyProblem(ValueError):
-    """A check that spans several keys, raised inside a section; ``key`` is the dotted key to blame."""
-
-    def __init__(self, key: str, message: str):
-        super().__init__(message)
-        self.key = key
-
-
-class Section(BaseModel):
-    """Base of every section: unknown keys are errors, values are not coerced across types."""
-
-    # Attribute docstrings become field descriptions: docs/schedule.md is generated from them.
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
+from orchestrator.sections import KeyProblem, NonNegInt, PositiveInt, Section, _show, int_is_float  # noqa: F401
 
 
 class RunSection(Section):
@@ -82,52 +66,6 @@ class ModelSection(Section):
         if self.config is not None and not (isinstance(self.config["model_type"], str) and self.config["model_type"]):
             raise KeyProblem("model.config.model_type",
                              f'expected a model type name such as "llama", got {_show(self.config["model_type"])}')
-        return self
-
-
-class DataSection(Section):
-    path: str
-    """A .jsonl, .json (an array or JSON lines), .parquet, .csv, .arrow or .txt file, or a folder
-    written by datasets.save_to_disk; relative to the schedule file."""
-    format: DataFormat = "tokens"
-    """tokens: {"input_ids": [...], "labels": [...] (optional, aligned as in Hugging Face; -100: no
-    loss)}; text: a .txt file (documents separated by blank lines) or {"text": "..."} records, loss
-    on every token; instruction: Alpaca {"instruction", "input", "output"}, loss on the output and
-    its EOS; chat: {"messages": [{"role", "content"}]} or ShareGPT {"conversations": [{"from",
-    "value"}]}, rendered with the chat template, loss on the assistant turns."""
-    pack: bool | None = None
-    """Concatenate examples into seq_len rows, each example's labels kept (an example's first
-    token is never a target of the one before). false: one example a row, padded or cut to
-    seq_len. Default: true for text (a stream of documents, as before), false for the others (an
-    example is never cut in two, nor attends to another)."""
-    train_on_prompt: bool = False
-    """instruction and chat: the prompt and the system/user turns carry loss too."""
-    chat_template: str | None = None
-    """A Jinja chat template, or a file holding one (relative to the schedule file), used instead
-    of the tokenizer's; a value without "{" is a file."""
-    fields: dict[str, str] | None = None
-    """Record field names where the data names them otherwise, by their default names: text;
-    instruction, input, output; messages, conversations; input_ids, labels. Example:
-    {instruction = "prompt", output = "answer"}."""
-    seq_len: PositiveInt = 128
-    """Tokens per example."""
-    batch_size: PositiveInt = 8
-    """Examples per optimizer step over all processes; kept when the process count changes."""
-    micro_batch_size: PositiveInt = 1
-    """Examples per process per forward pass."""
-    shuffle: bool = True
-    """Shuffle the examples, seeded by run.seed."""
-    validation_path: str | None = None
-    """Held-out data in the same format; its mean loss goes to metrics.jsonl as eval_loss."""
-    eval_every: NonNegInt = 0
-    """Evaluate every this many global steps (and so also across phases); 0: never."""
-
-    @model_validator(mode="after")
-    def _fields(self) -> DataSection:
-        for name in self.fields or {}:
-            if name not in FIELDS[self.format]:
-                raise KeyProblem(f"data.fields.{name}", f'not a field of data.format = "{self.format}"; expected one '
-                                 f"of {', '.join(FIELDS[self.format])}")
         return self
 
 
@@ -187,29 +125,41 @@ class ScheduleSection(Section):
     strategy: Literal["lisa", "ascending", "descending"] | None = None
     """lisa: layers sampled at random each phase (seeded by run.seed); ascending / descending: in turn."""
     total_steps: PositiveInt | None = None
-    """With strategy: optimizer steps of the whole run."""
+    """With strategy: optimizer steps of the whole run; or epochs."""
+    epochs: Annotated[float, Field(gt=0)] | None = None
+    """With strategy, instead of total_steps: passes over the training rows; the run's steps are
+    ceil(round(epochs x rows) / data.batch_size) (orchestrator plan shows both), the last step
+    taking the next epoch's first rows where the division is not whole."""
     interval: PositiveInt | None = None
     """With strategy: steps per phase (the last phase may be shorter)."""
     layers_per_phase: PositiveInt | None = None
     """With strategy: body layers trained per phase."""
 
+    @field_validator("epochs", mode="before")
+    @classmethod
+    def _epochs_float(cls, v: Any) -> Any:
+        return int_is_float(v)
+
     @model_validator(mode="after")
     def _one_form(self) -> ScheduleSection:
         strategy_keys = {k: getattr(self, k) for k in ("total_steps", "interval", "layers_per_phase")}
         if self.phases is not None:
-            given = [k for k in ("strategy", *strategy_keys) if getattr(self, k) is not None]
+            given = [k for k in ("strategy", *strategy_keys, "epochs") if getattr(self, k) is not None]
             if given:
                 raise KeyProblem(f"schedule.{given[0]}", "expected either schedule.phases or schedule.strategy "
-                                 "(with total_steps, interval, layers_per_phase), not both")
+                                 "(with total_steps or epochs, interval, layers_per_phase), not both")
             if not self.phases:
                 raise KeyProblem("schedule.phases", "expected at least one phase, got an empty list")
-        else:
-            if self.strategy is None:
-                raise KeyProblem("schedule", "expected schedule.phases or schedule.strategy")
-            missing = [k for k, v in strategy_keys.items() if v is None]
-            if missing:
-                raise KeyProblem(f"schedule.{missing[0]}",
-                                 f"required with schedule.strategy = {_show(self.strategy)}, but missing")
+            return self
+        if self.strategy is None:
+            raise KeyProblem("schedule", "expected schedule.phases or schedule.strategy")
+        if self.epochs is not None and self.total_steps is not None:
+            raise KeyProblem("schedule.epochs", "expected schedule.total_steps or schedule.epochs, not both")
+        missing = [k for k, v in strategy_keys.items() if v is None and not (k == "total_steps" and self.epochs)]
+        if missing:
+            also = " (or schedule.epochs)" if missing[0] == "total_steps" else ""
+            raise KeyProblem(f"schedule.{missing[0]}",
+                             f"required with schedule.strategy = {_show(self.strategy)}{also}, but missing")
         return self
 
 
@@ -266,11 +216,21 @@ class LaunchSection(Section):
     nproc: PositiveInt = 1
     """Processes per node."""
     nnodes: PositiveInt = 1
-    """Nodes; more than one needs launcher deepspeed (with hostfile), torchrun or slurm."""
+    """Nodes; more than one needs launcher deepspeed (with hostfile), or slurm or torchrun in a SLURM allocation."""
     hostfile: str | None = None
     """DeepSpeed hostfile for several nodes; relative to the schedule file."""
+    master_addr: Annotated[str, Field(min_length=1)] | None = None
+    """Where phases on several nodes meet: an address of the first node that every node resolves;
+    None: its NodeAddr under SLURM (scontrol show node), the hostfile's first host for deepspeed."""
+    rendezvous_seconds: Annotated[float, Field(gt=0)] = 300.0
+    """How long a phase's processes may take to meet before it fails, naming the address they waited at."""
     grace_seconds: Annotated[float, Field(gt=0)] = 30.0
     """How long a phase gets to stop after SIGTERM before SIGKILL."""
+    stall_seconds: Annotated[float, Field(gt=0)] = 600.0
+    """A phase that makes no progress (no step, no start-up stage, no checkpoint byte written) this
+    long is stalled: its ranks' stacks are written, it is ended, the run exits 1. Before its first
+    step and while it writes a checkpoint, where a phase may be quiet for long, it gets 4 times this
+    (and at least 300 s for its imports, until its first start-up stage)."""
     prewarm: bool = True
     """Start each phase's processes while earlier ones train, to hide imports and setup."""
     prewarm_depth: PositiveInt = 3
@@ -285,7 +245,7 @@ class LaunchSection(Section):
     or 2 and the overlap fits, else through the checkpoint; "on" also without a GPU (through a
     file: for testing the choreography on a CPU); "off" always through the checkpoint."""
 
-    @field_validator("grace_seconds", "pause_preparing_seconds", mode="before")
+    @field_validator("grace_seconds", "stall_seconds", "pause_preparing_seconds", "rendezvous_seconds", mode="before")
     @classmethod
     def _int_is_float(cls, v: Any) -> Any:
         return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
@@ -304,7 +264,7 @@ class CheckpointSection(Section):
     every_steps: NonNegInt = 0
     """Mid-phase checkpoints for preemption; 0: only at phase ends."""
     keep_last: PositiveInt = 2
-    """Checkpoints kept; older ones go, except what a kept one still needs."""
+    """Checkpoints kept whole; of older ones only the layers files a kept one composes from stay."""
 
 
 class Schedule(Section):
@@ -344,20 +304,21 @@ class LoadedSchedule(BaseModel):
     num_layers: int
     model_path: Path | None
     data_path: Path
+    """The data file (with data.sources, the first source's)."""
     output_dir: Path
     nproc_override: int | None = None
     """--nproc: the process count of every phase, over launch.nproc and per-phase nproc."""
+    data_check: dict[str, Any] | None = None
+    """The data step's answer (``orchestrator.datastep``), where loading needed it: schedule.epochs."""
 
-
-
-def _show(v: Any) -> str:
-    """A value as the TOML file spells it, short."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, dict):
-        return "a table"
-    text = repr(v)
-    return text if len(text) <= 40 else text[:37] + "..."
+    @property
+    def total_steps(self) -> int | None:
+        """With a strategy: the run's optimizer steps, given or from schedule.epochs and the data."""
+        sc, batch = self.schedule.schedule, self.schedule.data.batch_size
+        if sc.epochs is None:
+            return sc.total_steps
+        assert self.data_check is not None, "schedule.epochs needs the data step's rows"
+        return math.ceil(round(sc.epochs * self.data_check["stats"]["train"]["rows"]) / batch)
 
 
 def _section_at(loc: tuple) -> type[BaseModel] | None:

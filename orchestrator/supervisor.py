@@ -11,7 +11,9 @@ further ahead start only then. ENDING is from the phase's last step on: the succ
 next are paused for the coming switch. STOPPING forwards the orchestrator's stop signal to every
 rank, which finishes its step and writes a checkpoint, until the group's ``deadline``
 (``launch.grace_seconds`` after the stop). REAPING makes sure no process of the group is left;
-the result is judged after it.
+the result is judged after it. A live group that makes no progress for ``launch.stall_seconds``
+(``orchestrator.watchdog``), handing over or not, has its ranks' stacks written and goes to
+REAPING, then FAILED as stalled.
 
 HANDING_OVER (``launch.handover``): every rank has offered its state to the successor, and the
 group, alive, is handed to the runner, which gives the successor its go, or, where none will take
@@ -35,6 +37,7 @@ stages and every line of metrics.jsonl, which the supervisor reads once for itse
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from dataclasses import dataclass, field
@@ -47,10 +50,12 @@ import psutil
 from launch.contract.files import RANK, PhaseDir, RunDir
 
 from orchestrator import procs
-from orchestrator.errors import PhaseFailed, Preempted
+from orchestrator.errors import PhaseFailed, Preempted, Stalled
 from orchestrator.groups import Group, PhaseProcesses, log_tail
 from orchestrator.journal import JsonlTail
+from orchestrator.nodes import stopped_outside
 from orchestrator.quiet import Pauser
+from orchestrator.watchdog import Watchdog, dump_stacks
 from shard_tools.store import Checkpoints
 
 POLL_SECONDS = 0.02
@@ -119,6 +124,8 @@ class Context:
     flush: Callable[[], None] = lambda: None
     """Waits for every finished phase's checkpoint to be durable and journals them done: called
     before a stop or a failure is journaled, so that it is the journal's last word."""
+    stall_seconds: float = math.inf
+    """``launch.stall_seconds`` (``orchestrator.watchdog``)."""
 
 
 def verdict(rc: int, end_whole: Callable[[], bool], stopped: bool) -> State:
@@ -155,6 +162,9 @@ class Supervisor:
         self.rc: int | None = None
         self.killed: list[int] = []
         self.pids: set[int] = set()
+        self.watchdog = Watchdog(context.stall_seconds, self.run_dir)
+        self.stall: tuple[float, Path, str] | None = None
+        """Seconds without progress, the stacks' folder and rank 0's innermost frames, once stalled."""
 
     def run(self) -> None:
         """Returns once the phase is done (``group.end`` and ``group.records`` set) or hands its
@@ -237,7 +247,7 @@ class Supervisor:
         """One look at the group: False once it is to be reaped (it ended, or its deadline passed)
         or is handed to the runner (HANDING_OVER)."""
         self._watch_predecessor()
-        if self.group.proc.poll() is not None:
+        if self.group.proc.poll() is not None or self._stalled():
             return False
         if self.state is not State.HANDING_OVER:
             self._look()
@@ -268,10 +278,21 @@ class Supervisor:
         """The phase's new stages and metrics to the observer; the steps it has done."""
         for stage in self.stages.new():
             self.ctx.observer.on_stage(stage)
+            self.watchdog.moved()
         for m in self.metrics.new():
             self.ctx.observer.on_metric(m)
             if m.get("phase") == self.phase.index and "loss" in m:
                 self.logged_step = max(self.logged_step, m["step"])
+                self.watchdog.moved()
+
+    def _stalled(self) -> bool:
+        """No progress for too long, a stop aside: the ranks' stacks are written, the group is to be
+        reaped. Quiet (``watchdog.QUIET_ALLOWANCE``): before its first step, while it writes a checkpoint."""
+        quiet = self.state is not State.TRAINING or self.logged_step == self.work.start_step
+        idle = None if self.deadline is not None else self.watchdog.stalled(quiet)
+        if idle is not None:
+            self.stall = (idle, *dump_stacks(self.group.phase_dir))
+        return idle is not None
 
     def _switching(self) -> None:
         """SWITCHING -> TRAINING once the first step is done, or the pause has lasted long enough."""
@@ -340,7 +361,9 @@ class Supervisor:
         records = {**PhaseDir(phase_dir).read_records(), **getattr(proc, "times", {}), "t_gone": t_gone}
         store = self.ctx.checkpoints
         end = store.at(ph.end_step)
-        state = verdict(self.rc, lambda: not store.faults(end, checksums=False), self.ctx.stop_signal() is not None)
+        # Stopped also where every rank was signalled from outside (scancel --signal=TERM) and wrote its checkpoint.
+        stopped = self.ctx.stop_signal() is not None or stopped_outside(phase_dir, group.world)
+        state = State.FAILED if self.stall else verdict(self.rc, lambda: not store.faults(end, checksums=False), stopped)
         self._enter(state)
         if state is State.DONE:
             # Journaled by the runner once the next phase has its go and the checkpoint is durable.
@@ -349,17 +372,27 @@ class Supervisor:
             return
         self.ctx.abort(self.ahead)
         self.ctx.flush()
-        raise self._preempted() if state is State.PREEMPTED else self._failed(end)
+        raise self._preempted() if state is State.PREEMPTED else self._stalled_error() if self.stall else self._failed(end)
 
     def _preempted(self) -> Preempted:
         ph, sig = self.phase, self.ctx.stop_signal()
         kept, manifest, _ = self.ctx.checkpoints.newest_whole(checksums=False)
         step = manifest.global_step if manifest else 0
         self.ctx.event("preempted", phase=ph.index, step=step, signal=sig, rc=self.rc)
-        return Preempted(f"preempted by signal {sig} in phase {ph.index}; kept: the checkpoint at "
+        by = f"signal {sig}" if sig is not None else "a signal to its ranks"
+        return Preempted(f"preempted by {by} in phase {ph.index}; kept: the checkpoint at "
                         f"step {step} ({kept}); run the same command again to resume" if kept else
-                        f"preempted by signal {sig} in phase {ph.index} before any checkpoint; "
+                        f"preempted by {by} in phase {ph.index} before any checkpoint; "
                         "run the same command again to start over")
+
+    def _stalled_error(self) -> Stalled:
+        ph, (idle, folder, frames) = self.phase, self.stall
+        what = f"phase {ph.index} (steps {self.work.start_step}-{ph.end_step - 1}, layers {list(ph.layers)})"
+        self.ctx.event("phase_stalled", phase=ph.index, seconds=round(idle, 1), stacks=str(folder),
+                       reason=f"no progress for {idle:.0f} s")
+        return Stalled(f"{what} stalled: no progress for {idle:.0f} s (launch.stall_seconds "
+                       f"{self.ctx.stall_seconds:g}); it was ended, earlier checkpoints are intact; run the same command "
+                       f"again to resume.\nevery rank's stacks: {folder}\nrank 0 was in:\n{frames or '  (no rank had started)'}")
 
     def _failed(self, end: Path) -> PhaseFailed:
         work, ph, rc = self.work, self.phase, self.rc

@@ -8,7 +8,6 @@ import importlib.util
 import math
 import netrc
 import os
-import shutil
 import tomllib
 import urllib.parse
 from pathlib import Path
@@ -16,15 +15,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from launch.contract.spec import is_template_path
+from launch.contract.data import TEMPLATE_NAMES, is_template_path
 from orchestrator.errors import ScheduleError
 from orchestrator.libfacts import causal_lm_types
 from orchestrator.modelcheck import (
     check_weights, need_file, need_files, num_layers_of, path_is, path_kind, position_limit, read_model_config,
-    resolve_path,
+    resolve_path, tokenizer_of,
 )
+from orchestrator.nodes import check_launch
 from orchestrator.plan import MAX_PHASES, check_batch, plan_phases
-from orchestrator.schedule import DataSection, LoadedSchedule, ModelSection, Schedule, format_validation
+from orchestrator.schedule import DataSection, LoadedSchedule, Schedule, format_validation
 from shard_tools.tokenizer import MAIN_FILES, TOKENIZER_FILES
 
 
@@ -45,18 +45,6 @@ def _non_finite(raw: dict[str, Any]) -> list[tuple[str, float]]:
 def is_saved_dataset(path: Path) -> bool:
     """A folder written by ``datasets``' save_to_disk (a Dataset or a DatasetDict)."""
     return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
-
-
-def tokenizer_of(model: ModelSection, base: Path) -> Path | None:
-    """The tokenizer directory: model.tokenizer, else model.path (None for an inline config)."""
-    path = model.tokenizer or model.path
-    return (base / path).resolve() if path else None
-
-
-def chat_template_of(data: DataSection, base: Path) -> str | None:
-    """data.chat_template for the phase spec: the template itself, or its file's absolute path."""
-    t = data.chat_template
-    return str((base / t).resolve()) if t is not None and is_template_path(t) else t
 
 
 def load_schedule(
@@ -101,6 +89,10 @@ def validate_schedule(
         source=source, schedule=sched, raw=raw, num_layers=n_layers, model_path=model_path, data_path=data_path,
         output_dir=_output_dir(sched, base, source, output_dir), nproc_override=nproc,
     )
+    if sched.schedule.epochs is not None:
+        from orchestrator.datastep import check_data  # it runs the data tool, which needs a loaded schedule
+
+        loaded = loaded.model_copy(update={"data_check": check_data(loaded)})
     for ph in plan_phases(loaded):
         for layer in ph.layers:
             if layer >= n_layers:
@@ -108,8 +100,7 @@ def validate_schedule(
                 raise ScheduleError(f"{source}: {key}: layer {layer} is out of range: the model has {n_layers} "
                                     f"layers (0..{n_layers - 1})")
         check_batch(sched.data, ph.nproc, source, ph.index, nnodes=sched.launch.nnodes)
-    if sched.launch.launcher == "slurm" and shutil.which("srun") is None:
-        raise ScheduleError(f'{source}: launch.launcher: "slurm" starts each phase with srun, which is not on PATH')
+    check_launch(sched.launch, source)
     return loaded
 
 
@@ -153,13 +144,11 @@ def _check_model(sched: Schedule, base: Path, source: Path) -> tuple[Path | None
 
 
 def _check_inputs(sched: Schedule, base: Path, source: Path) -> Path:
-    """The data file, tokenizer, template, reporting packages and hostfile exist; returns the data path."""
-    data_path = resolve_path(base, sched.data.path)
-    _need_data(data_path, "data.path", source)
+    """The data files, tokenizer, templates, reporting packages and hostfile exist; returns the
+    (first) data path."""
+    d = sched.data
+    _check_sources(d, base, source)
     _check_tokenizer(sched, base, source)
-    template = sched.data.chat_template
-    if template is not None and is_template_path(template):
-        need_file(resolve_path(base, template), "data.chat_template", "a Jinja template or a file holding one", source)
     for extra in {"tensorboard", "wandb"} & set(sched.run.report_to):
         if importlib.util.find_spec(extra) is None:
             raise ScheduleError(f"{source}: run.report_to: {extra} needs the {extra} package, which is not installed "
@@ -170,13 +159,26 @@ def _check_inputs(sched: Schedule, base: Path, source: Path) -> Path:
     if sched.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ScheduleError(f"{source}: run.tensorboard: needs the tensorboard package, which is not installed "
                             "(pip install 'relayer[tensorboard]')")
-    if sched.data.validation_path is not None:
-        _need_data(resolve_path(base, sched.data.validation_path), "data.validation_path", source)
-    if sched.data.eval_every and sched.data.validation_path is None:
-        raise ScheduleError(f"{source}: data.eval_every: needs data.validation_path, which is missing")
+    if d.validation_path is not None:
+        _need_data(resolve_path(base, d.validation_path), "data.validation_path", source)
+    if d.eval_every and d.validation_path is None and d.validation_split is None:
+        raise ScheduleError(f"{source}: data.eval_every: needs data.validation_path or data.validation_split, "
+                            "which are missing")
     if sched.launch.hostfile is not None:
         need_file(resolve_path(base, sched.launch.hostfile), "launch.hostfile", "a hostfile", source)
-    return data_path
+    return resolve_path(base, d.resolved_sources()[0][1].path)
+
+
+def _check_sources(data: DataSection, base: Path, source: Path) -> None:
+    for key, src in data.resolved_sources():
+        _need_data(resolve_path(base, src.path), f"{key}.path", source)
+    # Named where each is set: data.chat_template is every source's default.
+    templates = [("data", data.chat_template)] + [(f"data.sources[{i}]", s.chat_template)
+                                                  for i, s in enumerate(data.sources or [])]
+    for key, template in templates:
+        if template is not None and is_template_path(template):
+            need_file(resolve_path(base, template), f"{key}.chat_template",
+                      f"a Jinja template, one named {', '.join(TEMPLATE_NAMES)}, or a file holding one", source)
 
 
 def wandb_can_log() -> bool:
@@ -220,13 +222,15 @@ def _check_tokenizer(sched: Schedule, base: Path, source: Path) -> None:
     if sched.model.tokenizer and path_kind(tokenizer_path) != "a directory":
         raise ScheduleError(f"{source}: model.tokenizer: expected a Hugging Face tokenizer folder, {tokenizer_path} "
                             f"{path_is(tokenizer_path)}")
-    if sched.data.format == "tokens":
+    formats = [(name, s.format) for name, s in sched.data.resolved_sources() if s.format != "tokens"]
+    if not formats:
         return
+    what, fmt = f"{formats[0][0]}.format", formats[0][1]
     if tokenizer_path is None:
-        raise ScheduleError(f'{source}: {key}: data.format = "{sched.data.format}" needs a tokenizer, but '
+        raise ScheduleError(f'{source}: {key}: {what} = "{fmt}" needs a tokenizer, but '
                             "there is none (model.config has no files)")
     if not any((tokenizer_path / f).is_file() for f in MAIN_FILES):
-        raise ScheduleError(f'{source}: {key}: data.format = "{sched.data.format}" needs a tokenizer: expected '
+        raise ScheduleError(f'{source}: {key}: {what} = "{fmt}" needs a tokenizer: expected '
                             f"tokenizer.json or tokenizer_config.json in {tokenizer_path}")
 
 

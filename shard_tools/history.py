@@ -35,7 +35,11 @@ JOURNAL = "journal.jsonl"
 FIELD_TYPES: dict[str, type] = {"phase": int, "start_step": int, "end_step": int, "step": int, "layers": list,
                                 "nproc": int, "records": dict, "reason": str}
 REQUIRED = {"phase_started": ("phase", "start_step", "end_step", "layers"), "phase_done": ("phase", "step", "layers"),
-            "resumed": ("step",), "preempted": ("step",), "phase_failed": ("phase",)}
+            "resumed": ("step",), "preempted": ("step",), "phase_failed": ("phase",), "phase_stalled": ("phase",)}
+
+
+ENDED = {"phase_failed": "failed", "phase_stalled": "stalled", "preempted": "preempted"}
+"""The events that end a phase short of done, and the status each leaves it in."""
 
 
 def is_event(record: Any) -> bool:
@@ -92,7 +96,7 @@ class PhaseRow:
     layers: list[int]
     nproc: int | None = None
     status: str = "started"
-    """started, done, failed or preempted: what the journal says last of the phase."""
+    """started, done, failed, stalled or preempted: what the journal says last of the phase."""
     attempts: int = 0
     seconds: float | None = None
     """Wall time of the process group that finished the phase, from its start to its last process gone."""
@@ -152,8 +156,8 @@ def replay(events: list[dict[str, Any]]) -> list[PhaseRow]:
             start, prev, before = started.get(e["phase"]), started.get(e["phase"] - 1), done.get(e["phase"] - 1)
             same_go = None not in (start, prev, before) and start[0] == prev[0]
             row.switch_seconds = switch_overhead(start[1], before, e) if same_go else None
-        elif kind in ("phase_failed", "preempted") and e.get("phase") in phases:
-            phases[e["phase"]].status = "failed" if kind == "phase_failed" else "preempted"
+        elif kind in ENDED and e.get("phase") in phases:
+            phases[e["phase"]].status = ENDED[kind]
     return [phases[i] for i in sorted(phases)]
 
 

@@ -52,7 +52,7 @@ def _checkpoint_summary(ckpt: Path) -> dict[str, Any]:
     except CheckpointError:
         return {**entry, "phase": None, "layers": [], "complete": False, "bytes": None, "faults": faults}
     return {**entry, "phase": m.phase, "layers": m.layers, "phase_complete": m.phase_complete,
-            "complete": not faults, "bytes": sum(e.size for e in m.files.values()), "faults": faults}
+            "layers_only": m.layers_only, "complete": not faults, "bytes": sum(e.size for e in m.files.values()), "faults": faults}
 
 
 def _number(v: Any) -> float | None:
@@ -139,7 +139,8 @@ def _render_run(r: dict[str, Any], console) -> None:
                   f"last event: {r['last_event']}", style="bold", markup=False)
     table = Table("phase", "global steps", "layers", "procs", "status", "wall", "switch", "peak mem", "checkpoints")
     for p in r["phases"]:
-        ckpts = "\n".join(f"{c['name']} {human_bytes(c['bytes'])}{'' if c['complete'] else ' (incomplete)'}"
+        ckpts = "\n".join(f"{c['name']} {human_bytes(c['bytes'])}{' (layers only)' if c.get('layers_only') else ''}"
+                          f"{'' if c['complete'] else ' (incomplete)'}"
                           for c in p["checkpoints"]) or "-"
         last = None if p["end_step"] is None else p["end_step"] - 1
         table.add_row(str(p["index"]), f"{_or_unknown(p['start_step'])}-{_or_unknown(last)}",

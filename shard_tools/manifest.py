@@ -41,9 +41,12 @@ BODY_OPTIM = "body_optim.safetensors"
 STATE = "state.safetensors"
 
 
-def files_needed(phase_complete: bool) -> tuple[str, ...]:
+def files_needed(phase_complete: bool, layers_only: bool = False) -> tuple[str, ...]:
     """What every checkpoint's manifest lists: the head, its phase's layers (even none) and the
-    run state; mid-phase also the body's optimizer state."""
+    run state; mid-phase also the body's optimizer state. A layers-only one (retention kept it
+    for its layers alone) lists its layers file alone."""
+    if layers_only:
+        return (LAYERS,)
     return (HEAD, LAYERS, STATE) if phase_complete else (HEAD, LAYERS, BODY_OPTIM, STATE)
 
 
@@ -71,9 +74,15 @@ class Manifest:
     created: float
     extra: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    layers_only: bool = False
+    """Retention dropped its head, state and body optimizer state: a source of layers for the
+    checkpoints after it, never a restore point."""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        data = asdict(self)
+        if not self.layers_only:  # a full checkpoint's manifest stays as every earlier reader knows it
+            del data["layers_only"]
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str | bytes, where: Path) -> Manifest:
@@ -83,7 +92,7 @@ class Manifest:
             raise CheckpointError(f"{where}: not a valid manifest (not JSON: {e})") from None
         if not isinstance(data, dict):
             raise CheckpointError(f"{where}: not a valid manifest (not a JSON object)")
-        _check_fields(data, _FIELDS, where, "", optional={"extra", "format_version"})
+        _check_fields(data, _FIELDS, where, "", optional={"extra", "format_version", "layers_only"})
         if data.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
             raise CheckpointError(f"{where}: format_version {data['format_version']}; this relayer reads "
                                   f"format {FORMAT_VERSION}")
@@ -95,9 +104,9 @@ class Manifest:
         files = {k: FileEntry(**v) for k, v in data["files"].items()}
         # A manifest that leaves out a file would verify without it, and its layers would quietly
         # be composed from an older checkpoint.
-        needed = files_needed(data["phase_complete"])
+        needed = files_needed(data["phase_complete"], data.get("layers_only", False))
         if missing := [n for n in needed if n not in files]:
-            kind = "phase-end" if data["phase_complete"] else "mid-phase"
+            kind = "layers-only" if data.get("layers_only") else "phase-end" if data["phase_complete"] else "mid-phase"
             raise CheckpointError(f"{where}: files: {missing[0]} is not listed; a {kind} checkpoint lists "
                                   f"{', '.join(needed)}")
         return cls(**{**data, "files": files})
@@ -128,6 +137,7 @@ _FIELDS = {
     "created": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
                 "a finite number (seconds since the epoch)"),
     "extra": _of(dict, "an object"),
+    "layers_only": _of(bool, "true or false"),
 }
 _FILE_FIELDS = {
     "size": _count(),

@@ -7,7 +7,7 @@ none of them names a checkpoint's files.
     store.at(30)                      # RUN_DIR/checkpoints/step-00000030, committed or not
     store.newest_whole()              # the newest checkpoint whose manifest and checksums hold
     store.layer_sources(ckpt)         # layer -> the checkpoint its newest weights are in
-    for gone in store.purge(2, set()): ...   # retention: what no kept checkpoint needs
+    for done in store.purge(2, set()): ...   # retention: what no kept checkpoint needs goes
 
 A phase's own state goes in and out of one checkpoint through ``shard_tools.state``.
 """
@@ -17,14 +17,14 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
 from shard_tools.errors import CheckpointError, InputError
-from shard_tools.files import TMP_PREFIX, fsync_path
+from shard_tools.files import TMP_PREFIX, fsync_path, write_atomic
 from shard_tools.manifest import (
-    FINAL, MANIFEST, STEP_DIR_SHAPE, Manifest, checkpoints_dir, is_checkpoint_dir, read_manifest, step_dir_name,
+    FINAL, LAYERS, MANIFEST, STEP_DIR_SHAPE, Manifest, checkpoints_dir, is_checkpoint_dir, read_manifest, step_dir_name,
     step_of, verify_checkpoint,
 )
 
@@ -40,6 +40,14 @@ class RestorePoint:
     path: Path | None
     manifest: Manifest | None
     skipped: list[tuple[Path, str]]
+
+
+@dataclass(frozen=True)
+class Purged:
+    """What retention did to one checkpoint: removed it, or kept only its layers file (``removed`` False)."""
+
+    path: Path
+    removed: bool
 
 
 @dataclass(frozen=True)
@@ -114,7 +122,7 @@ class Checkpoints:
         """The newest whole checkpoint and the faults of every newer one that was skipped."""
         skipped: list[str] = []
         for ckpt, manifest, faults in self.whole(checksums):
-            if manifest is not None:
+            if manifest is not None and not manifest.layers_only:
                 return ckpt, manifest, skipped
             skipped.extend(faults)
         return None, None, skipped
@@ -150,7 +158,10 @@ class Checkpoints:
         read once per checkpoint per process (``trusted``)."""
         skipped: list[tuple[Path, str]] = []
         for ckpt in reversed(self.all()):
-            faults = self._verified(ckpt) or self.source_faults(ckpt)
+            faults = self._verified(ckpt)
+            if not faults and read_manifest(ckpt).layers_only:
+                continue
+            faults = faults or self.source_faults(ckpt)
             if not faults:
                 return RestorePoint(ckpt, read_manifest(ckpt), skipped)
             skipped += [(ckpt, f) for f in faults]
@@ -168,6 +179,9 @@ class Checkpoints:
             faults = [str(e)]
         if faults:
             raise InputError(f"{given} is not whole:\n  " + "\n  ".join(faults))
+        if read_manifest(ckpt).layers_only:
+            raise InputError(f"{given} holds layers only (retention dropped its head and state; the checkpoints "
+                             f"after it compose layers from it): give one of the newest checkpoint.keep_last")
         return self.root / ckpt.name
 
     def newest_phase_end(self, upto: int, since: float) -> Path | None:
@@ -175,26 +189,34 @@ class Checkpoints:
         (not one an earlier attempt left); OSError or CheckpointError where one is being replaced."""
         for ckpt in reversed(self.upto(upto)):
             m = read_manifest(ckpt)
-            if m.phase_complete and m.created >= since:
+            if m.phase_complete and not m.layers_only and m.created >= since:
                 return ckpt
         return None
 
     # -- what changes the run's checkpoints ----------------------------------------------------
-    def purge(self, keep_last: int, protect: set[Path]) -> Iterator[Path]:
-        """Retention: removes, oldest first, every whole checkpoint but the newest ``keep_last`` and
-        those they (or ``protect``, which a phase may still be reading) compose layers from; yields
-        each once it is gone. CheckpointError, before anything is removed, where an older manifest
-        cannot be read: what it holds might be needed."""
+    def purge(self, keep_last: int, protect: set[Path]) -> Iterator[Purged]:
+        """Retention: keeps the newest ``keep_last`` full checkpoints (and ``protect``, which a phase
+        may still be reading) whole; of every older whole checkpoint, keeps the layers file where
+        one of those composes a layer from it (dropping its head, state and body optimizer state)
+        and removes the rest; oldest first, yields each once done. CheckpointError, before
+        anything changes, where an older manifest cannot be read: what it holds might be needed."""
         whole = [c for c in self.all() if not verify_checkpoint(c, checksums=False)]
-        needed = set()
-        for ckpt in whole[-keep_last:] + sorted(protect):
-            needed |= {ckpt, *self.layer_sources(ckpt).values()}
+        manifests = {c: read_manifest(c) for c in whole}
+        kept = [c for c in whole if not manifests[c].layers_only][-keep_last:] + sorted(protect)
+        sources = set()
+        for ckpt in kept:
+            sources |= set(self.layer_sources(ckpt).values())
         for ckpt in whole:
-            if ckpt not in needed:
-                trash = ckpt.with_name(f"{TMP_PREFIX}removing-{ckpt.name}")
-                os.replace(ckpt, trash)
-                shutil.rmtree(trash)
-                yield ckpt
+            if ckpt in kept:
+                continue
+            if ckpt in sources:
+                if _drop_all_but_layers(ckpt, manifests[ckpt]):
+                    yield Purged(ckpt, removed=False)
+                continue
+            trash = ckpt.with_name(f"{TMP_PREFIX}removing-{ckpt.name}")
+            os.replace(ckpt, trash)
+            shutil.rmtree(trash)
+            yield Purged(ckpt, removed=True)
 
     def set_aside_after(self, chosen: Path) -> SetAside | None:
         """The checkpoints after ``chosen``, and the run's final model made from them, moved to
@@ -232,6 +254,20 @@ class Checkpoints:
         for p in gone:
             _remove(p)
         return gone
+
+
+def _drop_all_but_layers(ckpt: Path, manifest: Manifest) -> bool:
+    """Makes ``ckpt`` layers-only: its manifest first (the commit point), then the files it no
+    longer lists go (also where an earlier retention was killed in between). False where nothing changed."""
+    if not manifest.layers_only:
+        write_atomic(ckpt / MANIFEST, replace(manifest, layers_only=True, files={
+            LAYERS: manifest.files[LAYERS]}).to_json())
+    unlisted = [f for f in ckpt.iterdir() if f.name not in (MANIFEST, LAYERS)]
+    for f in unlisted:
+        _remove(f)
+    if unlisted:
+        fsync_path(ckpt)
+    return not manifest.layers_only or bool(unlisted)
 
 
 def _remove(path: Path) -> None:

@@ -71,6 +71,9 @@ def trusted_checkpoint(path: Path, warn: Callable[[str], None] | None = None) ->
         if faults:
             raise CheckpointError("\n".join(faults))
         manifest = read_manifest(ckpt)
+        if manifest.layers_only:
+            raise InputError(f"{path}: holds layers only (retention dropped its head and state; later checkpoints "
+                             f"compose layers from it): give a full checkpoint, or the run")
     sources = Checkpoints(run_dir).layer_sources(ckpt)
     faults = [f for src in sorted(set(sources.values()) - {ckpt}) for f in verify_checkpoint(src)]
     if faults:

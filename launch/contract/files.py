@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -18,7 +19,9 @@ DATA_CACHE = "data-cache"
 process that finds it missing) and read by every phase process."""
 PHASES = "phases"
 RANK = "rank-"
-"""How the pid, exit and error files of a rank start (``rank-N``); a launcher's pid is ``launcher``."""
+"""How the pid, exit and error files of a rank start (``rank-N``); a launcher's is ``launcher``, an agent's ``agent-N``."""
+DUMP_STACKS = signal.SIGUSR2
+"""On it, every phase process appends all its threads' Python stacks to ``PhaseDir.stacks``/rank-N.txt."""
 
 
 BLOB = ".bin"
@@ -42,6 +45,7 @@ class PidRecord(_Record):
     pid: PositiveInt
     create_time: float
     """The process's start time: with the pid, a process that no pid reuse can impersonate."""
+    host: str | None = None  # the node it runs on (SLURM's name for it, else the host name)
 
 
 class ExitRecord(_Record):
@@ -95,6 +99,7 @@ class PhaseDir:
         self.exits = self.path / "exit"
         """Forked ranks' exit codes, written by the fork server that reaped them."""
         self.errors = self.path / "errors"
+        self.stacks = self.path / "stacks"  # rank-N.txt: rank N's Python stacks, appended at each DUMP_STACKS
         self.handover = self.path / "handover"
         """The phase's offers to its successor (``Offer``), their answers (``Answer``) and, for
         the host transport, the offered bytes; all 0600."""
@@ -106,10 +111,10 @@ class PhaseDir:
         self.records.unlink(missing_ok=True)
         self.stages.unlink(missing_ok=True)
 
-    def record_pid(self, name: str, pid: int, create_time: float) -> None:
+    def record_pid(self, name: str, pid: int, create_time: float, host: str | None = None) -> None:
         """pids/NAME.json, so that the orchestrator can find the process (and reap it)."""
         self.pids.mkdir(parents=True, exist_ok=True)
-        record = PidRecord(pid=pid, create_time=create_time)
+        record = PidRecord(pid=pid, create_time=create_time, host=host)
         write_atomic(self.pids / f"{name}.json", record.model_dump_json(), durable=False)
 
     def pid_records(self, prefix: str = "") -> list[PidRecord]:

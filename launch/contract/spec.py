@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from launch.contract.data import DataPart
+
 
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -26,48 +28,6 @@ class ModelPart(_Spec):
     tokenizer: str | None = None
     """The tokenizer's directory (the schedule's model.tokenizer, default model.path); text,
     instruction and chat data need one."""
-
-
-DataFormat = Literal["tokens", "text", "instruction", "chat"]
-"""What the records of a data file are (``data.format``)."""
-FIELDS: dict[DataFormat, tuple[str, ...]] = {
-    "tokens": ("input_ids", "labels"), "text": ("text",), "instruction": ("instruction", "input", "output"),
-    "chat": ("messages", "conversations")}
-"""Per format, the record fields ``data.fields`` may rename (the names here are the defaults)."""
-
-
-class DataPart(_Spec):
-    path: str
-    """A data file (.jsonl, .json, .parquet, .csv, .arrow, .txt) or a ``datasets.save_to_disk`` folder."""
-    format: DataFormat
-    seq_len: int
-    batch_size: int
-    micro_batch_size: int
-    shuffle: bool
-    validation_path: str | None = None
-    eval_every: int = 0
-    pack: bool | None = None
-    """Concatenate examples into seq_len rows; None: the format's default (``packs``)."""
-    train_on_prompt: bool = False
-    """instruction/chat: the prompt and the user turns carry loss too."""
-    chat_template: str | None = None
-    """A Jinja chat template, or the absolute path of a file holding one (``is_template_path``)."""
-    fields: dict[str, str] | None = None
-    """Record field names by their default names (``FIELDS``), for data that names them otherwise."""
-
-    @property
-    def packs(self) -> bool:
-        """Text is a stream of documents (packed, as pretraining reads it); the other formats are
-        examples, one a row by default: no example is cut in two and no row's attention spans two."""
-        return self.format == "text" if self.pack is None else self.pack
-
-    def field(self, name: str) -> str:
-        return (self.fields or {}).get(name, name)
-
-
-def is_template_path(value: str) -> bool:
-    """``data.chat_template`` names a file unless it holds Jinja (every template has ``{``)."""
-    return "{" not in value
 
 
 class OptimizerPart(_Spec):
@@ -126,6 +86,10 @@ class PhaseSpec(_Spec):
     nnodes: int
     hostfile: str | None
     master_port: int
+    master_addr: str | None = None
+    """Where the processes meet: launch.master_addr, the first node's NodeAddr, or 127.0.0.1."""
+    rendezvous_seconds: float = 300.0
+    """How long its processes may take to meet (launch.rendezvous_seconds)."""
     orchestrator_pid: int | None
     """The worker stops itself when this process is gone (it may have been SIGKILLed)."""
     orchestrator_host: str | None = None

@@ -10,9 +10,14 @@ A test puts this folder on PYTHONPATH and its plan in RELAYER_TEST_FAULTS (JSON)
   ``{"point": "handover.offered", "rank": 0}`` (the predecessor's rank 0 after its offer),
   ``{"point": "handover.copying", "rank": 1}`` (the successor's rank 1 while it copies) or
   ``{"point": "checkpoint.file_written", "name": "layers.safetensors"}``.
+- ``stall_at``: ``{"point": NAME, **context}`` as for ``kill_at``: the process that reaches it
+  says so on stderr (``stalled at NAME``) and sleeps for good, its other threads going on, as a
+  rank hung in a collective or a write does, e.g. ``{"point": "phase.first_step", "phase": 1}``.
 - ``hold_first_step``: seconds a pre-warmed phase waits before its first step.
 - ``hold_data_batch``: seconds each batch of records waits before it is tokenized (the data
   tool and its ``datasets.map`` workers), so that a test can stop a long preparation.
+- ``cross_examples``: micro-batches of rows packed whole lose their position ids, so that their
+  examples' positions run on and their attention crosses from one example to the next.
 """
 
 import json
@@ -21,24 +26,40 @@ import os
 _plan = json.loads(os.environ.get("RELAYER_TEST_FAULTS") or "{}")
 if _plan:
     import signal
+    import sys
     import time
 
     from launch import faults
 
+    def _matching(at: dict, act) -> None:
+        at = dict(at)
+        name = at.pop("point")
+
+        def _handler(**context: object) -> None:
+            if all(context.get(k) == v for k, v in at.items()):
+                act(name)
+
+        faults.install(name, _handler)
+
+    def _stall(name: str) -> None:
+        print(f"stalled at {name}", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
+
+    if stall_at := _plan.get("stall_at"):
+        _matching(stall_at, _stall)
     kill_at = dict(_plan.get("kill_at") or {})
     if kill_after := _plan.get("kill_after"):
         kill_at = {"point": "checkpoint.file_written", "name": kill_after}
-    if point := kill_at.pop("point", None):
-        def _kill(**context: object) -> None:
-            if all(context.get(k) == v for k, v in kill_at.items()):
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        faults.install(point, _kill)
+    if "point" in kill_at:
+        _matching(kill_at, lambda name: os.kill(os.getpid(), signal.SIGKILL))
     if hold := float(_plan.get("hold_first_step", 0)):
-        def _hold(prewarm: bool) -> None:
+        def _hold(prewarm: bool, **_: object) -> None:
             if prewarm:
                 time.sleep(hold)
 
         faults.install("phase.first_step", _hold)
     if hold_batch := float(_plan.get("hold_data_batch", 0)):
         faults.install("data.batch", lambda: time.sleep(hold_batch))
+    if _plan.get("cross_examples"):
+        faults.install("data.micro_batch", lambda batch: batch.pop("position_ids", None))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launch.commands import command, first_host, launcher_of, rank_env_from_slurm
+from launch.commands import agent_command, command, first_host, launcher_of, rank_env_from_slurm
 from launch.contract.spec import PhaseSpec
 
 PY = "/venv/bin/python"
@@ -17,7 +17,7 @@ def spec(**launch) -> PhaseSpec:
         "run_dir": "/runs/a", "phase_dir": "/runs/a/phases/phase-0002", "seed": 0, "phase": 2,
         "start_step": 20, "phase_start_step": 20, "end_step": 30, "layers": [0, 3], "restore": None,
         "model": {"path": "/models/tiny", "config": None, "dtype": "bfloat16", "persistent": None, "layers": None},
-        "data": {"path": "/data/train.jsonl", "format": "tokens", "seq_len": 128, "batch_size": 32,
+        "data": {"sources": [{"path": "/data/train.jsonl", "format": "tokens"}], "seq_len": 128, "batch_size": 32,
                  "micro_batch_size": 4, "shuffle": True},
         "optimizer": {"lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "grad_clip": 1.0,
                       "lr_kind": "constant", "warmup_steps": 0, "total_steps": 30},
@@ -75,39 +75,87 @@ def test_torchrun_one_node():
     assert env == {}
 
 
-def test_torchrun_several_nodes_meet_at_master_addr_from_the_environment():
-    argv, _ = command(spec(launcher="torchrun", nproc=8, nnodes=4), SPEC, python=PY,
-                      environ={"MASTER_ADDR": "node-07.cluster"})
-    assert argv == [PY, "-m", "torch.distributed.run", "--nproc_per_node", "8", "--nnodes", "4",
-                    "--rdzv_backend", "c10d", "--rdzv_endpoint", f"node-07.cluster:{PORT}",
-                    "-m", "launch.worker", SPEC]
+def test_deepspeed_several_nodes_meet_at_a_given_master_addr():
+    argv, _ = command(spec(launcher="deepspeed", nproc=8, nnodes=2, hostfile="/etc/hosts.ds", master_addr="10.1.2.3"),
+                      SPEC, python=PY, environ={})
+    from deepspeed.launcher.runner import parse_args
+
+    assert parse_args(argv[3:]).master_addr == "10.1.2.3"
 
 
-def test_torchrun_several_nodes_without_master_addr():
-    with pytest.raises(ValueError, match="^torchrun on 4 nodes needs MASTER_ADDR in the environment: the address"):
-        command(spec(launcher="torchrun", nproc=8, nnodes=4), SPEC, python=PY, environ={"HOSTNAME": "x"})
+# The batch step of a two-node job, where the orchestrator runs.
+BATCH = {"SLURM_JOB_ID": "812", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_CPUS_ON_NODE": "64"}
 
 
-@pytest.mark.parametrize("nnodes", [1, 4])
-def test_torchrun_parses_the_command(nnodes):
+def test_torchrun_several_nodes_is_an_agent_a_node_through_srun():
+    argv, env = command(spec(launcher="torchrun", nproc=8, nnodes=4, master_addr="10.1.2.3"), SPEC, python=PY,
+                        environ=BATCH)
+    assert argv == ["srun", "--nodes=4", "--ntasks-per-node=1", "--ntasks=4", "--relative=0", "--cpus-per-task=64",
+                    "--kill-on-bad-exit=1", PY, "-m", "launch.agent", SPEC]
+    assert env == {}
+
+
+# The srun task of the second node's agent, and the first node's.
+AGENT = {"SLURM_NODEID": "1", "SLURM_JOB_ID": "812", "SLURM_STEP_ID": "3", "SLURM_STEP_NODELIST": "gpu[07-08]",
+         "SLURMD_NODENAME": "gpu08"}
+HOST_AGENT = {**AGENT, "SLURM_NODEID": "0", "SLURMD_NODENAME": "gpu07"}
+
+
+def test_torchrun_agents_meet_at_the_master_addr_the_first_node_hosting():
+    s = spec(launcher="torchrun", nproc=8, nnodes=2, master_addr="127.0.0.1", rendezvous_seconds=42.5)
+    argv = agent_command(s, SPEC, PY, HOST_AGENT)
+    assert argv == [PY, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
+                    "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{PORT}", "--rdzv_id", "812.3",
+                    "--rdzv_conf", "is_host=true,join_timeout=43,read_timeout=43", "--local_addr", "127.0.0.1",
+                    "--max_restarts", "0", "-m", "launch.worker", SPEC]
+    other = agent_command(s, SPEC, PY, AGENT)
+    assert other[other.index("--rdzv_conf") + 1].startswith("is_host=false,")
+    # The address by which this node reaches the rendezvous, so that rank 0's MASTER_ADDR resolves anywhere.
+    assert other[other.index("--local_addr") + 1] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("task", [AGENT, HOST_AGENT])
+def test_torchrun_parses_an_agent_command(task):
     from torch.distributed.run import get_args_parser
 
-    argv, _ = command(spec(launcher="torchrun", nproc=8, nnodes=nnodes), SPEC, python=PY,
-                      environ={"MASTER_ADDR": "10.1.2.3"})
+    args = get_args_parser().parse_args(agent_command(spec(launcher="torchrun", nproc=8, nnodes=2, master_addr="10.1.2.3"),
+                                                      SPEC, PY, task)[3:])
+    assert (args.nnodes, args.nproc_per_node, args.rdzv_backend, args.rdzv_endpoint) == ("2", "8", "c10d",
+                                                                                        f"10.1.2.3:{PORT}")
+    assert (args.module, args.training_script, args.training_script_args, args.max_restarts) == (
+        True, "launch.worker", [SPEC], 0)
+
+
+def test_an_agent_without_a_reachable_rendezvous_says_so():
+    with pytest.raises(ValueError, match="^the rendezvous address n1.invalid is not reachable from this node"):
+        agent_command(spec(launcher="torchrun", nproc=1, nnodes=2, master_addr="n1.invalid"), SPEC, PY, AGENT)
+
+
+def test_an_agent_outside_srun():
+    with pytest.raises(ValueError, match="^not an srun task: SLURM_STEP_ID is not set$"):
+        agent_command(spec(launcher="torchrun", nproc=1, nnodes=2), SPEC, PY,
+                      {k: v for k, v in AGENT.items() if k != "SLURM_STEP_ID"})
+
+
+def test_torchrun_parses_the_one_node_command():
+    from torch.distributed.run import get_args_parser
+
+    argv, _ = command(spec(launcher="torchrun", nproc=8), SPEC, python=PY, environ={})
     args = get_args_parser().parse_args(argv[3:])
-    assert (args.nproc_per_node, args.nnodes) == ("8", str(nnodes))
+    assert (args.nproc_per_node, args.nnodes, args.master_addr, args.master_port) == ("8", "1", "127.0.0.1", PORT)
     assert (args.module, args.training_script, args.training_script_args) == (True, "launch.worker", [SPEC])
-    if nnodes > 1:
-        assert (args.rdzv_backend, args.rdzv_endpoint) == ("c10d", f"10.1.2.3:{PORT}")
-    else:
-        assert (args.master_addr, args.master_port) == ("127.0.0.1", PORT)
 
 
 def test_slurm():
-    argv, env = command(spec(launcher="slurm", nproc=8, nnodes=2), SPEC, python=PY, environ={})
-    assert argv == ["srun", "--nodes=2", "--ntasks-per-node=8", "--ntasks=16", "--kill-on-bad-exit=1",
+    argv, env = command(spec(launcher="slurm", nproc=8, nnodes=2), SPEC, python=PY, environ=BATCH)
+    assert argv == ["srun", "--nodes=2", "--ntasks-per-node=8", "--ntasks=16", "--relative=0", "--kill-on-bad-exit=1",
                     PY, "-m", "launch.worker", SPEC]
     assert env == {"MASTER_PORT": str(PORT)}
+
+
+def test_slurm_outside_an_allocation_lets_srun_make_one():
+    argv, _ = command(spec(launcher="slurm", nproc=8, nnodes=2), SPEC, python=PY, environ={})
+    assert argv[:5] == ["srun", "--nodes=2", "--ntasks-per-node=8", "--ntasks=16", "--kill-on-bad-exit=1"]
 
 
 SRUN_TASK = {"SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NTASKS": "16", "SLURM_NODEID": "1",
@@ -119,8 +167,11 @@ def test_rank_env_from_slurm():
                                               "MASTER_ADDR": "gpu07"}
 
 
-def test_rank_env_from_slurm_keeps_a_given_master_addr():
-    assert rank_env_from_slurm({**SRUN_TASK, "MASTER_ADDR": "10.0.0.5"})["MASTER_ADDR"] == "10.0.0.5"
+def test_rank_env_from_slurm_meets_at_the_spec_s_master_addr():
+    # SLURM's address of the first node (NodeAddr), or launch.master_addr: the node's name need not resolve.
+    assert rank_env_from_slurm(SRUN_TASK, "10.0.0.5")["MASTER_ADDR"] == "10.0.0.5"
+    # One in the environment is not the run's: only the spec says where the run meets.
+    assert rank_env_from_slurm({**SRUN_TASK, "MASTER_ADDR": "10.9.9.9"})["MASTER_ADDR"] == "gpu07"
 
 
 def test_rank_env_from_slurm_falls_back_to_the_job_nodes():
@@ -139,7 +190,7 @@ def test_rank_env_from_slurm_outside_srun(missing, message):
 
 def test_rank_env_from_slurm_without_any_node_list():
     task = {k: v for k, v in SRUN_TASK.items() if "NODELIST" not in k}
-    with pytest.raises(ValueError, match="^not an srun task: neither SLURM_STEP_NODELIST nor MASTER_ADDR is set$"):
+    with pytest.raises(ValueError, match="^not an srun task: neither SLURM_STEP_NODELIST nor a master address is given$"):
         rank_env_from_slurm(task)
 
 

@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from launch.contract.channels import DATA_TOOL, FORK_REQUESTS, FORK_SERVER, GO, PHASE_LAUNCHER
 from launch.contract.files import RANK, ExitRecord, PhaseDir, PidRecord, RunDir, read_reasons, write_reason
-from launch.contract.spec import FIELDS, DataFormat, OptimizerPart, PhaseSpec, lr_at
+from launch.contract.data import FIELDS, DataFormat
+from launch.contract.spec import OptimizerPart, PhaseSpec, lr_at
 
 
 def opt(kind: str, warmup: int = 0) -> OptimizerPart:
@@ -217,8 +218,8 @@ SPEC = {
     "run_dir": "/r", "phase_dir": "/r/phases/phase-0001", "seed": 0, "phase": 1, "start_step": 10,
     "phase_start_step": 10, "end_step": 20, "layers": [1], "restore": "/r/checkpoints/step-00000010",
     "model": {"path": "/m", "config": None, "dtype": "float32", "persistent": None, "layers": None},
-    "data": {"path": "/d.jsonl", "format": "tokens", "seq_len": 16, "batch_size": 8, "micro_batch_size": 4,
-             "shuffle": True},
+    "data": {"sources": [{"path": "/d.jsonl", "format": "tokens"}], "seq_len": 16, "batch_size": 8,
+             "micro_batch_size": 4, "shuffle": True},
     "optimizer": {"lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "grad_clip": 1.0,
                   "lr_kind": "constant", "warmup_steps": 0, "total_steps": 30},
     "zero_stage": 2, "deepspeed_config": {}, "every_steps": 0, "launcher": "local", "nproc": 1, "nnodes": 1,

@@ -17,7 +17,7 @@ import transformers
 from transformers import AutoTokenizer
 
 from launch.data import DataError, Examples, SampleOrder, load_examples, micro_batch, prepare
-from launch.contract.spec import DataPart
+from launch.contract.data import DataPart, SourcePart
 from tests.conftest import ROOT
 
 DOCS = [
@@ -43,7 +43,8 @@ def load(part: DataPart, tokenizer: Path | str | None, cache: Path) -> torch.Ten
 
 
 def text_part(path: Path, seq_len: int) -> DataPart:
-    return DataPart(path=str(path), format="text", seq_len=seq_len, batch_size=8, micro_batch_size=2, shuffle=True)
+    return DataPart(sources=[SourcePart(path=str(path), format="text")], seq_len=seq_len, batch_size=8,
+                    micro_batch_size=2, shuffle=True)
 
 
 def write_txt(path: Path, docs: list[str]) -> Path:

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from launch import dataprep
+from launch import dataprep, formats
 from launch.data import DataError, SampleOrder, load_examples, micro_batch, prepare, read_stats, training_rows
-from launch.contract.spec import DataPart
+from launch.contract.data import DataPart, SourcePart
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -41,7 +41,7 @@ def _tokenizer(out: Path, template: str | None) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     words = [r[k] for r in RECORDS for k in r] + [m["content"] for m in CHAT]
-    words += [dataprep.ALPACA, "### Input: Response: Instruction: further context"]
+    words += [formats.ALPACA, "### Input: Response: Instruction: further context"]
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.train_from_iterator(words, trainers.WordLevelTrainer(special_tokens=SPECIAL))
@@ -63,9 +63,14 @@ def plain_tok_dir(tmp_path_factory) -> Path:
     return _tokenizer(tmp_path_factory.mktemp("plain-tok"), None)
 
 
+SOURCE_KEYS = ("train_on_prompt", "chat_template", "fields", "weight")
+
+
 def part(path: Path, fmt: str, seq_len: int = 32, **kw) -> DataPart:
-    return DataPart(path=str(path), format=fmt, seq_len=seq_len, batch_size=2, micro_batch_size=1, shuffle=False,
-                    **kw)
+    """One source's data part; ``kw`` holds source keys (``SOURCE_KEYS``) and data keys."""
+    source = SourcePart(path=str(path), format=fmt, **{k: v for k, v in kw.items() if k in SOURCE_KEYS})
+    return DataPart(sources=[source], seq_len=seq_len, batch_size=2, micro_batch_size=1, shuffle=False,
+                    **{k: v for k, v in kw.items() if k not in SOURCE_KEYS})
 
 
 def rows_of(data: DataPart, tok: Path | None, cache: Path) -> list[tuple[list[str], list[str]]]:
@@ -135,7 +140,7 @@ def test_instruction_without_a_template_is_the_alpaca_prompt(tmp_path, plain_tok
     data = write_jsonl(tmp_path / "a.jsonl", RECORDS[:2])
     rows = rows_of(part(data, "instruction", seq_len=64), plain_tok_dir, tmp_path / "c")
     t = AutoTokenizer.from_pretrained(plain_tok_dir)
-    prompt = dataprep.ALPACA.format(context="", instruction="name a colour", input="")
+    prompt = formats.ALPACA.format(context="", instruction="name a colour", input="")
     assert rows[0][0] == t.convert_ids_to_tokens(t(prompt)["input_ids"]) + ["red", "<eos>"]
     assert rows[0][1] == ["red", "<eos>"]
     assert "Input:" in rows[1][0] and rows[1][1] == ["five", "<eos>"]
@@ -169,7 +174,7 @@ def test_every_file_type_gives_the_same_rows(tmp_path, tok_dir):
     assert len(expected) == len(RECORDS)
     for f in files[1:]:
         assert rows_of(part(f, "instruction"), tok_dir, tmp_path / "c") == expected, f.name
-    stats = read_stats(prepare(part(files[-1], "instruction"), str(tok_dir), tmp_path / "c"))
+    stats = read_stats(prepare(part(files[-1], "instruction"), str(tok_dir), tmp_path / "c"))["train"]
     assert (stats["examples"], stats["rows"], stats["truncated"]) == (4, 4, 0)
 
 
@@ -226,13 +231,14 @@ def _tokens_file(tmp_path: Path) -> Path:
     ])
 
 
-def test_packing_keeps_labels_per_example(tmp_path):
-    ex = load_examples(prepare(part(_tokens_file(tmp_path), "tokens", seq_len=5, pack=True), None, tmp_path / "c"))
+def test_a_stream_keeps_labels_per_example(tmp_path):
+    ex = load_examples(prepare(part(_tokens_file(tmp_path), "tokens", seq_len=5, pack="stream"), None, tmp_path / "c"))
     # Stream 1 2 3 | 4 5 6 7 | 8 ... 14; each example's first token is no target of the one before.
     assert ex.input_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 0]][:2]
     assert ex.labels.tolist() == [[-100, 2, 3, -100, 5], [-100, 7, -100, 9, 10]]
     assert ex.targets.tolist() == [3, 3]
-    stats = read_stats(prepare(part(_tokens_file(tmp_path), "tokens", seq_len=5, pack=True), None, tmp_path / "c"))
+    stats = read_stats(prepare(part(_tokens_file(tmp_path), "tokens", seq_len=5, pack="stream"), None,
+                               tmp_path / "c"))["train"]
     assert (stats["rows"], stats["dropped_tokens"], stats["target_tokens"]) == (2, 4, 6)
 
 
@@ -244,7 +250,7 @@ def test_padding_and_truncation(tmp_path):
     batch = micro_batch(ex, SampleOrder(3, 0, False), 0, 3, 0, 0, 1, 3)
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
     assert batch["labels"].dtype == batch["input_ids"].dtype == batch["attention_mask"].dtype
-    stats = read_stats(prepare(data, None, tmp_path / "c"))
+    stats = read_stats(prepare(data, None, tmp_path / "c"))["train"]
     assert (stats["truncated"], stats["dropped_tokens"], stats["padding_tokens"]) == (1, 2, 3)
 
 
@@ -300,7 +306,7 @@ def test_a_killed_preparation_leaves_nothing_once_the_next_one_is_done(tmp_path)
     assert [p.name for p in cache.glob(".tmp-*")], "the killed preparation left its temporary"
     entry = prepare(data, None, cache)
     assert [p.name for p in cache.iterdir()] == [entry.name]
-    assert read_stats(entry)["rows"] > 0
+    assert read_stats(entry)["train"]["rows"] > 0
 
 
 def test_an_entry_of_another_cache_is_taken_as_it_is(tmp_path):
@@ -319,3 +325,23 @@ def test_every_tokenizer_file_keys_the_cache(tmp_path, tok_dir):
     before = dataprep.cache_key(data, str(tok))
     (tok / "added_tokens.json").write_text(json.dumps({"<extra>": 7}))
     assert dataprep.cache_key(data, str(tok)) != before
+
+
+def test_every_data_option_keys_the_cache(tmp_path, tok_dir):
+    """Each option that changes the rows is another entry; the key a message names a source by is not."""
+    a = write_jsonl(tmp_path / "a.jsonl", RECORDS)
+    b = write_jsonl(tmp_path / "b.jsonl", [{"messages": CHAT}])
+    base = DataPart(sources=[SourcePart(path=str(a), format="instruction"), SourcePart(path=str(b), format="chat")],
+                    seq_len=32, batch_size=2, micro_batch_size=1, shuffle=True)
+    keys = {dataprep.cache_key(base, str(tok_dir))}
+    source = {"weight": 2.0, "train_on_prompt": True, "chat_template": "chatml", "fields": {"messages": "m"},
+              "format": "text", "path": str(a)}
+    for name, value in source.items():
+        changed = base.sources[1].model_copy(update={name: value})
+        keys.add(dataprep.cache_key(base.model_copy(update={"sources": (base.sources[0], changed)}), str(tok_dir)))
+    for name, value in {"validation_split": 0.5, "seed": 1, "shuffle": False, "seq_len": 16, "pack": True,
+                        "validation": (base.sources[0],)}.items():
+        keys.add(dataprep.cache_key(base.model_copy(update={name: value}), str(tok_dir)))
+    assert len(keys) == 1 + len(source) + 6
+    renamed = base.sources[1].model_copy(update={"key": "data.sources[7]"})
+    assert dataprep.cache_key(base.model_copy(update={"sources": (base.sources[0], renamed)}), str(tok_dir)) in keys

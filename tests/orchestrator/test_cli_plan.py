@@ -59,8 +59,8 @@ BAD = [
      "checkpoint"),
     ("unknown-key", setting("data", seqlen=64), "data.seqlen: unknown key (did you mean seq_len?)"),
     ("unknown-key-far", setting("launch", colour="red"),
-     "launch.colour: unknown key; expected one of launcher, nproc, nnodes, hostfile, grace_seconds, prewarm, prewarm_depth, "
-     "pause_preparing_seconds, handover"),
+     "launch.colour: unknown key; expected one of launcher, nproc, nnodes, hostfile, master_addr, rendezvous_seconds, "
+     "grace_seconds, prewarm, prewarm_depth, pause_preparing_seconds, handover"),
     ("unknown-phase-key", setting("schedule", phases=[{"steps": 5, "layers": [0]},
                                                      {"steps": 5, "layers": [1], "lr": 1}]),
      "schedule.phases[1].lr: unknown key; expected one of steps, layers, nproc"),
@@ -110,8 +110,8 @@ BAD = [
     ("hostfile-missing", setting("launch", launcher="deepspeed", nnodes=2, hostfile="hosts"),
      "launch.hostfile: expected a hostfile, {tmp}/hosts does not exist"),
     ("phases-and-strategy", setting("schedule", strategy="lisa", total_steps=20, interval=10, layers_per_phase=1),
-     "schedule.strategy: expected either schedule.phases or schedule.strategy (with total_steps, interval, "
-     "layers_per_phase), not both"),
+     "schedule.strategy: expected either schedule.phases or schedule.strategy (with total_steps or epochs, "
+     "interval, layers_per_phase), not both"),
     ("strategy-without-interval", setting("schedule", **strategy(strategy="lisa", total_steps=20, layers_per_phase=1)),
      "schedule.interval: required with schedule.strategy = 'lisa', but missing"),
     ("no-schedule", setting("schedule", phases=None), "schedule: expected schedule.phases or schedule.strategy"),
@@ -137,7 +137,8 @@ BAD = [
     ("data-format-unknown", setting("data", format="alpaca"),
      "data.format: expected 'tokens', 'text', 'instruction' or 'chat', got 'alpaca'"),
     ("chat-template-file-missing", setting("data", chat_template="nope.jinja"),
-     "data.chat_template: expected a Jinja template or a file holding one, {tmp}/nope.jinja does not exist"),
+     "data.chat_template: expected a Jinja template, one named llama3, chatml, qwen2.5, mistral, gemma, phi3, or a "
+     "file holding one, {tmp}/nope.jinja does not exist"),
     ("model-dir-missing", setting("model", path="no-model"),
      "model.path: expected a Hugging Face model directory, {tmp}/no-model does not exist"),
     ("model-without-config-json", lambda s, tmp: (tmp / "empty-model").mkdir() or s["model"].update(path="empty-model"),

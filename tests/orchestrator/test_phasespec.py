@@ -37,7 +37,7 @@ def test_the_spec_is_typed_and_what_the_worker_reads(tmp_path, loaded):
         1, 13, 10, 20, [1], str(restore))
     assert (spec.optimizer.betas, spec.optimizer.lr_kind, spec.optimizer.warmup_steps, spec.optimizer.total_steps) == (
         (0.8, 0.95), "cosine", 2, 30)
-    assert (spec.model.path, spec.model.config, spec.data.path) == (None, CONFIG, str(loaded.data_path))
+    assert (spec.model.path, spec.model.config, spec.data.sources[0].path) == (None, CONFIG, str(loaded.data_path))
     assert not spec.prewarm and spec.phase_dir == str(tmp_path / "pd")
     path = tmp_path / "spec.json"
     path.write_text(spec.model_dump_json(indent=1))

@@ -288,8 +288,12 @@ def test_retention_keeps_what_kept_checkpoints_need(tmp_path, tiny_model, tiny_d
     r = cli("orchestrator", "run", str(sched))
     assert r.returncode == 0, r.stderr
     run = tmp_path / "run"
-    # The last two, and step 20: the newest weights of layer 1, which step 30's model is made of.
-    assert [read_manifest(c).global_step for c in Checkpoints(run).all()] == [20, 27, 30]
+    # The last two, and step 20: the newest weights of layer 1, which step 30's model is made of,
+    # its layers file alone (no head nor state kept for its layers' sake).
+    ckpts = Checkpoints(run).all()
+    assert [read_manifest(c).global_step for c in ckpts] == [20, 27, 30]
+    assert [read_manifest(c).layers_only for c in ckpts] == [True, False, False]
+    assert sorted(p.name for p in ckpts[0].iterdir()) == ["layers.safetensors", "manifest.json"]
     assert bitwise_equal(composed(tiny_model, run), final)
     r = cli("orchestrator", "status", str(run))
     assert r.returncode == 0 and "done" in r.stdout

@@ -14,8 +14,10 @@ from safetensors import safe_open
 from shard_tools.errors import CheckpointError, InputError
 from shard_tools.manifest import BODY_OPTIM, FINAL, HEAD, LAYERS, MANIFEST, STATE, read_manifest
 from shard_tools.model import ModelSpec
-from shard_tools.state import OPTIM_KEYS, Origin, PhaseState, RunState, StateFiles, load_state, save_state
-from shard_tools.store import Checkpoints
+from shard_tools.state import (
+    OPTIM_KEYS, Origin, PhaseState, RunState, StateFiles, load_state, run_weights, save_state,
+)
+from shard_tools.store import Checkpoints, Purged
 
 ORIGIN = Origin(base_model=ModelSpec(path="/models/tiny", config=None, dtype="float32", seed=3), tokenizer=None,
                 persistent=["model.norm"], layers_attr="model.layers", world_size=2, zero_stage=2)
@@ -120,9 +122,46 @@ def run_of(tmp_path, *phases: tuple[int, list[int]]) -> Checkpoints:
 def test_layer_sources_and_retention_keep_what_the_kept_need(tmp_path):
     store = run_of(tmp_path, (2, [0]), (4, [1]), (6, [0]), (8, [2]))
     assert store.layer_sources(store.at(8)) == {0: store.at(6), 1: store.at(4), 2: store.at(8)}
-    assert list(store.purge(2, set())) == [store.at(2)]
+    assert list(store.purge(2, set())) == [Purged(store.at(2), removed=True), Purged(store.at(4), removed=False)]
     assert [c.name for c in store.all()] == ["step-00000004", "step-00000006", "step-00000008"]
-    assert list(store.purge(1, {store.at(4)})) == [] and store.at(4).exists()
+    assert list(store.purge(2, set())) == []  # nothing more to do
+    assert list(store.purge(1, {store.at(6)})) == [] and store.at(6).exists()
+
+
+def test_retention_keeps_an_older_checkpoint_for_its_layers_alone(tmp_path):
+    """Its head, state and body optimizer state go (never kept for its layers' sake); its layers file
+    stays, vouched for by its manifest; the kept checkpoints compose the same weights; it is no
+    restore point nor resume point, and a retention killed half-way is finished by the next."""
+    store = run_of(tmp_path, (2, [0]), (4, [1]), (6, [0]), (8, [2]))
+    before = run_weights(tmp_path, store.at(8)), run_weights(tmp_path, store.at(6))
+    list(store.purge(2, set()))
+    assert sorted(p.name for p in store.at(4).iterdir()) == [LAYERS, MANIFEST]
+    m = read_manifest(store.at(4))
+    assert m.layers_only and list(m.files) == [LAYERS] and m.layers == [1]
+    assert store.faults(store.at(4)) == [] and "layers_only" not in (store.at(6) / MANIFEST).read_text()
+    after = run_weights(tmp_path, store.at(8)), run_weights(tmp_path, store.at(6))
+    assert all(same(a, b) for a, b in zip(before, after))
+    (store.at(4) / HEAD).write_bytes(b"left by a killed retention")
+    assert list(store.purge(2, set())) == [Purged(store.at(4), removed=False)]
+    assert sorted(p.name for p in store.at(4).iterdir()) == [LAYERS, MANIFEST]
+    (store.at(8) / HEAD).write_bytes(b"")
+    assert store.restore_point().path == store.at(6)
+    (store.at(6) / HEAD).write_bytes(b"")
+    fresh = Checkpoints(tmp_path)  # trusts nothing it verified before
+    assert fresh.restore_point().path is None and fresh.newest_whole()[0] is None
+    with pytest.raises(InputError, match="holds layers only"):
+        store.resume_point(store.at(4))
+
+
+def test_a_layers_only_manifest_lists_its_layers_file(tmp_path):
+    store = run_of(tmp_path, (2, [0]), (4, [0]), (6, [1]))
+    list(store.purge(1, set()))
+    assert not store.at(2).exists()
+    data = json.loads((store.at(4) / MANIFEST).read_text())
+    assert data["layers_only"] is True and list(data["files"]) == [LAYERS]
+    (store.at(4) / MANIFEST).write_text(json.dumps({**data, "files": {}}))
+    assert "files: layers.safetensors is not listed; a layers-only checkpoint lists layers.safetensors" in \
+        store.faults(store.at(4))[0]
 
 
 def test_retention_removes_nothing_where_an_older_manifest_is_unreadable(tmp_path):

@@ -1,0 +1,134 @@
+"""The run directory's disk need at its peak and the free space of its file system: ``plan`` shows
+both, ``run`` refuses (exit 2, before any phase process starts) where the need exceeds the free space.
+
+Sizes follow orchestrator/estimate.py's parameter counts:
+
+    a checkpoint   head x 12 bytes (fp32 master, exp_avg, exp_avg_sq) + the phase's layers x per_layer x 4
+                   (their fp32 masters); a stop's mid-phase checkpoint also the body's Adam moments (x 8)
+    checkpoints    (keep_last + 1) checkpoints (retention runs after the next one is durable) and the
+                   layers files of the older checkpoints retention keeps as layer sources (``layer_sources``)
+    data cache     the prepared rows: int32 input_ids and labels per token, two int32 per row
+    final model    every parameter in model.dtype, where run.final_model
+
+The run directory's files already there (a resume) count towards the need: what it holds is not
+needed again. The run's metrics, journal and logs are small beside these and not counted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from launch.contract.files import DATA_CACHE
+from orchestrator.errors import ScheduleError
+from orchestrator.estimate import (
+    ADAM_BYTES, DTYPE_BYTES, MASTER_BYTES, EstimateError, ParamCount, model_config, param_count, trained_head,
+)
+from orchestrator.schedule import LoadedSchedule, Phase
+from shard_tools.manifest import CHECKPOINTS, FINAL
+from shard_tools.sizes import format_bytes
+
+ROW_BYTES_PER_TOKEN = 8  # int32 input_ids and labels
+ROW_BYTES = 8  # int32 lengths and targets
+
+
+@dataclass(frozen=True)
+class DiskNeed:
+    """Bytes the run directory holds at its peak, by part."""
+
+    checkpoints: int
+    data_cache: int
+    final: int
+
+    @property
+    def total(self) -> int:
+        return self.checkpoints + self.data_cache + self.final
+
+
+def data_cache_bytes(stats: list[dict | None]) -> int:
+    """The prepared rows of each split's statistics (``orchestrator data``'s)."""
+    return sum(st["rows"] * (st["seq_len"] * ROW_BYTES_PER_TOKEN + ROW_BYTES) for st in stats if st)
+
+
+def layer_sources(phases: list[Phase], keep_last: int) -> int:
+    """The older checkpoints retention keeps for their layers alone, at most: one for each layer
+    trained (its newest copy, which the newest checkpoint composes) and, for each older kept
+    checkpoint, one for each layer a newer kept one retrained; no more than the checkpoints beyond keep_last."""
+    trained = len({layer for p in phases for layer in p.layers})
+    widest = max(len(p.layers) for p in phases)
+    return min(trained + (keep_last - 1) * widest, max(len(phases) - keep_last, 0))
+
+
+def _full(count: ParamCount, head: int, layers: int) -> int:
+    return head * ADAM_BYTES + layers * count.per_layer * MASTER_BYTES
+
+
+def disk_need(loaded: LoadedSchedule, phases: list[Phase], data_bytes: int) -> DiskNeed | None:
+    """The run directory's peak with ``data_bytes`` of prepared rows; None where the model's
+    family has no parameter count (``plan`` warns of it)."""
+    s = loaded.schedule
+    try:
+        count = param_count(model_config(loaded))
+    except EstimateError:
+        return None
+    widest = max(len(p.layers) for p in phases)
+    full = _full(count, trained_head(loaded, count), widest)
+    stop = widest * count.per_layer * (ADAM_BYTES - MASTER_BYTES)  # a stop's body optimizer state
+    # Retention runs once the next checkpoint is durable: keep_last + 1 for a while. An older
+    # checkpoint kept as a layer source keeps its layers file alone.
+    kept = min(s.checkpoint.keep_last + 1, len(phases) + 1)
+    sources = layer_sources(phases, s.checkpoint.keep_last) * _full(count, 0, widest)
+    final = count.total * DTYPE_BYTES[s.model.dtype] if s.run.final_model else 0
+    return DiskNeed(checkpoints=kept * full + stop + sources, data_cache=data_bytes, final=final)
+
+
+@dataclass(frozen=True)
+class FileSystem:
+    mount: Path
+    """Where the file system holding the run directory is mounted."""
+    free: int
+    """Bytes free to an unprivileged writer (statvfs f_bavail)."""
+
+
+def file_system_of(path: Path) -> FileSystem:
+    """The file system ``path`` is on, or would be made on (its nearest existing parent's)."""
+    path = next(p for p in (path, *path.parents) if p.exists()).resolve()
+    dev, mount = path.stat().st_dev, path
+    while mount.parent != mount and mount.parent.stat().st_dev == dev:
+        mount = mount.parent
+    return FileSystem(mount=mount, free=shutil.disk_usage(path).free)
+
+
+def held_bytes(*roots: Path) -> int:
+    """Bytes the files under ``roots`` take now."""
+    total = 0
+    for root in roots:
+        for folder, _dirs, files in os.walk(root):
+            total += sum(os.lstat(os.path.join(folder, f)).st_size for f in files)
+    return total
+
+
+def describe(need: DiskNeed, fs: FileSystem) -> str:
+    """``plan``'s line: the peak need by part, and the file system's free space."""
+    return (f"disk: the run directory needs {format_bytes(need.total)} at its peak (checkpoints "
+            f"{format_bytes(need.checkpoints)}, data cache {format_bytes(need.data_cache)}, final model "
+            f"{format_bytes(need.final)}); {fs.mount} has {format_bytes(fs.free)} free")
+
+
+def check_space(loaded: LoadedSchedule, phases: list[Phase], staged: Path | None) -> None:
+    """ScheduleError (exit 2) where the run directory's file system cannot take what the run still
+    needs; ``staged``: the data a new run prepared (else the run directory's data cache counts)."""
+    data = held_bytes(staged) if staged else held_bytes(loaded.output_dir / DATA_CACHE)
+    need = disk_need(loaded, phases, data)
+    if need is None:
+        return
+    fs = file_system_of(loaded.output_dir)
+    run = loaded.output_dir
+    more = need.total - held_bytes(run / CHECKPOINTS, run / DATA_CACHE, run / FINAL, *([staged] if staged else []))
+    if more > fs.free:
+        raise ScheduleError(f"{loaded.output_dir}: the run needs {format_bytes(more)} more disk space at its peak "
+                            f"({format_bytes(need.total)} in all: checkpoints {format_bytes(need.checkpoints)}, data "
+                            f"cache {format_bytes(need.data_cache)}, final model {format_bytes(need.final)}); "
+                            f"{fs.mount} has {format_bytes(fs.free)} free")

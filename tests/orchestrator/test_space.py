@@ -1,0 +1,125 @@
+"""Space checked first: ``plan`` prints the run directory's peak disk need and its file system's free
+space; ``run`` refuses (exit 2, nothing written) where the need exceeds it; a disk that another
+writer fills mid-run ends the run with exit 1 within seconds, naming the file system, the earlier
+checkpoints intact and no process left. Small tmpfs mounts stand in for small disks (root only).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from orchestrator.space import file_system_of
+from tests.conftest import cli, make_llama, schedule_dict, write_schedule
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A function mounting a tmpfs of the given size on a fresh folder; all unmounted after."""
+    mounts = []
+
+    def mount(size: str) -> Path:
+        where = tmp_path / f"tmpfs-{len(mounts)}"
+        where.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs (needs root and CAP_SYS_ADMIN): {r.stderr.strip()}")
+        mounts.append(where)
+        return where
+
+    yield mount
+    for where in mounts:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.fixture(scope="module")
+def model16(tmp_path_factory) -> Path:
+    return make_llama(tmp_path_factory.mktemp("model16") / "llama16", layers=16)
+
+
+def lisa(model: Path, data: Path, run: Path, phases: int, **sections) -> dict:
+    sched = schedule_dict(model, data, **{"run": {"output_dir": str(run)}, **sections})
+    sched["schedule"] = {"strategy": "lisa", "total_steps": phases, "interval": 1, "layers_per_phase": 2}
+    return sched
+
+
+def test_plan_prints_the_peak_disk_need_and_the_free_space(tmp_path, model16, tiny_data):
+    sched = write_schedule(tmp_path / "s.toml", lisa(model16, tiny_data, tmp_path / "run", 8))
+    r = cli("orchestrator", "plan", str(sched))
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("disk: "))
+    assert "checkpoints" in line and "data cache" in line and "final model" in line
+    assert f"{file_system_of(tmp_path).mount} has " in line and " free" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_run_on_a_too_small_file_system_is_refused_before_anything_starts(tmp_path, tmpfs, model16, tiny_data):
+    disk = tmpfs("256k")
+    sched = write_schedule(tmp_path / "s.toml", lisa(model16, tiny_data, disk / "run", 8))
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 2, r.stderr
+    assert "more disk space at its peak" in r.stderr and f"{disk} has " in r.stderr and "free" in r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr  # one message
+    assert os.listdir(disk) == []  # no run directory, no staged data
+
+
+def fill(disk: Path) -> None:
+    """Another writer takes every free byte of ``disk``."""
+    with open(disk / "other-writer", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+        except OSError:
+            pass
+
+
+@pytest.mark.multiprocess
+def test_a_disk_filled_mid_run_ends_it_naming_the_file_system(tmp_path, tmpfs, model16, tiny_data):
+    disk = tmpfs("64m")
+    run = disk / "run"
+    # Cold phases: the disk fills under the orchestrator and a phase writing its checkpoint alike.
+    sched = write_schedule(tmp_path / "s.toml", lisa(model16, tiny_data, run, 40, launch={"prewarm": False}))
+    orch = subprocess.Popen([str(Path(sys.executable).parent / "orchestrator"), "run", str(sched)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300  # a first phase may build DeepSpeed's CPU extension first
+        while len(list((run / "checkpoints").glob("step-*/manifest.json"))) < 2:
+            assert orch.poll() is None, orch.communicate()
+            assert time.time() < deadline, "no two checkpoints in 300 s"
+            time.sleep(0.05)
+        fill(disk)
+        filled = time.monotonic()
+        _, err = orch.communicate(timeout=60)
+        took = time.monotonic() - filled
+    finally:
+        if orch.poll() is None:
+            os.killpg(orch.pid, 9)
+    assert orch.returncode == 1, err
+    assert took < 20, took
+    assert str(disk) in err and "No space left" in err, err
+    (disk / "other-writer").unlink()  # room for verify's own reading, none for writing needed
+    ckpts = sorted((run / "checkpoints").glob("step-*"))
+    assert ckpts
+    for ckpt in ckpts:
+        r = cli("shard-tools", "verify", str(ckpt))
+        assert r.returncode == 0, r.stdout + r.stderr
+    assert not left_in_session(orch.pid)
+
+
+def left_in_session(sid: int) -> list[int]:
+    left = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid:
+                left.append(p.pid)
+        except OSError:
+            pass
+    return left

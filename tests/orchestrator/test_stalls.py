@@ -1,0 +1,127 @@
+"""A stalled phase is found, shown and ended (the watchdog, ``launch.stall_seconds``), and a stop
+always stops, whatever the phase or the orchestrator's main thread is stuck in. Real runs of the
+tiny 3-phase schedule (``tiny_run`` is the uninterrupted one), a rank stalled through the fault
+points (``stall_at``: it sleeps for good, catching SIGTERM as a rank does)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import cli, faults_env, schedule_dict, write_schedule
+from tests.reference import bitwise_equal, composed
+
+pytestmark = pytest.mark.multiprocess
+ORCH = str(Path(sys.executable).parent / "orchestrator")
+GRACE = 2
+STALL = 5  # 20 s before a first step (watchdog.QUIET_ALLOWANCE)
+FIRST_STEP_1 = {"point": "phase.first_step", "phase": 1}
+
+
+def start(sched: Path, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([ORCH, "run", str(sched)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env}, start_new_session=True)
+
+
+def left_running(run: Path) -> list[int]:
+    """Every process a phase recorded that is still alive."""
+    out = []
+    for f in run.glob("phases/*/pids/*.json"):
+        rec = json.loads(f.read_text())
+        try:
+            if psutil.Process(rec["pid"]).create_time() == rec["create_time"]:
+                out.append(rec["pid"])
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def wait_for_stall(run: Path, orch: subprocess.Popen, timeout: float = 240) -> None:
+    log = run / "phases" / "phase-0001" / "worker.log"
+    end = time.time() + timeout
+    while not (log.exists() and "stalled at phase.first_step" in log.read_text(errors="replace")):
+        assert orch.poll() is None and time.time() < end, orch.communicate()
+        time.sleep(0.1)
+
+
+def test_a_rank_stalled_at_its_first_step_is_found_shown_ended_and_a_rerun_resumes(tmp_path, tiny_model, tiny_data,
+                                                                                 tiny_run):
+    sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data, launch={
+        "grace_seconds": GRACE, "stall_seconds": STALL}))
+    run = tmp_path / "run"
+    orch = start(sched, faults_env(stall_at=FIRST_STEP_1))
+    try:
+        out, err = orch.communicate(timeout=300)
+    finally:
+        orch.kill()
+    assert orch.returncode == 1, err
+    stacks = run / "phases" / "phase-0001" / "stacks"
+    assert "phase 1 (steps 10-19, layers [1]) stalled: no progress for" in err and str(stacks) in err, err
+    assert "in _stall" in err.split("rank 0 was in:")[1], err  # rank 0's innermost frames
+    dump = (stacks / "rank-0.txt").read_text()
+    assert "in _stall" in dump and "in train" in dump, dump  # all threads, the whole stack
+    assert not left_running(run)
+    events = [json.loads(x) for x in (run / "journal.jsonl").read_text().splitlines()]
+    stalled = [e for e in events if e["event"] == "phase_stalled"]
+    assert len(stalled) == 1 and stalled[0]["phase"] == 1 and stalled[0]["seconds"] >= 4 * STALL, stalled
+    status = cli("orchestrator", "status", str(run), env={**os.environ, "COLUMNS": "1000"})
+    assert f"{run}: stalled (phase 1: no progress for" in status.stdout, status.stdout
+
+    rerun = cli("orchestrator", "run", str(sched))
+    assert rerun.returncode == 0, rerun.stderr
+    assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, tiny_run))
+
+
+def test_a_stop_ends_a_stalled_run_whose_orchestrator_is_stuck_in_a_journal_write(tmp_path, tiny_model, tiny_data):
+    """The journal replaced by a FIFO nobody reads: the orchestrator's next journal write never
+    returns, as an fsync on a full disk may not, while the phase's rank is stalled."""
+    sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data, launch={"grace_seconds": GRACE}))
+    run = tmp_path / "run"
+    orch = start(sched, faults_env(stall_at=FIRST_STEP_1))
+    try:
+        wait_for_stall(run, orch)
+        journal = run / "journal.jsonl"
+        journal.rename(run / "journal.jsonl.kept")
+        os.mkfifo(journal)
+        orch.send_signal(signal.SIGTERM)
+        t_stop = time.time()
+        out, err = orch.communicate(timeout=GRACE + 60)
+        took = time.time() - t_stop
+    finally:
+        if orch.poll() is None:
+            os.killpg(orch.pid, signal.SIGKILL)
+            orch.wait()
+    assert orch.returncode == 75, err
+    assert took <= GRACE + 10, took
+    assert "did not end within" in err and "run the same command again to resume" in err, err
+    assert not left_running(run)
+
+
+def test_a_predecessor_stalled_in_its_handed_over_write_is_found_and_its_successor_stopped(tmp_path, tiny_model,
+                                                                                          tiny_data, tiny_run):
+    """Issue #24's 7B case on the CPU: phase 0 hands its state over (the host transport) and,
+    while its successor trains, hangs in writing its end checkpoint."""
+    sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data, launch={
+        "grace_seconds": GRACE, "stall_seconds": STALL, "handover": "on", "prewarm_depth": 1}))
+    run = tmp_path / "run"
+    r = cli("orchestrator", "run", str(sched), timeout=300,
+            env={**os.environ, **faults_env(stall_at={"point": "checkpoint.file_written"})})
+    assert r.returncode == 1, r.stderr
+    stacks = run / "phases" / "phase-0000" / "stacks"
+    assert "phase 0 (steps 0-9, layers [0]) stalled: no progress for" in r.stderr and str(stacks) in r.stderr, r.stderr
+    assert "in _stall" in (stacks / "rank-0.txt").read_text()
+    assert not left_running(run)
+    events = [json.loads(x)["event"] for x in (run / "journal.jsonl").read_text().splitlines()]
+    assert "phase_stalled" in events and "successor_stopped" in events, events
+
+    rerun = cli("orchestrator", "run", str(sched))
+    assert rerun.returncode == 0, rerun.stderr
+    assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, tiny_run))
