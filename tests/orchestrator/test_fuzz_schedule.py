@@ -151,7 +151,8 @@ def random_value(rng: random.Random):
 def test_random_token_records_are_checked_never_narrowed(seed):
     """Every ``tokens`` record the checks pass holds ids below the vocabulary (and labels below it
     or -100), aligned: what the int32 cache keeps exactly; any other is one reason, never a raise."""
-    from launch.dataprep import IGNORE, token_fault
+    from launch.records import token_fault
+    from launch.rows import IGNORE
 
     rng = random.Random(seed)
     for case in range(300):
