@@ -119,12 +119,20 @@ def preparing(orch: subprocess.Popen, workers: int = 2) -> list[int]:
     me = psutil.Process(orch.pid)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        kids = [k for k in me.children(recursive=True) if k.status() != psutil.STATUS_ZOMBIE]
+        kids = [k for k in me.children(recursive=True) if _alive(k)]
         if len(kids) > workers:
             return [k.pid for k in kids]
         assert orch.poll() is None, orch.communicate()
         time.sleep(0.1)
     raise AssertionError("the data tool's workers never started")
+
+
+def _alive(proc: psutil.Process) -> bool:
+    """Not a zombie, nor gone since it was listed (a short-lived helper of the data tool)."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def gone(pids: list[int]) -> bool:
