@@ -35,9 +35,10 @@ import numpy as np
 
 from launch import mix, rows as layouts
 from launch.contract.data import DataPart, SourcePart
-from launch.formats import MARKINGS, Encoder
+from launch.formats import MARKINGS, Encoder, StoppedAt
 from launch.records import DataError, find_bad_record, read_records, where
 from launch.rows import IGNORE, gather, ragged, starts_of
+from launch.template import TemplateFault
 from launch.templates import check_markers, template_text
 from shard_tools.tokenizer import TOKENIZER_FILES
 
@@ -51,7 +52,8 @@ PARALLEL_FROM = 20_000
 
 
 # -- the cache ---------------------------------------------------------------------------------
-def prepare(data: DataPart, tokenizer: str | None, cache_root: Path, reuse: tuple[Path, ...] = ()) -> Path:
+def prepare(data: DataPart, tokenizer: str | None, cache_root: Path, reuse: tuple[Path, ...] = (), *,
+            vocab_size: int | None = None) -> Path:
     """The cache directory of ``data`` as ``tokenizer`` renders it, made if missing: idempotent.
     ``reuse``: other caches (a run's, read only) whose entry of the same key is taken as it is.
 
@@ -59,19 +61,20 @@ def prepare(data: DataPart, tokenizer: str | None, cache_root: Path, reuse: tupl
     folder itself (no lock files), so the data is prepared once; the entry is written to a temporary
     directory and renamed into place. Under the lock no other preparation runs, so any temporary
     there is a killed one's: it goes. ``tokenizer`` (a Hugging Face tokenizer directory) is needed by
-    every format but ``tokens``. Raises ``DataError`` (nothing is left in the cache then)."""
+    every format but ``tokens``. ``vocab_size``: the model's, which every token id of ``tokens``
+    data must be below (named by its record). Raises ``DataError`` (nothing is left in the cache then)."""
     key = cache_key(data, tokenizer)
     for other in reuse:
-        if (Path(other) / key / STATS).exists():
+        if _made(Path(other) / key):
             return Path(other) / key
     out = Path(cache_root) / key
-    if (out / STATS).exists():
+    if _made(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(out.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        if (out / STATS).exists():
+        if _made(out):
             return out
         for left in out.parent.iterdir():  # killed preparations; lock files of relayer < 2026-12
             if left.name.startswith((".tmp-", ".lock-")):
@@ -79,13 +82,24 @@ def prepare(data: DataPart, tokenizer: str | None, cache_root: Path, reuse: tupl
         tmp = out.parent / f".tmp-{key}-{os.getpid()}"
         tmp.mkdir()
         try:
-            _build(data, tokenizer, tmp)
+            _build(data, tokenizer, tmp, vocab_size)
             os.replace(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     finally:
         os.close(fd)
     return out
+
+
+def _made(entry: Path) -> bool:
+    """Whether a cache entry is there (its stats are written last); DataError where its files are
+    not files (a FIFO would block every process that maps the rows)."""
+    if not (entry / STATS).exists():
+        return False
+    for name in (STATS, ROWS):
+        if not (entry / name).is_file():
+            raise DataError(f"{entry / name}: not a file, where the data cache keeps its rows; remove {entry}")
+    return True
 
 
 def read_stats(cache_dir: Path) -> dict[str, Any]:
@@ -148,14 +162,30 @@ class Encoded:
         return starts_of(self.lengths)
 
 
-def encode_source(source: SourcePart, tokenizer: str | None, hf_cache: Path) -> Encoded:
+def encode_source(source: SourcePart, tokenizer: str | None, hf_cache: Path,
+                  vocab_size: int | None = None) -> Encoded:
     """Every record of ``source`` as tokens and labels; a record that does not fit is a DataError."""
     path = Path(source.path).resolve()
     tok = load_tokenizer(source, tokenizer) if source.format != "tokens" else None
-    encode = Encoder(source, tok)
+    try:
+        encode = Encoder(source, tok, vocab_size)
+    except TemplateFault as e:
+        raise DataError(str(e)) from None
     ds = read_records(source, path, hf_cache, encode.check)
     if len(ds) == 0:
         raise DataError("no examples", str(path))
+    enc = _encode_all(encode, ds, path)
+    ids, lengths = ragged(enc, "input_ids")
+    labels, _ = ragged(enc, "labels")
+    starts = starts_of(lengths)
+    max_ids = np.maximum(np.maximum.reduceat(ids, starts), np.maximum.reduceat(labels, starts)).astype(np.int32)
+    markings = [MARKINGS[m] for m in sorted(set(enc["marking"])) if m]
+    return Encoded(source, ids, labels, lengths, max_ids, _template_in_words(source, tok), markings)
+
+
+def _encode_all(encode: Encoder, ds, path: Path):
+    """Every record rendered and tokenized (``datasets.map``, in worker processes for many); the
+    first record at fault raises ``DataError`` naming its line."""
     num_proc = min(8, os.cpu_count() or 1) if len(ds) >= PARALLEL_FROM else None
     try:
         enc = ds.map(encode, batched=True, batch_size=256, with_indices=True, num_proc=num_proc,
@@ -164,15 +194,14 @@ def encode_source(source: SourcePart, tokenizer: str | None, hf_cache: Path) -> 
         # pyarrow's JSON reader keeps invalid bytes; they fail when the strings are read here.
         find_bad_record(path, encode.check)
         raise DataError("not UTF-8", str(path)) from None
+    except StoppedAt as e:  # the template's budget: one record named, the rest not rendered
+        raise DataError(e.args[0], str(path), **where(path, e.args[1])) from None
     bad = [i for i, e in enumerate(enc["error"]) if e]
     if bad:
+        # JSON read as columns: one float id makes every record's ids floats; the lines tell.
+        find_bad_record(path, encode.check)
         raise DataError(enc[bad[0]]["error"], str(path), **where(path, bad[0]))
-    ids, lengths = ragged(enc, "input_ids")
-    labels, _ = ragged(enc, "labels")
-    starts = starts_of(lengths)
-    max_ids = np.maximum(np.maximum.reduceat(ids, starts), np.maximum.reduceat(labels, starts)).astype(np.int32)
-    markings = [MARKINGS[m] for m in sorted(set(enc["marking"])) if m]
-    return Encoded(source, ids, labels, lengths, max_ids, _template_in_words(source, tok), markings)
+    return enc
 
 
 def _template_in_words(source: SourcePart, tok) -> str | None:
@@ -205,11 +234,11 @@ def load_tokenizer(source: SourcePart, tokenizer: str | None):
 
 
 # -- building an entry -------------------------------------------------------------------------
-def _build(data: DataPart, tokenizer: str | None, out: Path) -> None:
+def _build(data: DataPart, tokenizer: str | None, out: Path, vocab_size: int | None = None) -> None:
     from safetensors.numpy import save_file
 
-    sources = [encode_source(s, tokenizer, out / "hf-cache") for s in data.sources]
-    files = [encode_source(s, tokenizer, out / "hf-cache") for s in data.validation]
+    sources = [encode_source(s, tokenizer, out / "hf-cache", vocab_size) for s in data.sources]
+    files = [encode_source(s, tokenizer, out / "hf-cache", vocab_size) for s in data.validation]
     shutil.rmtree(out / "hf-cache", ignore_errors=True)
     train_picks, held_picks = [], []
     for i, enc in enumerate(sources):

@@ -35,8 +35,9 @@ def inspect(req: dict[str, Any]) -> dict[str, Any]:
     for source in (*data.sources, *data.validation):
         if source.format != "tokens":
             _check_tokenizer(source, tokenizer)
-    cache = prepare(data, tokenizer, root, reuse)
-    check(data, cache, req.get("vocab_size"))
+    vocab = req.get("vocab_size")
+    cache = prepare(data, tokenizer, root, reuse, vocab_size=vocab)
+    check(data, cache, vocab)
     out: dict[str, Any] = {"stats": read_stats(cache), "rows": []}
     if req.get("show"):
         examples = load_examples(cache)
@@ -51,12 +52,14 @@ def inspect(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def check(data: DataPart, cache: Path, vocab_size: int | None) -> None:
-    """Records that the model can take: every token id and target below its vocabulary size (the
-    first offending record of a file named). ``seq_len`` against the model's positions is the
-    schedule's check (``orchestrator.validate``), made before this runs."""
+    """Records that the model can take and learn from: some target tokens (``no_targets``), every
+    token id and target below its vocabulary size (the first offending record of a file named).
+    ``seq_len`` against the model's positions is the schedule's check (``orchestrator.validate``),
+    made before this runs."""
     import numpy as np
     from safetensors.numpy import load_file
 
+    no_targets(data, read_stats(cache))
     if not vocab_size:
         return
     max_ids = load_file(str(cache / RECORDS))
@@ -67,6 +70,32 @@ def check(data: DataPart, cache: Path, vocab_size: int | None) -> None:
             path = Path(source.path).resolve()
             raise DataError(f"token id {int(max_ids[f'max_id.{i}'][record])} is not below the model's vocab_size "
                             f"{vocab_size} (config.json)", str(path), **where(path, record))
+
+
+def no_targets(data: DataPart, stats: dict[str, Any]) -> None:
+    """DataError where no token carries loss: a run would train on nothing (loss 0.0) and end well.
+    The training rows as a whole, then each source (one that adds nothing is a mistake too), then
+    the held-out rows (an eval_loss of nothing)."""
+    train, sources = stats["train"], stats["sources"]
+    if not train["target_tokens"]:
+        key = f"{sources[0]['key']}.path" if len(sources) == 1 else "data.sources"
+        raise DataError(f"{key}: no target tokens, nothing to train on: {_why(data, sources[0], train)}",
+                        ", ".join(s["path"] for s in sources))
+    for s in sources:
+        if not s["target_tokens"]:
+            raise DataError(f"{s['key']}.path: no target tokens, nothing to train on: {_why(data, s, s)}", s["path"])
+    if stats["validation"] is not None and not stats["validation"]["target_tokens"]:
+        key = "data.validation_path" if data.validation else "data.validation_split"
+        raise DataError(f"{key}: no target tokens in the held-out rows, nothing to evaluate")
+
+
+def _why(data: DataPart, source: dict[str, Any], counts: dict[str, Any]) -> str:
+    """Why ``source``'s rows carry no loss, by its format; ``counts``: the examples and truncated of those rows."""
+    return {"tokens": f"every label is -100 or a row's first (data.seq_len = {data.seq_len}), which nothing predicts",
+            "text": f"every row is one token long (data.seq_len = {data.seq_len})"}.get(
+        source["format"], f"no assistant turn is rendered within data.seq_len = {data.seq_len} (a template that "
+                          f"renders none, or prompts that fill every row: {counts['truncated']} of "
+                          f"{counts['examples']} examples cut)")
 
 
 def _check_tokenizer(source, tokenizer: str | None) -> None:
@@ -94,6 +123,7 @@ def main() -> None:
     from launch.procs import set_parent_death_signal
 
     set_parent_death_signal()  # a stopped orchestrator leaves no preparation behind
+    os.register_at_fork(after_in_child=set_parent_death_signal)  # nor datasets.map workers of this one
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:

@@ -12,6 +12,8 @@ the handlers. Points:
   (``launch.handover``), before it waits for the answer.
 - ``handover.copying`` (``rank``): a successor's rank has mapped its predecessor's offer, before
   it copies and answers.
+- ``data.batch``: a batch of records is about to be rendered and tokenized (``datasets.map``,
+  in its workers too).
 - ``data.micro_batch`` (``batch``: the dict): a micro-batch is made, before it is fed; a handler
   may change it (the packing tests take the position ids away, to see examples attend across).
 """

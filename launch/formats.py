@@ -15,10 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from launch import faults
 from launch.chat import render_chat
 from launch.contract.data import SourcePart
-from launch.records import DataError
+from launch.records import DataError, token_fault
 from launch.rows import IGNORE
+from launch.template import BudgetExceeded, Renderer, TemplateFault
 
 ALPACA = ("Below is an instruction that describes a task{context}. Write a response that appropriately completes "
           "the request.\n\n### Instruction:\n{instruction}\n\n{input}### Response:\n")
@@ -47,22 +49,15 @@ class Tokens:
 
 
 class TokensFormat:
+    """Ids below the model's vocabulary (``vocab_size``; none given: below int32, never narrowed)."""
+
     fields = ("input_ids", "labels")
 
-    def __init__(self, f):
-        self.f = f
+    def __init__(self, f, vocab_size: int | None = None):
+        self.f, self.vocab_size = f, vocab_size
 
     def check(self, rec: dict) -> str:
-        ids, labels = rec.get(self.f("input_ids")), rec.get(self.f("labels"))
-        if not _ints(ids) or not ids:
-            return f"expected {self.f('input_ids')}, a non-empty list of token ids"
-        if any(t < 0 for t in ids):
-            return f"{self.f('input_ids')}: expected token ids >= 0"
-        if labels is not None and (not _ints(labels) or len(labels) != len(ids)
-                                   or any(t < 0 and t != IGNORE for t in labels)):
-            return (f"{self.f('labels')}: expected a list of {len(ids)} token ids or -100, aligned with "
-                    f"{self.f('input_ids')}")
-        return ""
+        return token_fault(rec.get(self.f("input_ids")), rec.get(self.f("labels")), self.f, self.vocab_size)
 
     def sample(self, rec: dict, tok) -> Tokens:
         ids, labels = list(rec[self.f("input_ids")]), rec.get(self.f("labels"))
@@ -152,15 +147,25 @@ class ChatFormat:
 FORMATS = {"tokens": TokensFormat, "text": TextFormat, "instruction": InstructionFormat, "chat": ChatFormat}
 
 
+class StoppedAt(Exception):
+    """Raised out of ``datasets.map`` (its workers too): (message, record index); picklable."""
+
+
 class Encoder:
     """``datasets.map`` function: a batch of records -> input_ids, labels, how the turns were marked
     (``MARKINGS``) and an error per record (a string, empty when the record is fine: an exception
-    inside a worker would lose its index)."""
+    inside a worker would lose its index). The chat template renders under its budget
+    (``launch.template``): a syntax error is ``TemplateFault`` here, a record past the budget
+    ``StoppedAt`` (the template's fault: the rest are not rendered)."""
 
-    def __init__(self, source: SourcePart, tok):
+    def __init__(self, source: SourcePart, tok, vocab_size: int | None = None):
         self.source, self.tok = source, tok
-        self.format = FORMATS[source.format](source.field)
+        self.format = TokensFormat(source.field, vocab_size) if source.format == "tokens" \
+            else FORMATS[source.format](source.field)
         self.eos = [] if tok is None or tok.eos_token_id is None else [tok.eos_token_id]
+        key = f"{source.key}.chat_template" if source.chat_template is not None else "the tokenizer's chat_template"
+        self.renderer = Renderer(tok.get_chat_template(), tok.special_tokens_map, key) \
+            if tok is not None and tok.chat_template else None
 
     def check(self, rec: Any) -> str:
         if not isinstance(rec, dict):
@@ -168,6 +173,7 @@ class Encoder:
         return self.format.check(rec)
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        faults.point("data.batch")
         out: dict[str, list] = {"input_ids": [], "labels": [], "marking": [], "error": []}
         for i in range(len(indices)):
             rec = {k: v[i] for k, v in batch.items()}
@@ -175,7 +181,9 @@ class Encoder:
             if not err:
                 try:
                     ids, labels, marking = self.encode(self.format.sample(rec, self.tok))
-                except DataError as e:
+                except BudgetExceeded as e:
+                    raise StoppedAt(str(e), indices[i]) from None
+                except (DataError, TemplateFault) as e:
                     err = str(e)
             if not err and not ids:
                 err = "no tokens"
@@ -195,14 +203,10 @@ class Encoder:
                 ids += part
                 labels += part if trained or every else [IGNORE] * len(part)
             return ids + self.eos, labels + self.eos, 0
-        text, spans, marking = render_chat(self.tok, sample.messages)
+        text, spans, marking = render_chat(self.tok, sample.messages, self.renderer)
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = enc["input_ids"]
         if every:
             return ids, list(ids), MARKINGS.index(marking)
         labels = [t if any(a <= s < b for a, b in spans) else IGNORE for t, (s, _) in zip(ids, enc["offset_mapping"])]
         return ids, labels, MARKINGS.index(marking)
-
-
-def _ints(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)

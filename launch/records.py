@@ -4,6 +4,10 @@ file and line when one does not fit.
     ds = read_records(source, path, hf_cache, check)   # a datasets.Dataset, one row a record
     find_bad_record(path, check)                    # after datasets failed: raises DataError at the record
     where(path, index)                              # {"line": 12} (json lines, csv) or {"record": index}
+    token_fault(ids, labels, f, vocab_size)         # what is wrong with a tokens record's ids, or ""
+
+A ``tokens`` record's ids are checked against the model's vocabulary (else the cache's int32: nothing
+is narrowed); JSON nested deeper than ``MAX_DEPTH`` is refused before pyarrow's C reader recurses.
 """
 
 from __future__ import annotations
@@ -15,8 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from launch.contract.data import SourcePart
+from launch.rows import IGNORE
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow", ".txt")
+ID_LIMIT = 2 ** 31
+"""Token ids and labels are int32 in the cache; one at or past this is refused, never narrowed."""
+MAX_DEPTH = 100
+"""JSON records nested deeper are refused (``nesting_fault``)."""
 
 
 class DataError(ValueError):
@@ -61,6 +70,8 @@ def read_records(source: SourcePart, path: Path, hf_cache: Path, check: Callable
         except Exception as e:  # noqa: BLE001 - pyarrow raises many kinds; the file is to blame
             raise DataError(f"not an Arrow stream file: {e}", str(path)) from None
     builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}[suffix]
+    if builder == "json" and _json_lines(path):
+        nesting_fault(path)
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=str(hf_cache))
     except Exception as e:  # noqa: BLE001 - datasets wraps parse errors in several types
@@ -89,8 +100,8 @@ def _json_lines(path: Path) -> bool:
 
 
 def find_bad_record(path: Path, check: Callable[[Any], str]) -> None:
-    """After ``datasets`` failed on a file: the first record to blame, as a ``DataError``.
-    ``check``: what is wrong with one parsed record for its format, or ""."""
+    """After ``datasets`` failed on a file: the first record to blame, as a ``DataError``; each
+    JSON record is parsed alone and checked by ``check`` (a reason, or "" for a record that fits)."""
     try:
         raw = path.read_bytes().decode("utf-8") if path.suffix.lower() in (".jsonl", ".json", ".csv") else None
     except UnicodeDecodeError as e:
@@ -103,6 +114,8 @@ def find_bad_record(path: Path, check: Callable[[Any], str]) -> None:
             records = json.loads(raw)
         except json.JSONDecodeError as e:
             raise DataError(f"not valid JSON: {e.msg}", str(path), line=e.lineno) from None
+        except RecursionError:
+            raise DataError(f"a record nested more than {MAX_DEPTH} deep", str(path)) from None
         for i, rec in enumerate(records if isinstance(records, list) else []):
             if (err := check(rec)):
                 raise DataError(err, str(path), record=i)
@@ -114,6 +127,8 @@ def find_bad_record(path: Path, check: Callable[[Any], str]) -> None:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"not valid JSON: {e.msg}", str(path), line=lineno) from None
+        except RecursionError:
+            raise DataError(f"a record nested more than {MAX_DEPTH} deep", str(path), line=lineno) from None
         if (err := check(rec)):
             raise DataError(err, str(path), line=lineno)
 
@@ -139,3 +154,49 @@ def where(path: Path, index: int) -> dict[str, int]:
                     return {"line": start}
                 start = reader.line_num + 1
     return {"record": index}
+
+
+def token_fault(ids: Any, labels: Any, f: Callable[[str], str], vocab_size: int | None) -> str:
+    """What is wrong with a ``tokens`` record's ids and labels (``f`` names their fields), or "".
+    Every id must be below ``vocab_size`` (else below ``ID_LIMIT``): nothing is narrowed."""
+    if not ints(ids) or not ids:
+        return f"expected {f('input_ids')}, a non-empty list of token ids"
+    if labels is not None and (not ints(labels) or len(labels) != len(ids)):
+        return f"{f('labels')}: expected a list of {len(ids)} token ids or -100, aligned with {f('input_ids')}"
+    limit = vocab_size or ID_LIMIT
+    for name, values, ignore in ((f("input_ids"), ids, False), (f("labels"), labels or [], True)):
+        bad = next((t for t in values if not (0 <= t < limit or (ignore and t == IGNORE))), None)
+        if bad is None:
+            continue
+        if bad < 0:
+            return f"{name}: expected token ids >= 0{' or -100' if ignore else ''}, got {bad}"
+        return (f"{name}: token id {bad} is not below the model's vocab_size {vocab_size} (config.json)"
+                if vocab_size else f"{name}: token id {bad} does not fit the data cache's 32-bit ids")
+    return ""
+
+
+def nesting_fault(path: Path) -> None:
+    """``DataError`` naming the first line of a JSON-lines file nested more than ``MAX_DEPTH`` deep:
+    pyarrow's reader recurses in C and crashes the process on a record some thousands deep. A line
+    with fewer brackets cannot be nested deeper, so only the others are parsed here."""
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.count(b"[") + line.count(b"{") <= MAX_DEPTH:
+                continue
+            try:
+                todo, deep = [(json.loads(line), 1)], False
+                while todo and not deep:
+                    value, depth = todo.pop()
+                    deep = depth > MAX_DEPTH
+                    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+                    todo.extend((v, depth + 1) for v in items)
+            except RecursionError:
+                deep = True
+            except ValueError:
+                continue  # not JSON: the reader names it
+            if deep:
+                raise DataError(f"a record nested more than {MAX_DEPTH} deep", str(path), line=lineno)
+
+
+def ints(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)

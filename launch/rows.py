@@ -18,8 +18,13 @@ def ragged(enc, column: str) -> tuple[np.ndarray, np.ndarray]:
     """A list column as (flat int32 values, lengths), without going through Python lists."""
     col = enc.data.column(column).combine_chunks()
     offsets = col.offsets.to_numpy()
-    flat = col.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]].astype(np.int32)
-    return flat, np.diff(offsets).astype(np.int64)
+    values = col.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
+    info = np.iinfo(np.int32)
+    if values.size and (values.min() < info.min or values.max() > info.max):
+        # The records' checks keep every id below the vocabulary; a value past int32 is never wrapped.
+        raise ValueError(f"{column}: a value of {values.max() if values.max() > info.max else values.min()} does not "
+                         f"fit the data cache's 32-bit ids")
+    return values.astype(np.int32), np.diff(offsets).astype(np.int64)
 
 
 def starts_of(lengths: np.ndarray) -> np.ndarray:

@@ -20,6 +20,7 @@ from launch.contract.spec import lr_at
 from launch.data import micro_batch, rows, step_targets
 from launch.record import Phase
 from launch.save import prepare_files, save
+from shard_tools.files import open_append
 from shard_tools.later import Later
 
 
@@ -149,7 +150,7 @@ def evaluate(ph: Phase, metrics: Path) -> None:
 
 def log(ph: Phase, metrics: Path, record: dict) -> None:
     """One line of metrics.jsonl (rank 0), and the same scalars to TensorBoard when asked for."""
-    with open(metrics, "a") as f:
+    with os.fdopen(open_append(metrics), "a") as f:  # never through a link out of the run
         f.write(json.dumps(record) + "\n")
     if ph.spec.tensorboard:
         if ph.tb is None:

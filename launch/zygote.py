@@ -27,6 +27,7 @@ from launch import procs
 from launch.contract.channels import FORK_REQUESTS
 from launch.contract.files import DUMP_STACKS, UNRECORDED, PhaseDir, RunDir, rank_name, write_reason
 from launch.contract.spec import PhaseSpec
+from shard_tools.files import open_append
 
 # Modules a phase's first optimizer and first deepspeed.initialize import; importing them here (no
 # device is touched by importing) saves every forked phase that part of its warm-up. The biggest:
@@ -111,7 +112,7 @@ class Zygote:
         rc = 1
         try:
             os.close(requests_fd)
-            log = os.open(PhaseDir(spec.phase_dir).log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+            log = open_append(PhaseDir(spec.phase_dir).log)  # never through a link
             os.dup2(log, 1)
             os.dup2(log, 2)
             os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),

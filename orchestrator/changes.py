@@ -66,14 +66,15 @@ def changed_lr(old: LoadedSchedule, old_phases: list[Phase], new: LoadedSchedule
     return None
 
 
-def check_same_schedule(loaded: LoadedSchedule, phases: list[Phase], old_raw: dict, force: bool) -> None:
+def check_same_schedule(loaded: LoadedSchedule, phases: list[Phase], old_raw: dict, force: bool) -> list[str]:
     """Refuses ``loaded`` (the schedule given now, planned as ``phases``) where it differs from the
-    run's copy ``old_raw`` in ways that alter completed work, unless ``force``."""
+    run's copy ``old_raw`` in ways that alter completed work, unless ``force``; returns the
+    differences accepted (none where it is the same)."""
     run_dir = loaded.output_dir
     diffs = schedule_differences(without_output_dir(old_raw), without_output_dir(recorded_raw(loaded)))
     ran_from = warmup_ran(run_dir)
     if not diffs and ran_from in (None, loaded.schedule.lr_schedule.warmup_from):
-        return
+        return diffs
     _, manifest, _ = Checkpoints(run_dir).newest_whole(checksums=False)
     done_step = manifest.global_step if manifest else 0
     try:
@@ -101,3 +102,4 @@ def check_same_schedule(loaded: LoadedSchedule, phases: list[Phase], old_raw: di
             f"({run_dir / SCHEDULE_COPY}) in ways that alter completed work:\n  "
             + "\n  ".join(diffs + [lr_change] * bool(lr_change)) + "\nuse --force to go on anyway"
         )
+    return diffs

@@ -58,7 +58,11 @@ class DataSection(Section):
     chat_template: str | None = None
     """A Jinja chat template, a template by name (llama3, chatml, qwen2.5, mistral, gemma, phi3:
     docs/data.md), or a file holding one (relative to the schedule file), used
-    instead of the tokenizer's; a value without "{" that is not a name is a file."""
+    instead of the tokenizer's; a value without "{" that is not a name is a file. It renders in
+    transformers' sandbox under a budget: 5 s and about 1 MiB (plus 8 characters per character of
+    the text) per conversation; a template past it, or one that fails (syntax, `raise_exception`, an
+    undefined attribute, a blocked call) is exit 2 naming `data.chat_template`. Data in which no
+    token carries loss (no assistant turn rendered within `seq_len`, every label -100) is refused."""
     fields: dict[str, str] | None = None
     """Record field names where the data names them otherwise, by their default names: text;
     instruction, input, output; messages, conversations; input_ids, labels. Example:

@@ -9,20 +9,33 @@ orchestrator never imports datasets or transformers) and answers with JSON.
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import shutil
 import signal
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+import psutil
 
 from launch.contract.channels import DATA_TOOL, python_m
 from launch.contract.data import is_template_path
 from launch.contract.files import DATA_CACHE
-from orchestrator.errors import Preempted, RelayerError, ScheduleError
+from orchestrator.errors import STOP_SIGNALS, Preempted, RelayerError, ScheduleError
+from orchestrator.groups import exit_text
 from orchestrator.modelcheck import read_model_config, resolve_path, tokenizer_of
+from orchestrator.procs import end_session
 from orchestrator.schedule import LoadedSchedule, SourceSection
+
+TMP_CACHE = "relayer-data-"
+"""``plan`` and ``data`` prepare into TMPDIR/relayer-data-<pid>.*, and the data tool keeps its
+temporaries in another, both removed after (and by the next command where this one was killed)."""
+STAGED = ".relayer-data-"
+"""A new run prepares beside its directory into .relayer-data-<run name>.<pid>.*, moved in after."""
 
 
 def data_spec(loaded: LoadedSchedule) -> dict[str, Any]:
@@ -47,70 +60,112 @@ def chat_template_of(template: str | None, base: Path) -> str | None:
     return str((base / template).resolve()) if template is not None and is_template_path(template) else template
 
 
-def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0, reuse: tuple[Path, ...] = ()) -> dict[str, Any]:
+def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0, reuse: tuple[Path, ...] = (),
+                 stop_signals: tuple[int, ...] = STOP_SIGNALS) -> dict[str, Any]:
     """Prepares the data into ``cache_root`` (kept; an existing entry is reused, in it or in one of
     ``reuse``, read only) and checks it; the datatool's answer. Raises ScheduleError (exit 2) for
-    data that does not fit."""
+    data that does not fit, Preempted (exit 75) for one of ``stop_signals`` meanwhile: the datatool
+    and its workers are gone before either returns."""
     s = loaded.schedule
     config = read_model_config(s.model, loaded.model_path, loaded.source)
     tok = tokenizer_of(s.model, loaded.source.parent)
     req = {"data": data_spec(loaded), "tokenizer": str(tok) if tok else None, "cache_root": str(cache_root),
            "reuse": [str(p) for p in reuse], "show": show, "vocab_size": config.get("vocab_size")}
-    proc = subprocess.run(python_m(DATA_TOOL), input=json.dumps(req), capture_output=True,
-                          text=True)
+    tmp_root = Path(tempfile.gettempdir())
+    remove_left(tmp_root, TMP_CACHE)
+    # Its TMPDIR (the workers' pymp-* folders) goes with it; a session of its own: a stop reaches
+    # the whole tool, its datasets.map workers too, from here.
+    with tempfile.TemporaryDirectory(prefix=f"{TMP_CACHE}{os.getpid()}.", dir=tmp_root) as scratch:
+        proc = subprocess.Popen(python_m(DATA_TOOL), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                env={**os.environ, "TMPDIR": scratch})
+        try:
+            with stopped_by(stop_signals, loaded):
+                out, err = proc.communicate(json.dumps(req))
+        finally:
+            end_session(proc)
     if proc.returncode == 2:
-        raise ScheduleError(f"data: {proc.stderr.strip()}")
+        raise ScheduleError(f"data: {err.strip()}")
     if proc.returncode != 0:
-        tail = "\n  ".join(proc.stderr.strip().splitlines()[-10:])
-        raise RelayerError(f"data: preparing {loaded.data_path} failed (exit {proc.returncode}):\n  {tail}")
-    return json.loads(proc.stdout)
+        tail = "\n  ".join(err.strip().splitlines()[-10:])
+        raise RelayerError(f"data: preparing {loaded.data_path} failed ({exit_text(proc.returncode)}):\n  {tail}")
+    return json.loads(out)
+
+
+@contextmanager
+def stopped_by(signals: tuple[int, ...], loaded: LoadedSchedule) -> Iterator[None]:
+    """One of ``signals`` inside the block raises Preempted (exit 75), so that what the block made
+    goes with it; the handlers before come back after."""
+    def stop(signum: int, _frame) -> None:
+        raise Preempted(f"stopped by signal {signum} while preparing the data ({loaded.data_path}); nothing was "
+                        "written")
+
+    old = {sig: signal.signal(sig, stop) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def check_data(loaded: LoadedSchedule, show: int = 0) -> dict[str, Any]:
-    """``inspect_data`` into a temporary cache that is removed: nothing is written. Data the run
-    has prepared already (``RUN_DIR/data-cache``, the same key) is read from there, not again;
-    the statistics that loading the schedule asked for already (``LoadedSchedule.data_check``) are those."""
+    """``inspect_data`` into a temporary cache that is removed (a stop too): nothing is written.
+    Data the run has prepared already (``RUN_DIR/data-cache``, the same key) is read from there, not
+    again; the statistics that loading the schedule asked for already (``LoadedSchedule.data_check``)
+    are those."""
     if loaded.data_check is not None and not show:
         return loaded.data_check
     run_cache = loaded.output_dir / DATA_CACHE
     reuse = (run_cache,) if run_cache.is_dir() and not run_cache.is_symlink() else ()
-    with tempfile.TemporaryDirectory(prefix="relayer-data-") as tmp:
+    with stopped_by(STOP_SIGNALS, loaded), tempfile.TemporaryDirectory(prefix=f"{TMP_CACHE}{os.getpid()}.") as tmp:
         return inspect_data(loaded, Path(tmp), show, reuse)
 
 
-def stage_data(loaded: LoadedSchedule, stop_signals: tuple[int, ...] = ()) -> Path:
-    """Prepares the data of a run not started yet into a temporary cache (removed on failure);
-    ``adopt_data`` moves it into the run directory once that exists. One of ``stop_signals`` meanwhile
-    raises Preempted (exit 75), so the temporary cache goes with it."""
-    parent = next(p for p in loaded.output_dir.parents if p.exists())
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=".relayer-data-", dir=parent))
-    except OSError as e:
-        # The run directory would be made beside it: where this fails, so would the run.
-        raise ScheduleError(f"{loaded.output_dir}: cannot create the run directory: {e.strerror or e}") from None
+def remove_left(parent: Path, prefix: str) -> list[Path]:
+    """Removes the folders ``<prefix><pid>.*`` in ``parent`` of processes that are gone (a
+    SIGKILLed plan, data or run; a process of that pid now is left alone)."""
+    gone = []
+    for entry in parent.glob(f"{glob.escape(prefix)}*"):
+        pid = entry.name[len(prefix):].split(".", 1)[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)) and entry.is_dir() and not entry.is_symlink() \
+                and entry.stat().st_uid == os.getuid():
+            shutil.rmtree(entry, ignore_errors=True)
+            gone.append(entry)
+    return gone
 
-    def stop(signum: int, _frame) -> None:
-        raise Preempted(f"stopped by signal {signum} while preparing the data, before {loaded.output_dir} "
-                        "was made; nothing was written; run again to start")
 
-    old = {s: signal.signal(s, stop) for s in stop_signals}
+def stage_data(loaded: LoadedSchedule, stop_signals: tuple[int, ...] = STOP_SIGNALS) -> Path:
+    """Prepares the data of a run not started yet into a temporary cache beside it (removed on
+    failure and on a stop, and by the next run where this process was killed); ``adopt_data``
+    moves it into the run directory once that exists."""
+    parent = next((p for p in loaded.output_dir.parents if p.exists()), loaded.output_dir.parent)
+    prefix = f"{STAGED}{loaded.output_dir.name}."
+    tmp = None
     try:
-        inspect_data(loaded, tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with stopped_by(stop_signals, loaded):
+            try:
+                remove_left(parent, prefix)
+                tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}.", dir=parent))
+            except OSError as e:
+                # The run directory would be made beside it: where this fails, so would the run.
+                raise ScheduleError(f"{loaded.output_dir}: cannot create the run directory: {e.strerror or e}") \
+                    from None
+            inspect_data(loaded, tmp, stop_signals=stop_signals)
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Preempted):
+            raise Preempted(f"{e}; {loaded.output_dir} was not made; run again to start") from None
         raise
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
     return tmp
 
 
-def adopt_data(loaded: LoadedSchedule, staged: Path | None) -> None:
+def adopt_data(loaded: LoadedSchedule, staged: Path | None, stop_signals: tuple[int, ...] = STOP_SIGNALS) -> None:
     """Puts the prepared data in ``RUN_DIR/data-cache``: the staged entries, or (on resume) a
     preparation there, which finds an existing entry and does nothing."""
     cache = loaded.output_dir / DATA_CACHE
     if staged is None:
-        inspect_data(loaded, cache)
+        inspect_data(loaded, cache, stop_signals=stop_signals)
         return
     cache.mkdir(exist_ok=True)
     for entry in staged.iterdir():

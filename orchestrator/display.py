@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -21,7 +19,7 @@ from orchestrator.handover import Switch
 from orchestrator.nodes import plan_lines
 from orchestrator.pace import Pace, clock
 from orchestrator.plan import plan_phases
-from orchestrator.rundir import LOCK
+from orchestrator.rundir import lock_held
 from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.supervisor import Observer, State
 from shard_tools.history import JOURNAL, read_journal
@@ -203,15 +201,8 @@ class Display(Observer):
 
 
 def run_state(run_dir: Path, events: list[dict]) -> str:
-    lock = run_dir / LOCK
-    if lock.exists():
-        fd = os.open(lock, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return "running"
-        finally:
-            os.close(fd)
+    if lock_held(run_dir):
+        return "running"
     last = next((e for e in reversed(events) if e["event"] in
                  ("run_done", "preempted", "phase_failed", "phase_stalled", "run_failed", "phase_started", "run_started",
                   "resumed")), {"event": None})

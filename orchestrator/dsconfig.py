@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import ScheduleError
+from orchestrator.libfacts import deepspeed_refusal
 from orchestrator.modelcheck import need_file, resolve_path
 from orchestrator.schedule import LoadedSchedule, Phase, Schedule, _show
 from shard_tools.files import describe, read_regular
@@ -51,6 +52,9 @@ def deepspeed_config(sched: Schedule, base: Path, source: Path, phases: list[Pha
     else:
         path = resolve_path(base, given)
         where, table = f"{path}: ", _read(path, source)
+        if problem := deepspeed_refusal(table):
+            key, why = problem
+            raise ScheduleError(f"{path}: {key.removeprefix('deepspeed.config.')}: {why}")
     for section in MERGED_TABLES:
         if section in table and not isinstance(table[section], dict):
             raise ScheduleError(f"{where}{section}: expected a table (merged into relayer's), got {_show(table[section])}")

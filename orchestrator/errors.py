@@ -1,5 +1,10 @@
 """Domain errors of the control plane; the CLI turns them into exit codes, nothing else does."""
 
+import signal
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+"""What stops a command: a run writes a checkpoint first; every command exits 75 (``Preempted``)."""
+
 
 class RelayerError(Exception):
     """A fault during a run: exit 1."""

@@ -23,7 +23,7 @@ from launch.contract.spec import PhaseSpec
 from orchestrator import procs
 from orchestrator.nodes import silent_ranks
 from orchestrator.schedule import LaunchSection, Phase
-from shard_tools.files import write_atomic
+from shard_tools.files import describe, open_append, open_regular, write_atomic
 from shard_tools.store import Checkpoints
 
 LOG_TAIL = 20
@@ -147,7 +147,7 @@ class PhaseProcesses:
             os.write(self.zygote_fd, FORK_REQUESTS.encode(spec=str(files.spec), nproc=ph.nproc))
             proc: subprocess.Popen | ForkedProc = ForkedProc(files.path, ph.nproc, zygote)
         else:
-            with open(files.log, "ab") as log:
+            with open(open_append(files.log), "ab") as log:
                 proc = subprocess.Popen(python_m(PHASE_LAUNCHER, str(files.spec)), stdout=log,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
@@ -168,7 +168,7 @@ class PhaseProcesses:
             os.mkfifo(fifo, 0o600)
             self.zygote_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
             self.files.zygote_error.unlink(missing_ok=True)  # an earlier orchestrator's
-            log = open(self.files.zygote_log, "ab")
+            log = open(open_append(self.files.zygote_log), "ab")
             self.zygote = subprocess.Popen(python_m(FORK_SERVER, str(spec_path), str(fifo)),
                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
@@ -278,7 +278,7 @@ def exit_text(rc: int) -> str:
 def log_tail(path: Path, lines: int = LOG_TAIL) -> str:
     """The last lines of a log, or a line saying why there are none."""
     try:
-        with open(path, errors="replace") as f:
+        with open(open_regular(path), errors="replace") as f:  # never blocked on a FIFO
             return "".join(deque(f, maxlen=lines)) or "(empty)\n"
     except OSError as e:
-        return f"(none: {e.strerror or e})\n"
+        return f"(none: {describe(e)})\n"

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Iterator
 
+from orchestrator.errors import ScheduleError
+from shard_tools.files import describe, open_append, open_regular
 from shard_tools.history import JOURNAL
 
 
@@ -24,7 +27,7 @@ class Journal:
 
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"time": time.time(), "event": event, **fields}
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        fd = open_append(self.path)  # never through a link, never blocked on a FIFO
         try:
             os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
             if event not in UNSYNCED:
@@ -32,6 +35,21 @@ class Journal:
         finally:
             os.close(fd)
         return record
+
+
+@contextmanager
+def open_run_file(path: Path, what: str) -> Iterator[BinaryIO | None]:
+    """A run's file for reading (links followed), or None where it is missing; a FIFO, a device, a
+    folder or a link loop is ScheduleError naming it, never a block."""
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
+        yield None
+        return
+    except OSError as e:
+        raise ScheduleError(f"{path}: {describe(e)}; expected {what}") from None
+    with os.fdopen(fd, "rb") as f:
+        yield f
 
 
 class JsonlTail:
@@ -43,19 +61,18 @@ class JsonlTail:
         self.offset = self.path.stat().st_size if self.path.exists() else 0
 
     def new(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return []
+        with open_run_file(self.path, "a file of JSON lines") as f:
+            if f is None:
+                return []
+            f.seek(self.offset)
+            chunk = f.read()
         whole = chunk[: chunk.rfind(b"\n") + 1]
         self.offset += len(whole)
         out = []
         for line in whole.splitlines():
             try:
                 record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
                 continue
             if isinstance(record, dict):
                 out.append(record)

@@ -65,6 +65,15 @@ def need_file(path: Path, key: str, what: str, source: Path) -> None:
 
 
 
+def need_files(folder: Path, names: tuple[str, ...] | list[str], key: str, source: Path) -> None:
+    """Each of ``names`` in ``folder`` that is there at all is a file (links followed): a FIFO, a
+    device, a folder or a link loop where a loader opens a file would block or fail it."""
+    for name in names:
+        path = folder / name
+        if path.is_symlink() or path_kind(path) != "missing":
+            need_file(path, key, "a file", source)
+
+
 def read_model_config(model: ModelSection, model_path: Path | None, source: Path) -> dict[str, Any]:
     if model.config is not None:
         return model.config
@@ -76,6 +85,7 @@ def read_model_config(model: ModelSection, model_path: Path | None, source: Path
     if path_kind(cfg) != "a file":
         raise ScheduleError(f"{source}: model.path: expected a Hugging Face model directory with config.json, "
                             f"{cfg} {path_is(cfg)}")
+    need_files(model_path, MODEL_FILES, "model.path", source)
     try:
         config = json.loads(cfg.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -89,6 +99,9 @@ def read_model_config(model: ModelSection, model_path: Path | None, source: Path
 
 
 
+MODEL_FILES = ("generation_config.json", "model.safetensors.index.json")
+"""Files beside config.json that transformers opens when it builds the model (the weights are
+checked by ``check_weights``)."""
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _LAYER_NAME = re.compile(r"(.+?)\.(\d+)\.(.+)")
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
@@ -163,7 +176,7 @@ def check_weights(model: ModelSection, config: dict[str, Any], n_layers: int, mo
     if not any(re.search(r"embed|wte", n) for n in outside):
         raise ScheduleError(f"{source}: model.path: {weights} holds no token embedding (no tensor named like "
                             "embed_tokens or wte)")
-    _check_persistent(model, config, names, outside, weights, source)
+    _check_persistent(model, config, names, outside, prefix, weights, source)
 
 
 def _body(model: ModelSection, names: set[str], n_layers: int, weights: str, cfg: Path,
@@ -203,9 +216,13 @@ def _check_layer_kinds(prefix: str, held: dict[int, set[str]], weights: str, sou
 
 
 def _check_persistent(model: ModelSection, config: dict[str, Any], names: set[str], outside: list[str],
-                      weights: str, source: Path) -> None:
-    """Every ``model.persistent`` name matches a tensor (a tied lm_head, the input embedding)."""
+                      prefix: str, weights: str, source: Path) -> None:
+    """Every ``model.persistent`` name matches a tensor (a tied lm_head, the input embedding) outside
+    the body ``prefix`` (a body layer in the head would be trained and saved twice)."""
     for p in model.persistent or []:
+        if p == prefix or p.startswith(prefix + ".") or prefix.startswith(p + "."):
+            raise ScheduleError(f"{source}: model.persistent: {p!r} names the body ({prefix}.N), whose layers the "
+                                "phases train by the schedule; the head is what lies outside it")
         if any(n == p or n.startswith(p + ".") for n in names):
             continue
         # A tied output embedding is saved once, as the input embedding.

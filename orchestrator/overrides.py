@@ -20,11 +20,14 @@ _PART = re.compile(r"([A-Za-z_][A-Za-z0-9_-]*)((?:\[\d+\])*)")
 def parse_value(text: str) -> Any:
     """A TOML value; a bare word that is not TOML (``bfloat16``, ``runs/a``) is taken as a string."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        parsed = tomllib.loads(f"v = {text}")
     except tomllib.TOMLDecodeError as e:
         if text and not any(c in text for c in "\"'[]{}=\n"):
             return text
         raise ScheduleError(f"--set: expected a TOML value, got {text!r} ({e})") from None
+    if set(parsed) != {"v"}:  # "1\nother = 2": what follows a newline is more TOML, never dropped
+        raise ScheduleError(f"--set: expected one TOML value, got {text!r}, which goes on past it")
+    return parsed["v"]
 
 
 def parse_key(key: str, item: str) -> list[str | int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 import psutil
@@ -94,3 +95,14 @@ def reap(phase_dir: Path, session: int | None, grace: float) -> list[int]:
         raise RuntimeError(f"processes {[p.pid for p in alive]} of {phase_dir} survived SIGKILL")
     return stopped
 
+
+
+def end_session(proc: subprocess.Popen) -> None:
+    """Ends a child started in a session of its own and everything it started there (the data
+    tool's ``datasets.map`` workers): SIGKILL, then a wait until none of them is alive."""
+    members = [p for p in in_session(proc.pid) if _alive(p)]
+    signal_all(members, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    psutil.wait_procs([p for p in members if p.pid != proc.pid], timeout=10)

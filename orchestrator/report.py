@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from launch.contract.files import RunDir
 from orchestrator.errors import RelayerError, ScheduleError
+from orchestrator.journal import open_run_file
 from shard_tools.files import write_atomic
 from shard_tools.history import PhaseRow, read_history
 
@@ -48,17 +50,21 @@ class RunReport:
 
 
 def read_metrics(run_dir: Path, key: str = "loss") -> dict[int, float]:
-    """Global step -> the value of ``key`` (loss, eval_loss, lr) of metrics.jsonl's lines that have one."""
+    """Global step -> the value of ``key`` (loss, eval_loss, lr) of every line that is a step's record
+    with one; any other line (torn by a killed writer, damaged, not UTF-8, absurd) is skipped. A
+    metrics.jsonl that is no file is ScheduleError."""
     loss: dict[int, float] = {}
-    path = RunDir(run_dir).metrics
-    if not path.exists():
-        return loss
-    for line in path.read_text().splitlines():
+    with open_run_file(RunDir(run_dir).metrics, "the run's metrics") as f:
+        data = f.read() if f is not None else b""
+    for line in data.decode(errors="replace").splitlines():
         try:
             m = json.loads(line)
-            loss[int(m["step"])] = float(m[key])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            continue  # a torn last line from a killed writer
+            step, value = m["step"], m[key]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            continue
+        if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 2**53 \
+                and isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            loss[step] = float(value)
     return dict(sorted(loss.items()))
 
 

@@ -1,17 +1,22 @@
 """The run directory: created whole (atomically) or not at all, held by one orchestrator at a time,
-and its copy of the schedule it was started with."""
+its copy of the schedule it was started with, and the entries a run writes and deletes through."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
+import stat
 import tomllib
 from pathlib import Path
 
-from launch.contract.files import PHASES
+from launch.contract.files import DATA_CACHE, PHASES, PhaseDir, RunDir
 
 from orchestrator.errors import RunLocked, ScheduleError
+from shard_tools.files import kind_of, write_atomic
+from shard_tools.history import JOURNAL
+from shard_tools.manifest import CHECKPOINTS, FINAL
 from shard_tools.store import Checkpoints
 
 SCHEDULE_COPY = "schedule.toml"
@@ -26,7 +31,7 @@ class RunLock:
         self.fd: int | None = None
 
     def __enter__(self) -> RunLock:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = _open_lock(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -41,6 +46,84 @@ class RunLock:
     def __exit__(self, *exc) -> None:
         if self.fd is not None:
             os.close(self.fd)
+
+
+def _open_lock(path: Path, flags: int) -> int:
+    """The lock file's descriptor. A link there is refused, not followed (the pid written into the
+    lock would overwrite what it points to), and so is anything but a file, without blocking."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise
+        raise ScheduleError(f"{path}: {entry_fault(path, 'a file')}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise ScheduleError(f"{path}: {kind_of(mode)}, where the run keeps its lock file")
+    return fd
+
+
+def lock_held(run_dir: Path) -> bool:
+    """Whether an orchestrator holds the run (for ``status``: a look, never a wait)."""
+    try:
+        fd = _open_lock(Path(run_dir) / LOCK, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+# What a run keeps at each of its names, as ``RunDir``/``PhaseDir`` spell them: it writes, appends
+# and deletes through these, so an entry of another kind (a symbolic link out of the run, a FIFO
+# or a folder where a file belongs) is refused before the run touches it, never followed.
+_FILE, _DIR = "a file", "a folder"
+_RUN_FILES = RunDir(".")
+RUN_ENTRIES = {SCHEDULE_COPY: _FILE, JOURNAL: _FILE, _RUN_FILES.metrics.name: _FILE, LOCK: _FILE,
+               _RUN_FILES.zygote_log.name: _FILE, FINAL: _DIR, CHECKPOINTS: _DIR, PHASES: _DIR, DATA_CACHE: _DIR,
+               "tensorboard": _DIR, "wandb": _DIR}
+_PHASE_FILES = PhaseDir(".")
+PHASE_ENTRIES = {_PHASE_FILES.log.name: _FILE, _PHASE_FILES.stages.name: _FILE, _PHASE_FILES.pids.name: _DIR,
+                 _PHASE_FILES.exits.name: _DIR, _PHASE_FILES.errors.name: _DIR, _PHASE_FILES.handover.name: _DIR}
+
+
+def entry_fault(path: Path, kind: str = _DIR) -> str | None:
+    """Why ``path`` is not ``kind`` of the run's own (missing is fine), or None."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(mode):
+        return (f"a symbolic link (to {os.readlink(path)}), where the run keeps {kind} of its own; a run writes "
+                f"and deletes nothing through a link: move it away and run again")
+    if (stat.S_ISDIR(mode) if kind == _DIR else stat.S_ISREG(mode)):
+        return None
+    return f"{kind_of(mode)}, where the run keeps {kind}: move it away and run again"
+
+
+def check_entries(rd: Path) -> None:
+    """ScheduleError naming the first entry of the run directory that is not of its kind (above),
+    its phase folders and data-cache entries included; nothing is written."""
+    todo = [(rd / name, kind) for name, kind in RUN_ENTRIES.items()]
+    for folder, names in ((rd / PHASES, PHASE_ENTRIES), (rd / DATA_CACHE, {})):
+        if not entry_fault(folder, _DIR) and folder.is_dir():
+            for entry in sorted(folder.iterdir()):
+                if not entry.name.startswith("."):  # temporaries go, links as links
+                    todo += [(entry, _DIR), *((entry / n, k) for n, k in names.items())]
+    for path, kind in todo:  # a folder before what it holds
+        if fault := entry_fault(path, kind):
+            raise ScheduleError(f"{path}: {fault}")
+
+
+def write_copy(rd: Path, schedule_text: str) -> None:
+    """Replaces the run's schedule copy whole (a schedule it goes on with, accepted as changing no
+    completed work); a link there is replaced, not written through."""
+    write_atomic(rd / SCHEDULE_COPY, schedule_text)
 
 
 def create_run_dir(rd: Path, schedule_text: str) -> None:

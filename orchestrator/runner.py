@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import tomllib
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -19,14 +20,14 @@ from orchestrator import backstop, devmem, final, procs
 from orchestrator.datastep import adopt_data, stage_data
 from orchestrator.dsconfig import recorded_raw
 from orchestrator.groups import Group, PhaseProcesses, Work
-from orchestrator.errors import PhaseFailed, Preempted, RelayerError
+from orchestrator.errors import STOP_SIGNALS, PhaseFailed, Preempted, RelayerError
 from orchestrator.changes import check_same_schedule
 from orchestrator.commit import Committer
 from orchestrator.journal import Journal
 from orchestrator.quiet import Pauser
 from orchestrator.resume import next_work, restore_point, resume_point, set_aside_after
 from orchestrator.retention import retain
-from orchestrator.rundir import SCHEDULE_COPY, RunLock, create_run_dir, read_copy
+from orchestrator.rundir import SCHEDULE_COPY, RunLock, check_entries, create_run_dir, read_copy, write_copy
 from orchestrator.phasespec import phase_spec, plan_estimate
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import LoadedSchedule, Phase
@@ -35,7 +36,6 @@ from orchestrator.supervisor import Context, Observer, State, Supervisor
 from shard_tools.history import read_journal, replay
 from shard_tools.store import Checkpoints
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 @dataclass
@@ -91,6 +91,8 @@ class Runner:
         """The first stop signal, which stops at a checkpoint; a SIGINT after it ends the run at once."""
         self.supervisor: Supervisor | None = None
         """The supervisor of the phase running now, whose stop a second Ctrl-C cuts short."""
+        self.changed: list[str] = []
+        """How the schedule given differs from the run's copy, where the change was accepted."""
         self.checkpoints = Checkpoints(self.run_dir)
         self.ahead: list[Group] = []
         """The pre-warmed groups of the next phases, in order."""
@@ -117,17 +119,19 @@ class Runner:
             os.umask(umask)
 
     def _run(self, chosen: Path | None) -> None:
-        # Prepared once, here; the data of a new run before its directory exists (bad data: exit 2).
+        # Prepared once, here; the data of a new run before its directory exists (bad data: exit 2),
+        # beside it, removed on every way out before it is adopted (bad input, a race lost for the lock).
         staged = None if (self.run_dir / SCHEDULE_COPY).exists() else stage_data(self.loaded, STOP_SIGNALS)
-        try:
+        with ExitStack() as held:
+            if staged:
+                held.callback(shutil.rmtree, staged, ignore_errors=True)
             check_space(self.loaded, self.phases, staged)  # before any phase process: exit 2, nothing written
             fresh = self._prepare_run_dir()
-        except BaseException:
-            if staged:
-                shutil.rmtree(staged, ignore_errors=True)
-            raise
-        self.journal = Journal(self.run_dir)
-        with RunLock(self.run_dir):
+            self.journal = Journal(self.run_dir)
+            held.enter_context(RunLock(self.run_dir))
+            if self.changed:  # accepted: the copy says what the run goes on with
+                write_copy(self.run_dir, self.copy_text)
+                self._event("schedule_changed", differences=self.changed)
             adopt_data(self.loaded, staged)
             if chosen is not None:
                 set_aside_after(self.checkpoints, chosen, self._event)
@@ -196,8 +200,10 @@ class Runner:
             import tomli_w
 
             text = f"# {self.loaded.source} with --set overrides and deepspeed.config merged in\n" + tomli_w.dumps(raw)
+        self.copy_text = text
+        check_entries(self.run_dir)
         if copy.exists():
-            check_same_schedule(self.loaded, self.phases, read_copy(copy), self.force)
+            self.changed = check_same_schedule(self.loaded, self.phases, read_copy(copy), self.force)
             return False
         create_run_dir(self.run_dir, text)
         return True

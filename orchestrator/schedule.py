@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator.datasection import DataSection, SourceSection  # noqa: F401 - the [data] section, its own module
+from orchestrator.libfacts import deepspeed_refusal
 from orchestrator.sections import KeyProblem, NonNegInt, PositiveInt, Section, _show, int_is_float  # noqa: F401
 
 
@@ -176,6 +177,14 @@ class DeepSpeedSection(Section):
     gradient_clipping, optimizer, scheduler, zero_optimization.stage, bf16.enabled, fp16.enabled)
     may appear only as "auto" or as relayer sets it; any other "auto" is dropped (relayer's or
     DeepSpeed's default stands)."""
+
+    @model_validator(mode="after")
+    def _engine_takes(self) -> DeepSpeedSection:
+        """What DeepSpeed would refuse (or quietly ignore) once the first phase builds its engine."""
+        # A file's table is checked where it is read (orchestrator.dsconfig), naming the file.
+        if isinstance(self.config, dict) and (problem := deepspeed_refusal(self.config)):
+            raise KeyProblem(*problem)
+        return self
 
 
 class LaunchSection(Section):

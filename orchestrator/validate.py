@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import configparser
+import difflib
 import importlib.util
 import math
+import netrc
+import os
 import tomllib
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +18,15 @@ from pydantic import ValidationError
 from launch.contract.data import TEMPLATE_NAMES, is_template_path
 from orchestrator.dsconfig import deepspeed_config
 from orchestrator.errors import ScheduleError
+from orchestrator.libfacts import causal_lm_types
 from orchestrator.modelcheck import (
-    check_weights, need_file, num_layers_of, path_is, path_kind, position_limit, read_model_config, resolve_path,
-    tokenizer_of,
+    check_weights, need_file, need_files, num_layers_of, path_is, path_kind, position_limit, read_model_config,
+    resolve_path, tokenizer_of,
 )
 from orchestrator.nodes import check_launch
 from orchestrator.plan import MAX_PHASES, check_batch, plan_phases
 from orchestrator.schedule import DataSection, LoadedSchedule, Schedule, format_validation
-from shard_tools.tokenizer import MAIN_FILES
+from shard_tools.tokenizer import MAIN_FILES, TOKENIZER_FILES
 
 
 def _non_finite(raw: dict[str, Any]) -> list[tuple[str, float]]:
@@ -122,6 +128,12 @@ def _check_model(sched: Schedule, base: Path, source: Path) -> tuple[Path | None
     """(the model folder, its layer count); the weights match config.json, seq_len fits the model."""
     model_path = resolve_path(base, sched.model.path) if sched.model.path else None
     config = read_model_config(sched.model, model_path, source)
+    types = causal_lm_types()
+    if types is not None and config["model_type"] not in types:
+        where = f"model.path: {model_path / 'config.json'}: model_type" if model_path else "model.config.model_type"
+        close = difflib.get_close_matches(config["model_type"], types, n=1)
+        raise ScheduleError(f"{source}: {where}: {config['model_type']!r} is not a model type the installed transformers "
+                            f"builds as a causal LM{f' (did you mean {close[0]!r}?)' if close else ''}")
     n_layers = num_layers_of(config)
     if n_layers is None:
         where = f"model.path: {model_path / 'config.json'}" if model_path else "model.config"
@@ -146,13 +158,14 @@ def _check_inputs(sched: Schedule, base: Path, source: Path) -> Path:
         if importlib.util.find_spec(extra) is None:
             raise ScheduleError(f"{source}: run.report_to: {extra} needs the {extra} package, which is not installed "
                                 f"(pip install 'relayer[{extra}]')")
+    if "wandb" in sched.run.report_to and not wandb_can_log():
+        raise ScheduleError(f"{source}: run.report_to: wandb logs online (WANDB_MODE is not offline) and finds no "
+                            "API key: set WANDB_API_KEY, run `wandb login`, or WANDB_MODE=offline (then wandb sync)")
     if sched.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ScheduleError(f"{source}: run.tensorboard: needs the tensorboard package, which is not installed "
                             "(pip install 'relayer[tensorboard]')")
     if d.validation_path is not None:
-        validation = resolve_path(base, d.validation_path)
-        if not is_saved_dataset(validation):
-            need_file(validation, "data.validation_path", "a data file or a datasets.save_to_disk folder", source)
+        _need_data(resolve_path(base, d.validation_path), "data.validation_path", source)
     if d.eval_every and d.validation_path is None and d.validation_split is None:
         raise ScheduleError(f"{source}: data.eval_every: needs data.validation_path or data.validation_split, "
                             "which are missing")
@@ -163,9 +176,7 @@ def _check_inputs(sched: Schedule, base: Path, source: Path) -> Path:
 
 def _check_sources(data: DataSection, base: Path, source: Path) -> None:
     for key, src in data.resolved_sources():
-        path = resolve_path(base, src.path)
-        if not is_saved_dataset(path):
-            need_file(path, f"{key}.path", "a data file or a datasets.save_to_disk folder", source)
+        _need_data(resolve_path(base, src.path), f"{key}.path", source)
     # Named where each is set: data.chat_template is every source's default.
     templates = [("data", data.chat_template)] + [(f"data.sources[{i}]", s.chat_template)
                                                   for i, s in enumerate(data.sources or [])]
@@ -175,12 +186,50 @@ def _check_sources(data: DataSection, base: Path, source: Path) -> None:
                       f"a Jinja template, one named {', '.join(TEMPLATE_NAMES)}, or a file holding one", source)
 
 
-def _check_tokenizer(sched: Schedule, base: Path, source: Path) -> None:
-    formats = [(key, s.format) for key, s in sched.data.resolved_sources() if s.format != "tokens"]
-    if not formats:
+def wandb_can_log() -> bool:
+    """Whether W&B would log without asking for a login, which a phase process cannot answer: offline
+    (WANDB_MODE, or ``wandb offline`` in its settings), or an API key (WANDB_API_KEY, or the entry
+    ``wandb login`` leaves in ~/.netrc for its host)."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode is None:
+        settings = configparser.ConfigParser()
+        try:
+            settings.read([Path(os.environ.get("WANDB_CONFIG_DIR", Path.home() / ".config" / "wandb")) / "settings"])
+            mode = settings.get("default", "mode", fallback="online")
+        except (configparser.Error, UnicodeDecodeError):
+            mode = "online"
+    if mode in ("offline", "dryrun", "disabled") or os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host or "") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def _need_data(path: Path, key: str, source: Path) -> None:
+    """A data file, or a datasets.save_to_disk folder whose entries are files and folders only."""
+    if not is_saved_dataset(path):
+        need_file(path, key, "a data file or a datasets.save_to_disk folder", source)
         return
+    for entry in sorted(path.rglob("*")):
+        if path_kind(entry) != "a directory":
+            need_file(entry, key, "a file of the saved data set", source)
+
+
+def _check_tokenizer(sched: Schedule, base: Path, source: Path) -> None:
+    """The tokenizer that text, instruction and chat data need, and any model.tokenizer given (an
+    export copies it): a folder whose tokenizer files are files (a FIFO there would block its load)."""
     tokenizer_path = tokenizer_of(sched.model, base)
     key = "model.tokenizer" if sched.model.tokenizer else "model.tokenizer (default model.path)"
+    if tokenizer_path is not None:
+        need_files(tokenizer_path, TOKENIZER_FILES, key, source)
+    if sched.model.tokenizer and path_kind(tokenizer_path) != "a directory":
+        raise ScheduleError(f"{source}: model.tokenizer: expected a Hugging Face tokenizer folder, {tokenizer_path} "
+                            f"{path_is(tokenizer_path)}")
+    formats = [(name, s.format) for name, s in sched.data.resolved_sources() if s.format != "tokens"]
+    if not formats:
+        return
     what, fmt = f"{formats[0][0]}.format", formats[0][1]
     if tokenizer_path is None:
         raise ScheduleError(f'{source}: {key}: {what} = "{fmt}" needs a tokenizer, but '
@@ -193,6 +242,8 @@ def _check_tokenizer(sched: Schedule, base: Path, source: Path) -> None:
 def _output_dir(sched: Schedule, base: Path, source: Path, output_dir: str | Path | None) -> Path:
     out = resolve_path(Path.cwd(), str(output_dir)) if output_dir is not None else resolve_path(base, sched.run.output_dir)
     key = "--output-dir" if output_dir is not None else f"{source}: run.output_dir"
+    if out.parent == out:
+        raise ScheduleError(f"{key}: expected a folder of its own for the run, got the root {out}")
     # The nearest existing folder on the way must be a folder: the run directory is made there.
     existing = out
     while path_kind(existing) == "missing" and existing.parent != existing:

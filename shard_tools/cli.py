@@ -28,14 +28,16 @@ class _Group(click.Group):
         except CheckpointError as e:
             _fail(str(e), 1)
         except OSError as e:
-            if e.filename is None:
-                raise
-            _fail(f"{e.filename}: {e.strerror}", 1)
+            _fail(f"{e.filename}: {e.strerror}" if e.filename else str(e.strerror or e), 1)
 
 
 def _fail(message: str, code: int) -> None:
     click.echo(f"shard-tools: {message}", err=True)
     sys.exit(code)
+
+
+def _warn(message: str) -> None:
+    click.echo(f"shard-tools: warning: {message}", err=True)
 
 
 def _console():
@@ -105,7 +107,7 @@ def diff(a: Path, b: Path, as_json: bool) -> None:
     from shard_tools.diff import diff_paths, render
 
     _quiet_transformers()
-    report = diff_paths(a, b)
+    report = diff_paths(a, b, _warn)
     if as_json:
         _print_json(report)
     else:
@@ -124,5 +126,5 @@ def export(source: Path, out: Path, dtype: str | None, force: bool, max_shard_si
     from shard_tools.export import export as export_model
 
     _quiet_transformers()
-    ckpt = export_model(source, out, dtype=dtype, force=force, max_shard_size=max_shard_size)
+    ckpt = export_model(source, out, dtype=dtype, force=force, max_shard_size=max_shard_size, warn=_warn)
     click.echo(f"exported {ckpt} to {out}")

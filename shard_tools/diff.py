@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -33,8 +33,8 @@ class _Side:
     base_key: str
 
 
-def _side(path: Path) -> _Side:
-    run_dir, ckpt, manifest = trusted_checkpoint(path)
+def _side(path: Path, warn: Callable[[str], None] | None = None) -> _Side:
+    run_dir, ckpt, manifest = trusted_checkpoint(path, warn)
     key = json.dumps(asdict(base_spec(ckpt, manifest)), sort_keys=True)
     return _Side(ckpt, manifest, run_weights(run_dir, ckpt), key)
 
@@ -74,8 +74,9 @@ def _compare(a: torch.Tensor | None, b: torch.Tensor | None) -> dict[str, Any]:
             "diff_norm": diff_norm, "norm": norm, "note": ""}
 
 
-def diff_paths(a: Path, b: Path) -> dict[str, Any]:
-    sides = [_side(Path(a)), _side(Path(b))]
+def diff_paths(a: Path, b: Path, warn: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """``warn``: told where a run's newest checkpoint is damaged and an older one is compared."""
+    sides = [_side(Path(a), warn), _side(Path(b), warn)]
     built: dict[str, dict[str, torch.Tensor]] = {}
     same_base = sides[0].base_key == sides[1].base_key
     names = set(sides[0].weights) | set(sides[1].weights)

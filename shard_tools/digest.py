@@ -11,6 +11,9 @@ from __future__ import annotations
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from shard_tools.files import open_regular
 
 CHUNK = 64 << 20
 _READ = 8 << 20
@@ -83,3 +86,19 @@ def write_and_digest(fd: int, buffers: list[memoryview], pool: ThreadPoolExecuto
         jobs.append(pool.submit(_write_and_hash, fd, offset, pieces))
         offset += sum(len(p) for p in pieces)
     return _combine([j.result() for j in jobs])
+
+
+def folder_digests(folder: Path, skip: str = "") -> dict[str, dict[str, int | str]]:
+    """Each entry of ``folder`` but ``skip`` by name, with its size and digest; OSError where one is
+    not a regular file of its own (a link is not followed). What an export's relayer.json records,
+    so that a run tells its own final/ from a changed or another run's one."""
+    out: dict[str, dict[str, int | str]] = {}
+    for f in sorted(Path(folder).iterdir()):
+        if f.name == skip:
+            continue
+        fd = open_regular(f, follow_symlinks=False)
+        try:
+            out[f.name] = {"size": os.fstat(fd).st_size, "sha256_chunked": digest_fd(fd)}
+        finally:
+            os.close(fd)
+    return out

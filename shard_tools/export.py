@@ -16,10 +16,13 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
+from shard_tools.digest import folder_digests
 from shard_tools.errors import CheckpointError, InputError
 from shard_tools.files import TMP_PREFIX, read_regular, regular_fault
 from shard_tools.history import JOURNAL
@@ -84,8 +87,9 @@ def compose(run_dir: Path, ckpt: Path, manifest: Manifest) -> nn.Module:
 
 
 def export(source: Path, out: Path, dtype: str | None = None, force: bool = False,
-           max_shard_size: str | int | None = None) -> Path:
-    """Writes the composed model of ``source`` (run or checkpoint) to ``out``; returns the checkpoint used."""
+           max_shard_size: str | int | None = None, warn: Callable[[str], None] | None = None) -> Path:
+    """Writes the composed model of ``source`` (run or checkpoint) to ``out``; returns the checkpoint used
+    (``warn`` is told where a run's newest checkpoint is damaged and an older one is exported)."""
     out = Path(out)
     if dtype is not None and dtype not in DTYPES:
         raise InputError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -93,9 +97,12 @@ def export(source: Path, out: Path, dtype: str | None = None, force: bool = Fals
     dest = check_out(out, force)
     # A run's own final/ is the one place inside a run an export may go (what a completed run writes).
     own_final = path_kind(Path(source)) == "run" and dest == real_path(Path(source)) / FINAL
+    if path_kind(Path(source)) == "run" and out.is_symlink() and real_path(out.parent) == real_path(Path(source)):
+        raise InputError(f"--out {out}: a symbolic link (to {os.readlink(out)}) in the run; an export replaces its "
+                         f"--out, and nothing of the run is written through a link: remove it")
     if not own_final:
         guard(out, dest, _source_paths(Path(source)))
-    run_dir, ckpt, manifest = trusted_checkpoint(source)
+    run_dir, ckpt, manifest = trusted_checkpoint(source, warn)
     dtype = dtype or manifest.dtype
     if dtype not in DTYPES:
         raise CheckpointError(f"{ckpt / MANIFEST}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -109,18 +116,14 @@ def export(source: Path, out: Path, dtype: str | None = None, force: bool = Fals
     tmp = dest.parent / f"{TMP_PREFIX}{dest.name}.{os.getpid()}"
     try:
         model.save_pretrained(tmp, max_shard_size=shard_bytes)
-        # The run's tokenizer (model.tokenizer, recorded since it may live apart from the base model).
-        tokenizer = manifest.extra.get("tokenizer")
-        tokenizer = tokenizer if isinstance(tokenizer, str) and tokenizer else base_path
-        for name in COPIED_FILES if tokenizer else ():
-            if (Path(tokenizer) / name).is_file():
-                shutil.copy2(Path(tokenizer) / name, tmp / name)
-        (tmp / EXPORT_MARKER).write_text(json.dumps({
-            "export": "relayer", "run": str(run_dir.resolve()), "checkpoint": str(ckpt.resolve()),
-            "global_step": manifest.global_step, "phase": manifest.phase, "dtype": dtype,
-            "versions": manifest.versions}, indent=2) + "\n")
+        _add_files(tmp, run_dir, ckpt, manifest, dtype, base_path)
         _one_mode(tmp)
         _replace_dir(tmp, dest)
+    except (OSError, SafetensorError) as e:  # a full disk, a quota: one line, --out as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise CheckpointError(f"--out {out}: could not write the export ({reason}); what was there is unchanged") \
+            from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -135,6 +138,21 @@ def _one_mode(folder: Path) -> None:
     for f in folder.iterdir():
         if f.is_file():
             os.chmod(f, 0o666 & ~umask)
+
+
+def _add_files(tmp: Path, run_dir: Path, ckpt: Path, manifest: Manifest, dtype: str, base_path: str | None) -> None:
+    """Beside the weights: the run's tokenizer (model.tokenizer, recorded since it may live apart
+    from the base model) and relayer.json, which lists every file with its checksum."""
+    tokenizer = manifest.extra.get("tokenizer")
+    tokenizer = tokenizer if isinstance(tokenizer, str) and tokenizer else base_path
+    for name in COPIED_FILES if tokenizer else ():
+        if (Path(tokenizer) / name).is_file():
+            # The bytes alone: the export's modes are the umask's (the run's), not the source's.
+            shutil.copyfile(Path(tokenizer) / name, tmp / name)
+    (tmp / EXPORT_MARKER).write_text(json.dumps({
+        "export": "relayer", "run": str(run_dir.resolve()), "checkpoint": str(ckpt.resolve()),
+        "global_step": manifest.global_step, "phase": manifest.phase, "dtype": dtype,
+        "versions": manifest.versions, "files": folder_digests(tmp, skip=EXPORT_MARKER)}, indent=2) + "\n")
 
 
 def shard_size(value: str | int) -> int:

@@ -13,6 +13,9 @@ import os
 import stat
 from pathlib import Path
 
+SMALL_FILE = 64 << 20
+"""The most ``read_regular`` is asked to take of a small record file (a spec, an answer, a reason)."""
+
 
 class BadFile(OSError):
     """The path is there but is not a file this reader takes (a directory, a FIFO, too big)."""
@@ -32,7 +35,12 @@ def open_regular(path: Path, follow_symlinks: bool = True) -> int:
     ``follow_symlinks=False``: a symbolic link is refused (ELOOP), not followed.
     """
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
-    fd = os.open(path, flags)
+    return _regular(os.open(path, flags), path)
+
+
+def _regular(fd: int, path: Path) -> int:
+    """``fd`` (opened non-blocking, so that a FIFO or a device never blocks the open) in blocking
+    mode, where it is a regular file; closed and BadFile otherwise."""
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -42,6 +50,21 @@ def open_regular(path: Path, follow_symlinks: bool = True) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def open_append(path: Path, mode: int = 0o640) -> int:
+    """A descriptor appending to ``path``, made if missing, which must be a regular file of its
+    own: a symbolic link is refused (ELOOP), not followed out of the folder, and a FIFO or a
+    device is refused without blocking (``describe`` says why)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:
+        # O_NOFOLLOW: ELOOP for any link; a FIFO without a reader: ENXIO instead of a block.
+        kind = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a directory", errno.ENXIO: "a FIFO"}.get(e.errno)
+        if kind is None:
+            raise
+        raise BadFile(e.errno, f"{kind}, not a file", str(path)) from None
+    return _regular(fd, path)
 
 
 def regular_fault(path: Path, follow_symlinks: bool = True) -> str | None:

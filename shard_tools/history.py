@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shard_tools.errors import CheckpointError, InputError
-from shard_tools.files import regular_fault
+from shard_tools.files import describe, open_regular, regular_fault
 
 JOURNAL = "journal.jsonl"
 """RUN_DIR/journal.jsonl: every event of the run, one JSON object a line."""
@@ -71,13 +72,19 @@ def read_journal(run_dir: Path) -> list[dict[str, Any]]:
     """Every event; what is not one (a torn last line from a writer killed mid-write, a line edited
     or damaged by hand) is skipped."""
     path = Path(run_dir) / JOURNAL
-    if not path.is_file():  # nor a FIFO, which would block the read, nor a folder
+    try:
+        fd = open_regular(path)  # a FIFO, a device, a folder or a link loop: a message, never a block
+    except FileNotFoundError:
         return []
+    except OSError as e:
+        raise InputError(f"{path}: {describe(e)}; expected the run's journal") from None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read()
     events = []
-    for line in path.read_bytes().decode(errors="replace").splitlines():
+    for line in data.decode(errors="replace").splitlines():
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             continue
         if is_event(record):
             events.append(record)

@@ -29,7 +29,8 @@ CHECKPOINTS = "checkpoints"
 FINAL = "final"
 """RUN_DIR/final: the finished run's model, the one export that lives inside its run."""
 EXPORT_MARKER = "relayer.json"
-"""Written into every export: what it was exported from. ``--force`` replaces only a folder that has one."""
+"""Written into every export: what it was exported from, and each file's size and checksum.
+``--force`` replaces only a folder that has one."""
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 STEP_DIR_SHAPE = "step-NNNNNNNN"
 """How messages name any checkpoint folder (``step_dir_name`` spells one)."""

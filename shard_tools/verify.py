@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from shard_tools.errors import CheckpointError, InputError
 from shard_tools.manifest import CHECKPOINTS, STEP_DIR_SHAPE, Manifest, path_kind, read_manifest, step_of, verify_checkpoint
@@ -43,12 +44,13 @@ def verify_path(path: Path) -> Report:
     return report
 
 
-def trusted_checkpoint(path: Path) -> tuple[Path, Path, Manifest]:
+def trusted_checkpoint(path: Path, warn: Callable[[str], None] | None = None) -> tuple[Path, Path, Manifest]:
     """(run dir, checkpoint, manifest) whose composed weights can be trusted.
 
-    ``path`` is a checkpoint, or a run (its newest whole checkpoint). The checkpoint and every earlier
-    one its layers compose from must verify with checksums: loading alone would miss a flipped byte in
-    tensor data, and skipping a damaged source would silently compose an older layer instead.
+    ``path`` is a checkpoint, or a run (its newest whole checkpoint: ``warn`` is told of every newer
+    one skipped as damaged, so that an older one is never used unsaid). The checkpoint and every
+    earlier one its layers compose from must verify with checksums: loading alone would miss a
+    flipped byte in tensor data, and skipping a damaged source would silently compose an older layer.
     """
     path = Path(path)
     if path_kind(path) == "run":
@@ -56,6 +58,9 @@ def trusted_checkpoint(path: Path) -> tuple[Path, Path, Manifest]:
         ckpt, manifest, skipped = Checkpoints(run_dir).newest_whole()
         if ckpt is None:
             raise CheckpointError(f"{run_dir}: no whole checkpoint" + "".join(f"\n  {f}" for f in skipped))
+        if skipped and warn is not None:
+            warn(f"{run_dir}: using {ckpt.name}, not the newest: a newer checkpoint is damaged ("
+                 + "; ".join(skipped) + ")")
     else:
         if step_of(path) is None or path.absolute().parent.name != CHECKPOINTS:
             raise InputError(f"{path}: not inside a run's {CHECKPOINTS}/ as {STEP_DIR_SHAPE}; a checkpoint's "

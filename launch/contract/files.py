@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
-from shard_tools.files import write_atomic, write_new
+from shard_tools.files import SMALL_FILE, open_append, read_regular, write_atomic, write_new
 
 DATA_CACHE = "data-cache"
 """RUN_DIR/data-cache: the prepared data, made by the orchestrator's data step (or the first phase
@@ -148,8 +148,8 @@ class PhaseDir:
     def read_records(self) -> dict[str, Any]:
         """The records, or {} where the phase wrote none (it failed, or was killed first)."""
         try:
-            records = json.loads(self.records.read_bytes())
-        except (OSError, ValueError):
+            records = json.loads(read_regular(self.records, SMALL_FILE))
+        except (OSError, ValueError, RecursionError):
             return {}
         return records if isinstance(records, dict) else {}
 
@@ -188,7 +188,7 @@ class PhaseDir:
         return _read(Answer, self.answer_path(rank))
 
     def append_stage(self, name: str) -> None:
-        with open(self.stages, "a") as f:
+        with os.fdopen(open_append(self.stages), "a") as f:
             f.write(json.dumps({"time": time.time(), "stage": name}) + "\n")
 
 
@@ -240,7 +240,7 @@ def read_reasons(paths: list[Path]) -> list[str]:
     reasons: list[str] = []
     for path in paths:
         try:
-            text = path.read_text(errors="replace").strip()
+            text = read_regular(path, SMALL_FILE).decode(errors="replace").strip()
         except OSError:
             continue
         if text and text not in reasons:
@@ -251,6 +251,6 @@ def read_reasons(paths: list[Path]) -> list[str]:
 def _read(kind: type[_R], path: Path) -> _R | None:
     """The record in ``path``, or None: missing, unreadable, torn, or not one."""
     try:
-        return kind.model_validate_json(path.read_bytes())
+        return kind.model_validate_json(read_regular(path, SMALL_FILE))
     except (OSError, ValidationError):
         return None

@@ -14,6 +14,8 @@ A test puts this folder on PYTHONPATH and its plan in RELAYER_TEST_FAULTS (JSON)
   says so on stderr (``stalled at NAME``) and sleeps for good, its other threads going on, as a
   rank hung in a collective or a write does, e.g. ``{"point": "phase.first_step", "phase": 1}``.
 - ``hold_first_step``: seconds a pre-warmed phase waits before its first step.
+- ``hold_data_batch``: seconds each batch of records waits before it is tokenized (the data
+  tool and its ``datasets.map`` workers), so that a test can stop a long preparation.
 - ``cross_examples``: micro-batches of rows packed whole lose their position ids, so that their
   examples' positions run on and their attention crosses from one example to the next.
 - ``hold_at``: ``{"point": NAME, "seconds": S, "skip": K, **context}``: the process that reaches
@@ -71,5 +73,7 @@ if _plan:
                 time.sleep(hold)
 
         faults.install("phase.first_step", _hold)
+    if hold_batch := float(_plan.get("hold_data_batch", 0)):
+        faults.install("data.batch", lambda: time.sleep(hold_batch))
     if _plan.get("cross_examples"):
         faults.install("data.micro_batch", lambda batch: batch.pop("position_ids", None))

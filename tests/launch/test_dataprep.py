@@ -283,7 +283,7 @@ def test_cache_is_made_once_and_mapped(tmp_path):
 
 
 def _prepare_forever(data, cache: str) -> None:
-    def stuck(_data, _tokenizer, tmp):
+    def stuck(_data, _tokenizer, tmp, *_):
         (tmp / "rows.safetensors").write_bytes(b"half")
         time.sleep(600)
 
@@ -345,3 +345,44 @@ def test_every_data_option_keys_the_cache(tmp_path, tok_dir):
     assert len(keys) == 1 + len(source) + 6
     renamed = base.sources[1].model_copy(update={"key": "data.sources[7]"})
     assert dataprep.cache_key(base.model_copy(update={"sources": (base.sources[0], renamed)}), str(tok_dir)) in keys
+
+
+def test_every_source_has_the_record_checks_and_the_template_budget(tmp_path, tok_dir):
+    """The hostile-input checks hold for each of several sources, not only the first: an id past
+    the vocabulary is named by the second file's line, JSON nested too deep by its line, and a
+    second source's own chat template fails naming that source's key."""
+    good = write_jsonl(tmp_path / "good.jsonl", [{"input_ids": [1, 2, 3]}] * 2)
+    past = write_jsonl(tmp_path / "past.jsonl", [{"input_ids": [1, 2]}, {"input_ids": [1, 500]}])
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('{"input_ids": [1, 2]}\n{"input_ids": ' + "[" * 150 + "]" * 150 + "}\n")
+
+    def two(second: Path, fmt: str = "tokens", **kw) -> DataPart:
+        return DataPart(sources=[SourcePart(path=str(good), format="tokens"),
+                                 SourcePart(path=str(second), format=fmt, key="data.sources[1]", **kw)],
+                        seq_len=8, batch_size=2, micro_batch_size=1, shuffle=False)
+
+    with pytest.raises(DataError, match=rf"{past}:2: input_ids: token id 500 is not below the model's vocab_size 96"):
+        prepare(two(past), None, tmp_path / "c1", vocab_size=96)
+    with pytest.raises(DataError, match=rf"{deep}:2: a record nested more than 100 deep"):
+        prepare(two(deep), None, tmp_path / "c2")
+    chats = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                                {"role": "assistant", "content": "yo"}]}])
+    with pytest.raises(DataError, match=r"data\.sources\[1\]\.chat_template: "):
+        prepare(two(chats, "chat", chat_template="{{ raise_exception('no') }}"), str(tok_dir), tmp_path / "c3")
+
+
+def test_a_source_without_target_tokens_is_refused_naming_it(tmp_path):
+    """Among several sources, one whose rows carry no loss is refused by its key (its weight buys
+    nothing), as the whole training data without one is."""
+    from launch import datatool
+
+    good = write_jsonl(tmp_path / "good.jsonl", [{"input_ids": [1, 2, 3]}] * 2)
+    none = write_jsonl(tmp_path / "none.jsonl", [{"input_ids": [1, 2, 3], "labels": [-100, -100, -100]}] * 2)
+    data = DataPart(sources=[SourcePart(path=str(good), format="tokens"),
+                             SourcePart(path=str(none), format="tokens", key="data.sources[1]")],
+                    seq_len=8, batch_size=2, micro_batch_size=1, shuffle=False)
+    with pytest.raises(DataError, match=r"data\.sources\[1\]\.path: no target tokens, nothing to train on: every label"):
+        datatool.check(data, prepare(data, None, tmp_path / "c"), None)
+    alone = data.model_copy(update={"sources": data.sources[1:]})
+    with pytest.raises(DataError, match=r"data\.sources\[1\]\.path: no target tokens"):
+        datatool.check(alone, prepare(alone, None, tmp_path / "c"), None)

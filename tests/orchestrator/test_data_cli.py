@@ -97,13 +97,13 @@ def test_chat_targets_are_the_assistant_turns(tmp_path, model):
 
 
 def test_data_statistics(tmp_path, model):
-    r = CliRunner().invoke(main, ["data", str(sched(tmp_path, model, INSTRUCTIONS, "instruction", seq_len=12))])
+    r = CliRunner().invoke(main, ["data", str(sched(tmp_path, model, INSTRUCTIONS, "instruction", seq_len=20))])
     assert r.exit_code == 0, r.output
     assert "examples" in r.output and "truncated examples" in r.output
     r = CliRunner().invoke(main, ["data", str(tmp_path / "s.toml"), "--json"])
     stats = json.loads(r.output)["train"]
     assert stats["examples"] == stats["rows"] == len(INSTRUCTIONS)
-    assert stats["truncated"] == len(INSTRUCTIONS)  # seq_len 12 cuts every rendered record
+    assert stats["truncated"] == len(INSTRUCTIONS)  # seq_len 20 cuts every rendered record, not every target
     assert not list(tmp_path.glob("run*")) and not list(tmp_path.glob(".relayer-data-*"))
 
 
@@ -125,7 +125,7 @@ def test_token_ids_beyond_the_vocabulary_exit_2(tmp_path, model):
     records = [{"input_ids": [1, 2, 3, 4]}] * 4 + [{"input_ids": [1, vocab, 2]}] + [{"input_ids": [5, 6]}] * 4
     r = CliRunner().invoke(main, ["plan", str(sched(tmp_path, model, records, "tokens"))])
     assert r.exit_code == 2, r.output
-    assert f"s.toml.jsonl:5: token id {vocab} is not below the model's vocab_size {vocab}" in r.output
+    assert f"s.toml.jsonl:5: input_ids: token id {vocab} is not below the model's vocab_size {vocab}" in r.output
 
 
 def test_rows_longer_than_the_positions_exit_2(tmp_path, model):

@@ -69,6 +69,7 @@ def test_what_relayer_derives_may_stay_where_it_agrees(tmp_path, tiny_model, tin
     ("nan", '{"zero_optimization": {"reduce_bucket_size": NaN}}',
      "{file}: expected a DeepSpeed JSON config (deepspeed.config): expected a finite number, got NaN"),
     ("syntax", "{", "{file}: expected a DeepSpeed JSON config (deepspeed.config): Expecting property name"),
+    ("dotted", '{"zero_optimization.stage": 2}', '{file}: "zero_optimization.stage": a quoted key with a dot'),
     ("missing", None, "{sched}: deepspeed.config: expected a table or a DeepSpeed JSON file, {file} does not exist"),
 ])
 def test_a_bad_file_exits_2_naming_the_file_and_the_key(tmp_path, tiny_model, tiny_data, name, text, message):

@@ -164,6 +164,30 @@ def test_run_falls_back_to_its_newest_whole_checkpoint(run_copy, tmp_path):
     result = invoke("export", run_copy, "--out", tmp_path / "export")
     assert result.exit_code == 0, result.output
     assert str(ckpt(run_copy, 20)) in result.stdout
+    # Said, not done quietly (#26); diff the same.
+    warning = f"shard-tools: warning: {run_copy}: using step-00000020, not the newest: a newer checkpoint is damaged"
+    assert warning in result.stderr
+    result = invoke("diff", run_copy, ckpt(run_copy, 20))
+    assert result.exit_code == 0 and warning in result.stderr, result.output
+
+
+def test_a_full_disk_is_one_line_and_out_unchanged(tiny_run, tmp_path):
+    """A file size limit stands for a full disk: every write past it fails with EFBIG."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def limited() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    out = tmp_path / "export"
+    r = subprocess.run([str(Path(sys.executable).parent / "shard-tools"), "export", str(tiny_run), "--out", str(out)],
+                       capture_output=True, text=True, preexec_fn=limited, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"shard-tools: --out {out}: could not write the export (") and r.stderr.count("\n") == 1
+    assert not out.exists() and _no_temporaries(tmp_path)
 
 
 def test_refuses_a_damaged_layer_source(run_copy, tmp_path):
