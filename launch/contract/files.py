@@ -4,6 +4,7 @@ use, with their one writer and one reader."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import time

@@ -164,7 +164,8 @@ def test_data_and_plan_read_what_the_run_prepared_and_write_nothing(run_copy, ti
 
     sched = write_schedule(run_copy.parent / "s.toml", schedule_dict(tiny_model, tiny_data))
     [stats] = (run_copy / "data-cache").glob("*/stats.json")
-    marked = {**json.loads(stats.read_text()), "examples": 12345}  # what only that entry says
+    marked = json.loads(stats.read_text())
+    marked["train"]["examples"] = 12345  # what only that entry says
     stats.write_text(json.dumps(marked))
     before = sorted((p.relative_to(run_copy), p.stat().st_mtime_ns) for p in run_copy.rglob("*"))
     r = invoke("data", sched, "--json")
