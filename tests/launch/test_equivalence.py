@@ -165,12 +165,16 @@ def test_labels_and_padding_match_reference(tmp_path, tiny_model, masked_data, m
 
 
 def test_a_step_without_targets_is_a_zero_gradient(tmp_path, tiny_model):
-    """Every label -100: each step still runs (an optimizer step on zero gradients, so Adam moves
-    nothing), its loss is logged as 0.0 with target_tokens 0, and nothing divides by zero."""
+    """Every label of a step's rows -100: the step still runs (an optimizer step on zero gradients,
+    so Adam moves nothing), its loss is logged as 0.0 with target_tokens 0, and nothing divides by
+    zero. (Data with no target token at all is refused before the run: tests/orchestrator/test_hostile_data.py.)"""
     data = tmp_path / "masked.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": [i % 96] * 16, "labels": [-100] * 16}) + "\n" for i in range(8)))
+    rows = [{"input_ids": [i % 96] * 16, "labels": [-100] * 16} for i in range(16)]  # the 2 steps' 16 rows
+    rows += [{"input_ids": [i % 96] * 16, "labels": [i % 96] * 16} for i in range(8)]  # later rows learn
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     sched = write_schedule(tmp_path / "s.toml", schedule_dict(
         tiny_model, data, schedule={"phases": [{"steps": 2, "layers": [0]}]}))
+    sched.write_text(sched.read_text().replace("[data]\n", "[data]\nshuffle = false\n", 1))
     r = cli("orchestrator", "run", str(sched))
     assert r.returncode == 0, r.stderr
     logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -35,4 +35,4 @@ def test_eval_every_needs_a_validation_file(tmp_path, tiny_model, tiny_data):
     sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data, data={"eval_every": 5}))
     r = cli("orchestrator", "plan", str(sched))
     assert r.returncode == 2
-    assert "data.eval_every: needs data.validation_path, which is missing" in r.stderr
+    assert "data.eval_every: needs data.validation_path or data.validation_split, which are missing" in r.stderr
