@@ -32,6 +32,11 @@ from orchestrator.procs import end_session
 from orchestrator.schedule import LoadedSchedule, SourceSection
 
 TMP_CACHE = "relayer-data-"
+# An AF_UNIX socket's path holds 107 bytes, and datasets.map's manager listens at
+# TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX: a longer TMPDIR ends its workers at the first batch (EOFError).
+SOCKET_PATH_MAX = 107
+SOCKET_TAIL = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+SHORT_ROOTS = (Path("/tmp"), Path("/dev/shm"), Path("/var/tmp"))
 """``plan`` and ``data`` prepare into TMPDIR/relayer-data-<pid>.*, and the data tool keeps its
 temporaries in another, both removed after (and by the next command where this one was killed)."""
 STAGED = ".relayer-data-"
@@ -71,7 +76,7 @@ def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0, reuse:
     tok = tokenizer_of(s.model, loaded.source.parent)
     req = {"data": data_spec(loaded), "tokenizer": str(tok) if tok else None, "cache_root": str(cache_root),
            "reuse": [str(p) for p in reuse], "show": show, "vocab_size": config.get("vocab_size")}
-    tmp_root = Path(tempfile.gettempdir())
+    tmp_root = scratch_root()
     remove_left(tmp_root, TMP_CACHE)
     # Its TMPDIR (the workers' pymp-* folders) goes with it; a session of its own: a stop reaches
     # the whole tool, its datasets.map workers too, from here.
@@ -90,6 +95,17 @@ def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0, reuse:
         tail = "\n  ".join(err.strip().splitlines()[-10:])
         raise RelayerError(f"data: preparing {loaded.data_path} failed ({exit_text(proc.returncode)}):\n  {tail}")
     return json.loads(out)
+
+
+def scratch_root() -> Path:
+    """Where the datatool's own TMPDIR goes: the user's temporary folder, or, where that is too long
+    for the sockets of datasets.map's workers, the first short one that can be written to."""
+    default = Path(tempfile.gettempdir())
+    for root in (default, *SHORT_ROOTS):
+        room = len(os.fsencode(root)) + len(f"/{TMP_CACHE}{2**22}.XXXXXXXX") + SOCKET_TAIL
+        if room <= SOCKET_PATH_MAX and root.is_dir() and os.access(root, os.W_OK | os.X_OK):
+            return root
+    return default
 
 
 @contextmanager

@@ -221,7 +221,7 @@ def print_status(run_dir: Path) -> None:
         raise ScheduleError(f"{run_dir}: not a relayer run directory (no {JOURNAL})")
     events = read_journal(run_dir)
     ckpt, manifest, skipped = Checkpoints(run_dir).newest_whole(checksums=False)
-    out = Console()
+    out = Console(width=None if sys.stdout.isatty() else 200, markup=False)
     out.print(Text.assemble((str(run_dir), "bold"), f": {run_state(run_dir, events)}"))
     started = [e for e in events if e["event"] == "phase_started"]
     if started:
@@ -231,7 +231,7 @@ def print_status(run_dir: Path) -> None:
         out.print(f"last checkpoint: {ckpt.name} (step {manifest.global_step}, phase {manifest.phase}, "
                   f"{'phase end' if manifest.phase_complete else 'mid-phase'}, head step {manifest.head_step})")
     for fault in skipped:
-        out.print(f"[red]damaged:[/red] {fault}")
+        out.print(Text.assemble(("damaged:", "red"), f" {fault}"))
     table = Table(title="last events")
     table.add_column("time")
     table.add_column("event")

@@ -372,8 +372,11 @@ class Supervisor:
         records = {**PhaseDir(phase_dir).read_records(), **getattr(proc, "times", {}), "t_gone": t_gone}
         store = self.ctx.checkpoints
         end = store.at(ph.end_step)
-        # Stopped also where every rank was signalled from outside (scancel --signal=TERM) and wrote its checkpoint.
-        stopped = self.ctx.stop_signal() is not None or stopped_outside(phase_dir, group.world)
+        # Stopped also where every rank was signalled from outside (scancel --signal=TERM) and wrote its
+        # checkpoint; not where this reap signalled them (their launcher died: a fault).
+        ranks = {rec.pid for rec in PhaseDir(phase_dir).pid_records(RANK)}
+        stopped = self.ctx.stop_signal() is not None or \
+            (not ranks & set(self.killed) and stopped_outside(phase_dir, group.world))
         state = State.FAILED if self.stall else verdict(self.rc, lambda: not store.faults(end, checksums=False), stopped)
         self._enter(state)
         if state is State.DONE:

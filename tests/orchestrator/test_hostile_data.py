@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from click.testing import CliRunner
 
 from orchestrator import runner
 from orchestrator.cli import main
-from orchestrator.datastep import stage_data
+from orchestrator.datastep import scratch_root, stage_data
 from orchestrator.errors import RunLocked
 from orchestrator.rundir import RunLock, create_run_dir
 from orchestrator.validate import load_schedule
@@ -163,6 +164,19 @@ def test_a_stop_while_a_large_file_is_tokenized_leaves_nothing(tmp_path, model, 
     assert gone(pids)
     assert list(tmpdir.iterdir()) == [] and not (tmp_path / "run").exists()
     assert not list(tmp_path.glob(".relayer-data-*"))
+    assert not list(scratch_root().glob(f"relayer-data-{orch.pid}.*"))  # its TMPDIR is too long for sockets
+
+
+def test_a_temporary_folder_too_long_for_sockets_is_not_the_data_tools(tmp_path, monkeypatch):
+    """datasets.map's manager listens at TMPDIR/pymp-*/listener-*: a TMPDIR past AF_UNIX's 107
+    bytes ended the workers with EOFError; the data tool's scratch goes to a short folder then."""
+    long = tmp_path / ("x" * 60)
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    root = scratch_root()
+    assert root != long and len(str(root)) + len("/relayer-data-4194304.abcdefgh/pymp-abcdefgh/listener-abcdefgh") <= 107
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert scratch_root() == (tmp_path if len(str(tmp_path)) <= 107 - 62 else root)
 
 
 def test_a_killed_stagers_folder_goes_with_the_next_run(tmp_path, model):

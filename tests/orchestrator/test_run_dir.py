@@ -100,7 +100,7 @@ def test_schedule_copy_that_is_not_a_file_is_named(tmp_path, sched):
     os.mkfifo(copy)
     r = cli("orchestrator", "run", str(sched), timeout=60)
     assert r.returncode == 2, r.stderr
-    assert r.stderr == f"orchestrator: {copy}: expected the run's copy of its schedule, a regular file\n"
+    assert r.stderr == f"orchestrator: {copy}: a FIFO, where the run keeps a file: move it away and run again\n"
 
 
 NOT_EVENTS = [
@@ -150,3 +150,4 @@ def test_failed_status_names_the_reason(tmp_path):
     r = invoke("status", run)
     assert r.exit_code == 0, r.output
     assert f"{run}: failed (phase 0: [why] it broke)" in r.output
+    assert '"reason": "[why] it broke"' in r.output  # the table shows the reason as written, not as markup
