@@ -14,6 +14,8 @@ the handlers. Points:
   it copies and answers.
 - ``data.batch``: a batch of records is about to be rendered and tokenized (``datasets.map``,
   in its workers too).
+- ``journal.fsync`` (``event``, ``phase``): the orchestrator has written a journal event and is
+  about to fsync it.
 - ``data.micro_batch`` (``batch``: the dict): a micro-batch is made, before it is fed; a handler
   may change it (the packing tests take the position ids away, to see examples attend across).
 """

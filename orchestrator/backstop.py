@@ -23,6 +23,7 @@ from launch.contract.files import RunDir
 from orchestrator import procs
 
 BACKSTOP_SECONDS = 5.0
+KILL_WAIT_SECONDS = 3.0
 EXIT_PREEMPTED = 75
 
 
@@ -53,6 +54,7 @@ def _watch(fd: int, signals: set[int], run_dir: Path, seconds: float, disarmed: 
         return
     left = run_processes(run_dir)
     procs.signal_all(left, signal.SIGKILL)
+    procs.wait_gone(left, timeout=KILL_WAIT_SECONDS)  # their memory is back before the exit says so
     print(f"stopping: the run did not end within {seconds:g} s of the stop signal; killed its processes "
           f"{sorted(p.pid for p in left)}; run the same command again to resume", file=sys.stderr, flush=True)
     os._exit(EXIT_PREEMPTED)

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
+from launch import faults
 from orchestrator.errors import ScheduleError
 from shard_tools.files import describe, open_append, open_regular
 from shard_tools.history import JOURNAL
@@ -31,6 +32,7 @@ class Journal:
         try:
             os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
             if event not in UNSYNCED:
+                faults.point("journal.fsync", event=event, phase=fields.get("phase"))
                 os.fsync(fd)
         finally:
             os.close(fd)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import psutil
@@ -66,6 +67,18 @@ def _alive(p: psutil.Process) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Waits up to ``timeout`` s until each of ``procs`` has exited (a zombie has: it holds no
+    memory); returns those that have not. Children are reaped on the way."""
+    deadline = time.monotonic() + timeout
+    while True:
+        psutil.wait_procs([p for p in procs if _alive(p)], timeout=0)  # reaps this process's own children
+        left = [p for p in procs if _alive(p)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
 
 
 def signal_all(procs: list[psutil.Process], sig: int) -> None:

@@ -13,6 +13,10 @@ A test puts this folder on PYTHONPATH and its plan in RELAYER_TEST_FAULTS (JSON)
 - ``stall_at``: ``{"point": NAME, **context}`` as for ``kill_at``: the process that reaches it
   says so on stderr (``stalled at NAME``) and sleeps for good, its other threads going on, as a
   rank hung in a collective or a write does, e.g. ``{"point": "phase.first_step", "phase": 1}``.
+- ``block_at``: ``{"point": NAME, **context}`` as for ``stall_at``, but the thread that reaches it
+  also blocks the stop signals and so never runs Python again, as a main thread in an fsync on a
+  full disk (uninterruptible sleep) does not: e.g. ``{"point": "journal.fsync", "event": "phase_started",
+  "phase": 1}`` (the orchestrator's own journal).
 - ``hold_first_step``: seconds a pre-warmed phase waits before its first step.
 - ``hold_data_batch``: seconds each batch of records waits before it is tokenized (the data
   tool and its ``datasets.map`` workers), so that a test can stop a long preparation.
@@ -49,8 +53,16 @@ if _plan:
         while True:
             time.sleep(3600)
 
+    def _block(name: str) -> None:
+        print(f"blocked at {name}", file=sys.stderr, flush=True)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP})
+        while True:
+            time.sleep(3600)
+
     if stall_at := _plan.get("stall_at"):
         _matching(stall_at, _stall)
+    if block_at := _plan.get("block_at"):
+        _matching(block_at, _block)
     kill_at = dict(_plan.get("kill_at") or {})
     if kill_after := _plan.get("kill_after"):
         kill_at = {"point": "checkpoint.file_written", "name": kill_after}

@@ -32,12 +32,14 @@ def start(sched: Path, env: dict) -> subprocess.Popen:
 
 
 def left_running(run: Path) -> list[int]:
-    """Every process a phase recorded that is still alive."""
+    """Every process a phase recorded that is still alive (a zombie is not: it has exited and holds
+    no memory; its new parent reaps it when it gets to it)."""
     out = []
     for f in run.glob("phases/*/pids/*.json"):
         rec = json.loads(f.read_text())
         try:
-            if psutil.Process(rec["pid"]).create_time() == rec["create_time"]:
+            p = psutil.Process(rec["pid"])
+            if p.create_time() == rec["create_time"] and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(rec["pid"])
         except psutil.NoSuchProcess:
             continue
@@ -67,6 +69,50 @@ def test_a_rank_stalled_at_its_first_step_is_found_shown_ended_and_a_rerun_resum
     status = cli("orchestrator", "status", str(run), env={**os.environ, "COLUMNS": "1000"})
     assert f"{run}: stalled (phase 1: no progress for" in status.stdout, status.stdout
 
+    rerun = cli("orchestrator", "run", str(sched))
+    assert rerun.returncode == 0, rerun.stderr
+    assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, tiny_run))
+
+
+def journaled(run: Path, event: str, phase: int) -> bool:
+    path = run / "journal.jsonl"
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        try:
+            e = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if e.get("event") == event and e.get("phase") == phase:
+            return True
+    return False
+
+
+def test_a_stop_ends_a_run_whose_orchestrator_is_stuck_in_a_journal_fsync(tmp_path, tiny_model, tiny_data, tiny_run):
+    """The orchestrator's main thread never comes back from the fsync of phase 1's start, with the
+    stop signals blocked there, as in an fsync on a full disk: its Python handler never runs, so only
+    the backstop (``orchestrator/backstop.py``) can end the run: exit 75 within grace + 5 s (+ slack),
+    nothing left running, and a rerun resumes bitwise."""
+    sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data, launch={"grace_seconds": GRACE}))
+    run = tmp_path / "run"
+    orch = start(sched, faults_env(block_at={"point": "journal.fsync", "event": "phase_started", "phase": 1}))
+    try:
+        end = time.time() + 240
+        while not journaled(run, "phase_started", 1):
+            assert orch.poll() is None and time.time() < end, orch.communicate()
+            time.sleep(0.1)
+        time.sleep(1)  # in the fsync's place for good
+        assert orch.poll() is None
+        orch.send_signal(signal.SIGTERM)
+        t_stop = time.time()
+        out, err = orch.communicate(timeout=GRACE + 60)
+        took = time.time() - t_stop
+    finally:
+        if orch.poll() is None:
+            os.killpg(orch.pid, signal.SIGKILL)
+            orch.wait()
+    assert orch.returncode == 75, err
+    assert "blocked at journal.fsync" in err and "did not end within 7 s of the stop signal" in err, err
+    assert took <= GRACE + 10, took
+    assert not left_running(run)
     rerun = cli("orchestrator", "run", str(sched))
     assert rerun.returncode == 0, rerun.stderr
     assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, tiny_run))
