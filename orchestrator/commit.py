@@ -9,6 +9,7 @@ order, from the loop) only once it has returned.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from orchestrator.groups import Group
@@ -16,19 +17,33 @@ from shard_tools.later import Later
 from shard_tools.manifest import make_durable
 
 
+# The loop journals done phases (and runs retention) while a phase trains, not during a switch; with
+# phases of a step or two it is nearly always in one, so it journals during a switch too once it is
+# this far behind: more than BEHIND_PHASES phases waiting, or the oldest waiting BEHIND_SECONDS.
+BEHIND_PHASES = 2
+BEHIND_SECONDS = 10.0
+
+
 class Committer:
     """``submit`` starts a finished phase's fsync; ``poll`` journals (``done``) every phase whose
-    fsync has returned, in the order submitted (``block``: waits for all of them)."""
+    fsync has returned, in the order submitted (``block``: waits for all of them; ``switching``:
+    only where the journal is behind)."""
 
     def __init__(self, done: Callable[[Group, Group | None], None]):
         self.done = done
-        self.queue: list[tuple[Group, Group | None, Later[None]]] = []
+        self.queue: list[tuple[Group, Group | None, Later[None], float]] = []
 
     def submit(self, finished: Group, current: Group | None) -> None:
-        self.queue.append((finished, current, Later(make_durable, finished.end)))
+        self.queue.append((finished, current, Later(make_durable, finished.end), time.monotonic()))
 
-    def poll(self, block: bool = False) -> None:
+    def behind(self) -> bool:
+        return len(self.queue) > BEHIND_PHASES or \
+            bool(self.queue) and time.monotonic() - self.queue[0][3] > BEHIND_SECONDS
+
+    def poll(self, block: bool = False, switching: bool = False) -> None:
+        if switching and not self.behind():
+            return
         while self.queue and (block or self.queue[0][2].done()):
-            finished, current, durable = self.queue.pop(0)
+            finished, current, durable, _ = self.queue.pop(0)
             durable.result()  # raised here, in the loop: nothing is journaled for it
             self.done(finished, current)

@@ -222,7 +222,7 @@ def print_status(run_dir: Path) -> None:
     events = read_journal(run_dir)
     ckpt, manifest, skipped = Checkpoints(run_dir).newest_whole(checksums=False)
     out = Console(width=None if sys.stdout.isatty() else 200, markup=False)
-    out.print(Text.assemble((str(run_dir), "bold"), f": {run_state(run_dir, events)}"))
+    out.print(Text.assemble((str(run_dir), "bold"), f": {run_state(run_dir, events)}"), soft_wrap=True)  # one line
     started = [e for e in events if e["event"] == "phase_started"]
     if started:
         e = started[-1]

@@ -119,7 +119,7 @@ class Context:
     """The run's checkpoints, as the runner keeps them: a phase's end checkpoint is trusted once
     the phase is done."""
     observer: Observer = field(default_factory=Observer)
-    tick: Callable[[], None] = lambda: None
+    tick: Callable[..., None] = lambda switching=False: None
     """Called at every look while a phase trains (not near a switch, which a slow NVML check or
     retention's deletes would delay): journals the phases whose checkpoints became durable."""
     flush: Callable[[], None] = lambda: None
@@ -272,8 +272,8 @@ class Supervisor:
         if self.state in (State.TRAINING, State.ENDING) and self.group.offers and \
                 PhaseDir(self.group.phase_dir).offered(self.group.world):
             self._enter(State.HANDING_OVER)
-        elif self.state is State.TRAINING:  # not while a switch is near: journaling may take a while
-            self.ctx.tick()
+        else:  # during a switch only when it falls behind (orchestrator.commit): journaling takes a while
+            self.ctx.tick(switching=self.state is not State.TRAINING)
 
     def _read(self) -> None:
         """The phase's new stages and metrics to the observer; the steps it has done."""
