@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from launch import faults
+from launch.contract import faults
 from launch.dataprep import IGNORE, ROWS, VALIDATION, DataError, prepare, read_stats
 
 __all__ = ["IGNORE", "DataError", "Examples", "SampleOrder", "load_examples", "load_validation", "micro_batch",

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from launch import faults
+from launch.contract import faults
 from launch.chat import render_chat
 from launch.contract.data import SourcePart
 from launch.records import DataError, token_fault

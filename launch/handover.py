@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 import torch
 
-from launch import faults, zero_state
+from launch import zero_state
+from launch.contract import faults
 from launch.contract.files import Answer, Offer, PhaseDir, TensorRef
 from launch.record import Phase, Prepared
 from launch.save import snapshot

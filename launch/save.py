@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from launch import faults, zero_state
+from launch import zero_state
+from launch.contract import faults
 from launch.contract.spec import lr_at
 from launch.record import Phase, Prepared
 from launch.scaler import scaler_fields

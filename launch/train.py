@@ -13,7 +13,8 @@ from pathlib import Path
 import psutil
 import torch
 
-from launch import faults, procs
+from launch import procs
+from launch.contract import faults
 from launch.contract.data import DataPart
 from launch.contract.files import RunDir
 from launch.contract.spec import lr_at

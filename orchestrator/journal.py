@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-from launch import faults
+from launch.contract import faults
 from orchestrator.errors import ScheduleError
 from shard_tools.files import describe, open_append, open_regular
 from shard_tools.history import JOURNAL

@@ -6,7 +6,7 @@ A test puts this folder on PYTHONPATH and its plan in RELAYER_TEST_FAULTS (JSON)
 - ``kill_after``: a checkpoint file name: SIGKILL the writer right after writing it (the same as
   ``kill_at={"point": "checkpoint.file_written", "name": ...}``).
 - ``kill_at``: ``{"point": NAME, **context}``: SIGKILL the process that reaches the fault point
-  NAME (``launch.faults``) with a context holding every other key at that value, e.g.
+  NAME (``launch.contract.faults``) with a context holding every other key at that value, e.g.
   ``{"point": "handover.offered", "rank": 0}`` (the predecessor's rank 0 after its offer),
   ``{"point": "handover.copying", "rank": 1}`` (the successor's rank 1 while it copies) or
   ``{"point": "checkpoint.file_written", "name": "layers.safetensors"}``.
@@ -36,7 +36,7 @@ if _plan:
     import sys
     import time
 
-    from launch import faults
+    from launch.contract import faults
 
     def _matching(at: dict, act) -> None:
         at = dict(at)

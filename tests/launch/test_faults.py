@@ -11,7 +11,7 @@ from tests.conftest import ROOT, faults_env
 
 CHILD = """
 import os, signal
-from launch import faults
+from launch.contract import faults
 faults.point("checkpoint.file_written", name="layers.safetensors")  # not the planned one: goes on
 pid = os.fork()
 if pid == 0:
@@ -43,7 +43,7 @@ def test_points_do_nothing_unless_installed():
 
 KILL_AT = """
 import os
-from launch import faults
+from launch.contract import faults
 faults.point("handover.offered", rank=1)  # another rank: goes on
 faults.point("handover.copying", rank=0)  # another point: goes on
 print("alive", flush=True)
