@@ -173,3 +173,33 @@ def test_a_successor_stalled_while_it_takes_over_is_ended(tmp_path, tiny_model, 
     rerun = cli("orchestrator", "run", str(sched))
     assert rerun.returncode == 0, rerun.stderr
     assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, tiny_run))
+
+
+@pytest.mark.parametrize("stall,phase,launch", [
+    (FIRST_STEP_1, 1, {}),
+    ({"point": "checkpoint.file_written"}, 0, {"handover": "on", "prewarm_depth": 1}),
+], ids=["first-step", "predecessor-write"])
+def test_a_sigterm_during_a_stall_ends_the_run_within_grace(tmp_path, tiny_model, tiny_data, stall, phase, launch):
+    """The other two stalls of the issue, a rank at its first step and a handed-over predecessor in
+    its write: a SIGTERM while the phase hangs (the watchdog far off) ends the run with exit 75 within
+    grace + 10 s, nothing left running."""
+    sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data, launch={
+        "grace_seconds": GRACE, "stall_seconds": 600, **launch}))
+    run = tmp_path / "run"
+    orch = start(sched, faults_env(stall_at=stall))
+    try:
+        log, end = run / "phases" / f"phase-{phase:04d}" / "worker.log", time.time() + 240
+        while not (log.exists() and f"stalled at {stall['point']}" in log.read_text(errors="replace")):
+            assert orch.poll() is None and time.time() < end, orch.communicate()
+            time.sleep(0.1)
+        orch.send_signal(signal.SIGTERM)
+        t_stop = time.time()
+        out, err = orch.communicate(timeout=120)
+        took = time.time() - t_stop
+    finally:
+        if orch.poll() is None:
+            os.killpg(orch.pid, signal.SIGKILL)
+            orch.wait()
+    assert orch.returncode == 75, err
+    assert took <= GRACE + 10, (took, err)
+    assert not left_running(run)
