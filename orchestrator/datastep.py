@@ -32,13 +32,13 @@ from orchestrator.procs import end_session
 from orchestrator.schedule import LoadedSchedule, SourceSection
 
 TMP_CACHE = "relayer-data-"
+"""``plan`` and ``data`` prepare into TMPDIR/relayer-data-<pid>.*, and the data tool keeps its
+temporaries in another (in ``scratch_root``), both removed after (and by the next command where this one was killed)."""
 # An AF_UNIX socket's path holds 107 bytes, and datasets.map's manager listens at
 # TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX: a longer TMPDIR ends its workers at the first batch (EOFError).
 SOCKET_PATH_MAX = 107
 SOCKET_TAIL = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
 SHORT_ROOTS = (Path("/tmp"), Path("/dev/shm"), Path("/var/tmp"))
-"""``plan`` and ``data`` prepare into TMPDIR/relayer-data-<pid>.*, and the data tool keeps its
-temporaries in another, both removed after (and by the next command where this one was killed)."""
 STAGED = ".relayer-data-"
 """A new run prepares beside its directory into .relayer-data-<run name>.<pid>.*, moved in after."""
 

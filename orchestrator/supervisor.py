@@ -120,8 +120,9 @@ class Context:
     the phase is done."""
     observer: Observer = field(default_factory=Observer)
     tick: Callable[..., None] = lambda switching=False: None
-    """Called at every look while a phase trains (not near a switch, which a slow NVML check or
-    retention's deletes would delay): journals the phases whose checkpoints became durable."""
+    """Called at every look: journals the phases whose checkpoints became durable; ``switching``
+    (near a switch, which a slow NVML check or retention's deletes would delay): only where the
+    journal has fallen behind (``orchestrator.commit.BEHIND_PHASES``)."""
     flush: Callable[[], None] = lambda: None
     """Waits for every finished phase's checkpoint to be durable and journals them done: called
     before a stop or a failure is journaled, so that it is the journal's last word."""
