@@ -10,7 +10,6 @@ but the last few phases done, and the checkpoints never pile up.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from orchestrator.commit import BEHIND_PHASES
+from shard_tools.history import read_journal
 from shard_tools.manifest import HEAD, STATE, read_manifest
 from shard_tools.store import Checkpoints
 from tests.conftest import cli, make_llama, make_tokens, schedule_dict, write_schedule
@@ -36,14 +36,7 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def journal_lag(run: Path) -> int:
     """Phases started but not yet journaled done."""
-    path, n = run / "journal.jsonl", 0
-    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
-        try:
-            event = json.loads(line).get("event")
-        except (json.JSONDecodeError, AttributeError):
-            continue  # the orchestrator may be mid-append
-        n += {"phase_started": 1, "phase_done": -1}.get(event, 0)
-    return n
+    return sum({"phase_started": 1, "phase_done": -1}.get(e["event"], 0) for e in read_journal(run))
 
 
 def watched_run(path: Path, run: Path) -> tuple[subprocess.CompletedProcess, int, int]:

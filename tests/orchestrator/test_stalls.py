@@ -11,11 +11,14 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 import psutil
 import pytest
 
+from shard_tools.history import read_journal
 from tests.conftest import cli, faults_env, schedule_dict, write_schedule
 from tests.reference import bitwise_equal, composed
 
@@ -29,6 +32,40 @@ FIRST_STEP_1 = {"point": "phase.first_step", "phase": 1}
 def start(sched: Path, env: dict) -> subprocess.Popen:
     return subprocess.Popen([ORCH, "run", str(sched)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **env}, start_new_session=True)
+
+
+@contextmanager
+def running(sched: Path, env: dict) -> Iterator[subprocess.Popen]:
+    """``start``, and whatever the test ends in, the run's whole session gone after."""
+    orch = start(sched, env)
+    try:
+        yield orch
+    finally:
+        if orch.poll() is None:
+            os.killpg(orch.pid, signal.SIGKILL)
+            orch.wait()
+
+
+def wait_until(orch: subprocess.Popen, ready: Callable[[], bool], timeout: float = 240) -> None:
+    end = time.time() + timeout
+    while not ready():
+        assert orch.poll() is None and time.time() < end, orch.communicate()
+        time.sleep(0.1)
+
+
+def stalled(run: Path, phase: int, point: str) -> Callable[[], bool]:
+    """Whether a rank of ``phase`` has said it stalled at ``point``."""
+    log = run / "phases" / f"phase-{phase:04d}" / "worker.log"
+    return lambda: log.exists() and f"stalled at {point}" in log.read_text(errors="replace")
+
+
+def ended(orch: subprocess.Popen, sig: int | None, timeout: float) -> tuple[str, float]:
+    """Sends ``sig`` (None: nothing); the run's stderr once it has ended, and the seconds that took."""
+    if sig is not None:
+        orch.send_signal(sig)
+    t0 = time.time()
+    _, err = orch.communicate(timeout=timeout)
+    return err, time.time() - t0
 
 
 def left_running(run: Path) -> list[int]:
@@ -74,16 +111,8 @@ def test_a_rank_stalled_at_its_first_step_is_found_shown_ended_and_a_rerun_resum
     assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, tiny_run))
 
 
-def journaled(run: Path, event: str, phase: int) -> bool:
-    path = run / "journal.jsonl"
-    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
-        try:
-            e = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if e.get("event") == event and e.get("phase") == phase:
-            return True
-    return False
+def journaled(run: Path, event: str, phase: int) -> Callable[[], bool]:
+    return lambda: any(e["event"] == event and e.get("phase") == phase for e in read_journal(run))
 
 
 def test_a_stop_ends_a_run_whose_orchestrator_is_stuck_in_a_journal_fsync(tmp_path, tiny_model, tiny_data, tiny_run):
@@ -93,22 +122,11 @@ def test_a_stop_ends_a_run_whose_orchestrator_is_stuck_in_a_journal_fsync(tmp_pa
     nothing left running, and a rerun resumes bitwise."""
     sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data, launch={"grace_seconds": GRACE}))
     run = tmp_path / "run"
-    orch = start(sched, faults_env(block_at={"point": "journal.fsync", "event": "phase_started", "phase": 1}))
-    try:
-        end = time.time() + 240
-        while not journaled(run, "phase_started", 1):
-            assert orch.poll() is None and time.time() < end, orch.communicate()
-            time.sleep(0.1)
+    with running(sched, faults_env(block_at={"point": "journal.fsync", "event": "phase_started", "phase": 1})) as orch:
+        wait_until(orch, journaled(run, "phase_started", 1))
         time.sleep(1)  # in the fsync's place for good
         assert orch.poll() is None
-        orch.send_signal(signal.SIGTERM)
-        t_stop = time.time()
-        out, err = orch.communicate(timeout=GRACE + 60)
-        took = time.time() - t_stop
-    finally:
-        if orch.poll() is None:
-            os.killpg(orch.pid, signal.SIGKILL)
-            orch.wait()
+        err, took = ended(orch, signal.SIGTERM, timeout=GRACE + 60)
     assert orch.returncode == 75, err
     assert "blocked at journal.fsync" in err and "did not end within 7 s of the stop signal" in err, err
     assert took <= GRACE + 10, took
@@ -148,21 +166,9 @@ def test_a_successor_stalled_while_it_takes_over_is_ended(tmp_path, tiny_model, 
     sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data, launch={
         "grace_seconds": GRACE, "stall_seconds": STALL, "handover": "on", "prewarm_depth": 1}))
     run = tmp_path / "run"
-    orch = start(sched, faults_env(stall_at={"point": "handover.copying", "rank": 0}))
-    try:
-        log, end = run / "phases" / "phase-0001" / "worker.log", time.time() + 240
-        while not (log.exists() and "stalled at handover.copying" in log.read_text(errors="replace")):
-            assert orch.poll() is None and time.time() < end, orch.communicate()
-            time.sleep(0.1)
-        if ended_by == "SIGTERM":
-            orch.send_signal(signal.SIGTERM)
-        t_stalled = time.time()
-        out, err = orch.communicate(timeout=300)
-        took = time.time() - t_stalled
-    finally:
-        if orch.poll() is None:
-            os.killpg(orch.pid, signal.SIGKILL)
-            orch.wait()
+    with running(sched, faults_env(stall_at={"point": "handover.copying", "rank": 0})) as orch:
+        wait_until(orch, stalled(run, 1, "handover.copying"))
+        err, took = ended(orch, signal.SIGTERM if ended_by == "SIGTERM" else None, timeout=300)
     assert not left_running(run)
     if ended_by == "SIGTERM":
         assert orch.returncode == 75 and took <= GRACE + 10, (took, err)
@@ -186,20 +192,9 @@ def test_a_sigterm_during_a_stall_ends_the_run_within_grace(tmp_path, tiny_model
     sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data, launch={
         "grace_seconds": GRACE, "stall_seconds": 600, **launch}))
     run = tmp_path / "run"
-    orch = start(sched, faults_env(stall_at=stall))
-    try:
-        log, end = run / "phases" / f"phase-{phase:04d}" / "worker.log", time.time() + 240
-        while not (log.exists() and f"stalled at {stall['point']}" in log.read_text(errors="replace")):
-            assert orch.poll() is None and time.time() < end, orch.communicate()
-            time.sleep(0.1)
-        orch.send_signal(signal.SIGTERM)
-        t_stop = time.time()
-        out, err = orch.communicate(timeout=120)
-        took = time.time() - t_stop
-    finally:
-        if orch.poll() is None:
-            os.killpg(orch.pid, signal.SIGKILL)
-            orch.wait()
+    with running(sched, faults_env(stall_at=stall)) as orch:
+        wait_until(orch, stalled(run, phase, stall["point"]))
+        err, took = ended(orch, signal.SIGTERM, timeout=120)
     assert orch.returncode == 75, err
     assert took <= GRACE + 10, (took, err)
     assert not left_running(run)
