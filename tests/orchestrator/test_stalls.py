@@ -1,7 +1,10 @@
 """A stalled phase is found, shown and ended (the watchdog, ``launch.stall_seconds``), and a stop
 always stops, whatever the phase or the orchestrator's main thread is stuck in. Real runs of the
-tiny 3-phase schedule (``tiny_run`` is the uninterrupted one), a rank stalled through the fault
-points (``stall_at``: it sleeps for good, catching SIGTERM as a rank does)."""
+tiny 3-phase schedule (``reference`` is the uninterrupted one), a rank stalled through the fault
+points (``stall_at``: it sleeps for good, catching SIGTERM as a rank does).
+
+On the CPU a handover goes through a file (``launch.handover = "on"``); on CUDA (``-m cuda``) the
+stall tests run again with CUDA IPC (``"auto"``, bfloat16)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from typing import Callable, Iterator
 
 import psutil
 import pytest
+import torch
 
 from shard_tools.history import read_journal
 from tests.conftest import cli, faults_env, schedule_dict, write_schedule
@@ -27,6 +31,42 @@ ORCH = str(Path(sys.executable).parent / "orchestrator")
 GRACE = 2
 STALL = 5  # 20 s before a first step (watchdog.QUIET_ALLOWANCE)
 FIRST_STEP_1 = {"point": "phase.first_step", "phase": 1}
+CUDA = torch.cuda.is_available()
+HANDING_OVER = {"handover": "on", "prewarm_depth": 1}
+
+
+@pytest.fixture(scope="module", params=[
+    "cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")])])
+def device(request) -> str:
+    return request.param
+
+
+def on(device: str, path: Path, model: Path, data: Path, **launch) -> tuple[Path, dict[str, str]]:
+    """The tiny schedule at ``path`` for ``device`` (a handover "on" is CUDA's "auto" there, in
+    bfloat16), and the environment its run needs."""
+    if device == "cuda" and launch.get("handover") == "on":
+        launch["handover"] = "auto"
+    dtype = {"model": {"path": str(model), "dtype": "bfloat16"}} if device == "cuda" else {}
+    return write_schedule(path, schedule_dict(model, data, launch=launch, **dtype)), {"DS_ACCELERATOR": device}
+
+
+@pytest.fixture(scope="module")
+def reference(device, tiny_run, tiny_model, tiny_data, tmp_path_factory) -> Path:
+    """The uninterrupted run on ``device``."""
+    if device == "cpu":
+        return tiny_run
+    d = tmp_path_factory.mktemp("cuda-run")
+    sched, env = on(device, d / "s.toml", tiny_model, tiny_data)
+    r = cli("orchestrator", "run", str(sched), env={**os.environ, **env})
+    assert r.returncode == 0, r.stderr
+    return d / "run"
+
+
+def rerun_equal(sched: Path, env: dict, run: Path, model: Path, reference: Path) -> None:
+    """The schedule run again completes, bitwise equal to the uninterrupted run."""
+    r = cli("orchestrator", "run", str(sched), env={**os.environ, **env})
+    assert r.returncode == 0, r.stderr
+    assert bitwise_equal(composed(model, run), composed(model, reference))
 
 
 def start(sched: Path, env: dict) -> subprocess.Popen:
@@ -84,11 +124,10 @@ def left_running(run: Path) -> list[int]:
 
 
 def test_a_rank_stalled_at_its_first_step_is_found_shown_ended_and_a_rerun_resumes(tmp_path, tiny_model, tiny_data,
-                                                                                 tiny_run):
-    sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data, launch={
-        "grace_seconds": GRACE, "stall_seconds": STALL}))
+                                                                                 device, reference):
+    sched, env = on(device, tmp_path / "s.toml", tiny_model, tiny_data, grace_seconds=GRACE, stall_seconds=STALL)
     run = tmp_path / "run"
-    orch = start(sched, faults_env(stall_at=FIRST_STEP_1))
+    orch = start(sched, {**env, **faults_env(stall_at=FIRST_STEP_1)})
     try:
         out, err = orch.communicate(timeout=300)
     finally:
@@ -105,10 +144,7 @@ def test_a_rank_stalled_at_its_first_step_is_found_shown_ended_and_a_rerun_resum
     assert len(stalled) == 1 and stalled[0]["phase"] == 1 and stalled[0]["seconds"] >= 4 * STALL, stalled
     status = cli("orchestrator", "status", str(run), env={**os.environ, "COLUMNS": "1000"})
     assert f"{run}: stalled (phase 1: no progress for" in status.stdout, status.stdout
-
-    rerun = cli("orchestrator", "run", str(sched))
-    assert rerun.returncode == 0, rerun.stderr
-    assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, tiny_run))
+    rerun_equal(sched, env, run, tiny_model, reference)
 
 
 def journaled(run: Path, event: str, phase: int) -> Callable[[], bool]:
@@ -137,14 +173,14 @@ def test_a_stop_ends_a_run_whose_orchestrator_is_stuck_in_a_journal_fsync(tmp_pa
 
 
 def test_a_predecessor_stalled_in_its_handed_over_write_is_found_and_its_successor_stopped(tmp_path, tiny_model,
-                                                                                          tiny_data, tiny_run):
-    """Issue #24's 7B case on the CPU: phase 0 hands its state over (the host transport) and,
-    while its successor trains, hangs in writing its end checkpoint."""
-    sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data, launch={
-        "grace_seconds": GRACE, "stall_seconds": STALL, "handover": "on", "prewarm_depth": 1}))
+                                                                                          tiny_data, device, reference):
+    """Issue #24's 7B case: phase 0 hands its state over and, while its successor trains, hangs in
+    writing its end checkpoint."""
+    sched, env = on(device, tmp_path / "s.toml", tiny_model, tiny_data, grace_seconds=GRACE, stall_seconds=STALL,
+                    **HANDING_OVER)
     run = tmp_path / "run"
     r = cli("orchestrator", "run", str(sched), timeout=300,
-            env={**os.environ, **faults_env(stall_at={"point": "checkpoint.file_written"})})
+            env={**os.environ, **env, **faults_env(stall_at={"point": "checkpoint.file_written"})})
     assert r.returncode == 1, r.stderr
     stacks = run / "phases" / "phase-0000" / "stacks"
     assert "phase 0 (steps 0-9, layers [0]) stalled: no progress for" in r.stderr and str(stacks) in r.stderr, r.stderr
@@ -152,21 +188,19 @@ def test_a_predecessor_stalled_in_its_handed_over_write_is_found_and_its_success
     assert not left_running(run)
     events = [json.loads(x)["event"] for x in (run / "journal.jsonl").read_text().splitlines()]
     assert "phase_stalled" in events and "successor_stopped" in events, events
-
-    rerun = cli("orchestrator", "run", str(sched))
-    assert rerun.returncode == 0, rerun.stderr
-    assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, tiny_run))
+    rerun_equal(sched, env, run, tiny_model, reference)
 
 
 @pytest.mark.parametrize("ended_by", ["watchdog", "SIGTERM"])
-def test_a_successor_stalled_while_it_takes_over_is_ended(tmp_path, tiny_model, tiny_data, tiny_run, ended_by):
+def test_a_successor_stalled_while_it_takes_over_is_ended(tmp_path, tiny_model, tiny_data, device, reference,
+                                                          ended_by):
     """Phase 1 stalls after mapping its predecessor's offer, before it answers (``handover.copying``):
     the watchdog ends the run with exit 1 and a rerun resumes bitwise; or a SIGTERM during the stall
     ends it within grace + 10 s with exit 75. Nothing is left running either way."""
-    sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data, launch={
-        "grace_seconds": GRACE, "stall_seconds": STALL, "handover": "on", "prewarm_depth": 1}))
+    sched, env = on(device, tmp_path / "s.toml", tiny_model, tiny_data, grace_seconds=GRACE, stall_seconds=STALL,
+                    **HANDING_OVER)
     run = tmp_path / "run"
-    with running(sched, faults_env(stall_at={"point": "handover.copying", "rank": 0})) as orch:
+    with running(sched, {**env, **faults_env(stall_at={"point": "handover.copying", "rank": 0})}) as orch:
         wait_until(orch, stalled(run, 1, "handover.copying"))
         err, took = ended(orch, signal.SIGTERM if ended_by == "SIGTERM" else None, timeout=300)
     assert not left_running(run)
@@ -176,23 +210,22 @@ def test_a_successor_stalled_while_it_takes_over_is_ended(tmp_path, tiny_model, 
     assert orch.returncode == 1, err
     assert "phase 1 (steps 10-19, layers [1]) stalled: no progress for" in err, err
     assert "in _stall" in (run / "phases" / "phase-0001" / "stacks" / "rank-0.txt").read_text()
-    rerun = cli("orchestrator", "run", str(sched))
-    assert rerun.returncode == 0, rerun.stderr
-    assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, tiny_run))
+    rerun_equal(sched, env, run, tiny_model, reference)
 
 
 @pytest.mark.parametrize("stall,phase,launch", [
     (FIRST_STEP_1, 1, {}),
-    ({"point": "checkpoint.file_written"}, 0, {"handover": "on", "prewarm_depth": 1}),
+    ({"point": "checkpoint.file_written"}, 0, HANDING_OVER),
 ], ids=["first-step", "predecessor-write"])
-def test_a_sigterm_during_a_stall_ends_the_run_within_grace(tmp_path, tiny_model, tiny_data, stall, phase, launch):
+def test_a_sigterm_during_a_stall_ends_the_run_within_grace(tmp_path, tiny_model, tiny_data, device, stall, phase,
+                                                            launch):
     """The other two stalls of the issue, a rank at its first step and a handed-over predecessor in
     its write: a SIGTERM while the phase hangs (the watchdog far off) ends the run with exit 75 within
     grace + 10 s, nothing left running."""
-    sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data, launch={
-        "grace_seconds": GRACE, "stall_seconds": 600, **launch}))
+    sched, env = on(device, tmp_path / "s.toml", tiny_model, tiny_data, grace_seconds=GRACE, stall_seconds=600,
+                    **launch)
     run = tmp_path / "run"
-    with running(sched, faults_env(stall_at=stall)) as orch:
+    with running(sched, {**env, **faults_env(stall_at=stall)}) as orch:
         wait_until(orch, stalled(run, phase, stall["point"]))
         err, took = ended(orch, signal.SIGTERM, timeout=120)
     assert orch.returncode == 75, err
