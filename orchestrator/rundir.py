@@ -13,6 +13,7 @@ from pathlib import Path
 
 from launch.contract.files import DATA_CACHE, PHASES, PhaseDir, RunDir
 
+from orchestrator import procs
 from orchestrator.errors import RunLocked, ScheduleError
 from shard_tools.files import kind_of, write_atomic
 from shard_tools.history import JOURNAL
@@ -165,3 +166,27 @@ def read_copy(copy: Path) -> dict:
         raise ScheduleError(f"{copy}: TOML syntax error: {e}") from None
     except OSError as e:
         raise ScheduleError(f"{copy}: cannot read the run's schedule copy: {e.strerror or e}") from None
+
+
+KEEP_PHASE_DIRS = 8
+"""The folders in RUN_DIR/phases of the last phases done that a run keeps, for a look at their
+worker logs; an older one holds nothing a resume or ``report`` reads (its records are in the
+journal), and a day-long LISA run has thousands."""
+
+
+def prune_phase_dirs(rd: Path, done: int) -> list[Path]:
+    """Removes the folder of every phase before ``done - KEEP_PHASE_DIRS`` (``done``: the phase just
+    journaled done, so all before it are) with no process left, renamed out of the way first (a
+    hidden name, never read as a phase's) so that a kill mid-way leaves no half folder under a
+    phase's name; hidden ones such a kill left go too. The folders removed."""
+    removed = []
+    for files in RunDir(rd).phase_dirs():
+        index = files.path.name.removeprefix("phase-")
+        if index.isdigit() and int(index) <= done - KEEP_PHASE_DIRS and not procs.recorded(files.path):
+            gone = files.path.with_name(f".{files.path.name}.gone")
+            shutil.rmtree(gone, ignore_errors=True)
+            os.replace(files.path, gone)
+            removed.append(files.path)
+    for gone in (rd / PHASES).glob(".phase-*.gone"):
+        shutil.rmtree(gone, ignore_errors=True)
+    return removed

@@ -27,7 +27,8 @@ from orchestrator.journal import Journal
 from orchestrator.quiet import Pauser
 from orchestrator.resume import next_work, restore_point, resume_point, set_aside_after
 from orchestrator.retention import retain
-from orchestrator.rundir import SCHEDULE_COPY, RunLock, check_entries, create_run_dir, read_copy, write_copy
+from orchestrator.rundir import (SCHEDULE_COPY, RunLock, check_entries, create_run_dir, prune_phase_dirs, read_copy,
+                                 write_copy)
 from orchestrator.phasespec import phase_spec, plan_estimate
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import LoadedSchedule, Phase
@@ -327,6 +328,7 @@ class Runner:
         self._event("device_after_phase", phase=ph.index, nvml=devmem.snapshot(finished.pids))
         protect = {g.preload for g in (current, *self.ahead) if g is not None and g.preload}
         retain(self.checkpoints, self.loaded.schedule.checkpoint.keep_last, protect, self._event)
+        prune_phase_dirs(self.run_dir, ph.index)
 
     def _prewarmed(self, work: Work | None) -> Group | None:
         """The first group ahead, where it was made for ``work`` and is alive."""

@@ -10,6 +10,7 @@ but the last few phases done, and the checkpoints never pile up.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from orchestrator.commit import BEHIND_PHASES
+from orchestrator.rundir import KEEP_PHASE_DIRS
 from shard_tools.history import read_journal
 from shard_tools.manifest import HEAD, STATE, read_manifest
 from shard_tools.store import Checkpoints
@@ -92,6 +94,11 @@ def test_a_long_lisa_run_keeps_each_layer_once_and_resumes_bitwise(tmp_path):
 
     assert cli("shard-tools", "verify", str(run)).returncode == 0
     assert cli("shard-tools", "inspect", str(run)).returncode == 0
+    # phases/ keeps the last phases' folders only, and report still has every phase (from the journal).
+    assert sorted(p.name for p in (run / "phases").iterdir()) == [
+        f"phase-{i:04d}" for i in range(PHASES - KEEP_PHASE_DIRS, PHASES)]
+    report = cli("orchestrator", "report", "--json", str(run))
+    assert report.returncode == 0 and len(json.loads(report.stdout)["phases"]) == PHASES, report.stderr
     before = weights(run / "final")
     older = full[0]
     r = cli("orchestrator", "run", str(path), "--resume-from", str(older))

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 from click.testing import CliRunner
 
@@ -16,7 +17,8 @@ from orchestrator.cli import main
 from orchestrator.errors import RunLocked
 from orchestrator.journal import JsonlTail
 from shard_tools.history import read_journal
-from orchestrator.rundir import LOCK, RunLock
+from launch.contract.files import RunDir
+from orchestrator.rundir import KEEP_PHASE_DIRS, LOCK, RunLock, prune_phase_dirs
 from orchestrator.runner import Runner
 from orchestrator.validate import load_schedule
 from tests.conftest import cli, schedule_dict, write_schedule
@@ -151,3 +153,22 @@ def test_failed_status_names_the_reason(tmp_path):
     assert r.exit_code == 0, r.output
     assert f"{run}: failed (phase 0: [why] it broke)" in r.output
     assert '"reason": "[why] it broke"' in r.output  # the table shows the reason as written, not as markup
+
+
+def test_phases_keeps_the_last_phases_folders_and_those_with_a_process_left(tmp_path):
+    """``prune_phase_dirs``: the folders of phases ``KEEP_PHASE_DIRS`` or more before the one done
+    go, but one whose recorded process is alive stays (a leftover the next run reaps), and a
+    hidden one that a kill mid-removal left goes."""
+    run = RunDir(tmp_path)
+    for i in range(12):
+        (run.phase(i).path / "exit").mkdir(parents=True)
+    me = psutil.Process()
+    alive = run.phase(1).pids
+    alive.mkdir()
+    (alive / "rank-0.json").write_text(json.dumps({"pid": me.pid, "create_time": me.create_time()}))
+    half = tmp_path / "phases" / ".phase-0000.gone"
+    (half / "exit").mkdir(parents=True)
+    removed = prune_phase_dirs(tmp_path, 11)
+    assert sorted(p.name for p in removed) == ["phase-0000", "phase-0002", "phase-0003"]
+    assert sorted(p.name for p in (tmp_path / "phases").iterdir()) == [
+        "phase-0001", *(f"phase-{i:04d}" for i in range(11 - KEEP_PHASE_DIRS + 1, 12))]
