@@ -225,7 +225,9 @@ def verify_checkpoint(ckpt: Path, *, checksums: bool = True) -> list[str]:
                 faults.append(f"{f}: checksum mismatch (sha256 differs from the manifest)")
             elif checksums and name.endswith(".safetensors"):
                 # A manifest that vouches for a malformed file (a writer's bug) must not make it whole.
-                read_header(fd, f)
+                tensors, metadata = read_header(fd, f)
+                if name == LAYERS and (fault := _layers_fault(f, tensors, metadata, manifest.layers)):
+                    faults.append(fault)
         except CheckpointError as e:
             faults.append(str(e))
         except OSError as e:
@@ -233,6 +235,46 @@ def verify_checkpoint(ckpt: Path, *, checksums: bool = True) -> list[str]:
         finally:
             os.close(fd)
     return faults
+
+
+def listing_fault(ckpt: Path) -> str | None:
+    """Where a checkpoint's manifest lists other layers than its layers file holds, judged by the
+    file's header alone (no checksum); None where either cannot be read (nothing to judge by). For
+    the checkpoints a later one does not compose from, by their manifests: one whose manifest lost
+    a layer would have been that layer's source (``Checkpoints.source_faults``)."""
+    try:
+        manifest = read_manifest(ckpt)
+        if LAYERS not in manifest.files:
+            return None
+        f = ckpt / LAYERS
+        fd = open_regular(f, follow_symlinks=False)
+    except (CheckpointError, OSError):
+        return None
+    try:
+        return _layers_fault(f, *read_header(fd, f), manifest.layers)
+    except CheckpointError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _layers_fault(f: Path, tensors: dict, metadata: dict[str, str], listed: list[int]) -> str | None:
+    """Where the layers file (checksummed) does not say which layers it holds, as its readers need
+    (``state.layer_weights``), or holds other layers than its manifest lists: a manifest that lost a
+    layer would make the checkpoints after it compose an older copy of it, or the base model's."""
+    try:
+        said = sorted({int(k) for k in metadata.get("layers", "").split(",") if k})
+        prefix = metadata["layers_prefix"] + "."
+    except (KeyError, ValueError):
+        return f"{f}: its metadata does not say which layers it holds (layers, layers_prefix)"
+    indices = [n[len(prefix):].partition(".")[0] if n.startswith(prefix) else "" for n in tensors]
+    if not all(i.isdigit() for i in indices):
+        return f"{f}: holds tensors that are not under {prefix}<layer>"
+    held = sorted({int(i) for i in indices})
+    listed = sorted(set(listed))
+    if said != listed or held != listed:
+        return f"{f}: holds layers {held} (its metadata says {said}), the manifest lists {listed}"
+    return None
 
 
 def make_durable(ckpt: Path) -> None:

@@ -25,7 +25,7 @@ from shard_tools.errors import CheckpointError, InputError
 from shard_tools.files import TMP_PREFIX, fsync_path, write_atomic
 from shard_tools.manifest import (
     FINAL, LAYERS, MANIFEST, STEP_DIR_SHAPE, Manifest, checkpoints_dir, is_checkpoint_dir, read_manifest, step_dir_name,
-    step_of, verify_checkpoint,
+    listing_fault, step_of, verify_checkpoint,
 )
 
 SET_ASIDE = ".set-aside-"
@@ -145,13 +145,19 @@ class Checkpoints:
             sources.update(dict.fromkeys(m.layers, ckpt))
         return sources
 
-    def source_faults(self, ckpt: Path) -> list[str]:
-        """The faults of the checkpoints ``ckpt`` composes its layers from (itself excluded), with checksums."""
+    def source_faults(self, ckpt: Path, cached: bool = True) -> list[str]:
+        """The faults of the checkpoints ``ckpt`` composes its layers from (itself excluded), with
+        checksums (``cached``: once per checkpoint per process); and of every other one before it
+        whose manifest lists other layers than its layers file holds: one that lost a layer from its
+        list would have been that layer's source."""
         try:
             sources = set(self.layer_sources(ckpt).values()) - {ckpt}
         except CheckpointError as e:
             return [str(e)]
-        return [f for src in sorted(sources) for f in self._verified(src)]
+        verify = self._verified if cached else verify_checkpoint
+        faults = [f for src in sorted(sources) for f in verify(src)]
+        others = [c for c in self.upto(step_of(ckpt)) if c != ckpt and c not in sources]
+        return faults + [f for c in others if (f := listing_fault(c))]
 
     def restore_point(self) -> RestorePoint:
         """The newest checkpoint that is whole, and whose layer sources are whole too. Checksums are
@@ -173,10 +179,7 @@ class Checkpoints:
         ckpt = Path(given).resolve()
         if ckpt.parent != self.root.resolve() or not is_checkpoint_dir(ckpt):
             raise InputError(f"expected a checkpoint of this run ({self.root}/{STEP_DIR_SHAPE}), got {given}")
-        try:
-            faults = [f for src in sorted({ckpt, *self.layer_sources(ckpt).values()}) for f in verify_checkpoint(src)]
-        except CheckpointError as e:
-            faults = [str(e)]
+        faults = verify_checkpoint(ckpt) or self.source_faults(ckpt, cached=False)  # the user's pick: read now
         if faults:
             raise InputError(f"{given} is not whole:\n  " + "\n  ".join(faults))
         if read_manifest(ckpt).layers_only:

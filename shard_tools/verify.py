@@ -74,8 +74,7 @@ def trusted_checkpoint(path: Path, warn: Callable[[str], None] | None = None) ->
         if manifest.layers_only:
             raise InputError(f"{path}: holds layers only (retention dropped its head and state; later checkpoints "
                              f"compose layers from it): give a full checkpoint, or the run")
-    sources = Checkpoints(run_dir).layer_sources(ckpt)
-    faults = [f for src in sorted(set(sources.values()) - {ckpt}) for f in verify_checkpoint(src)]
+    faults = Checkpoints(run_dir).source_faults(ckpt, cached=False)
     if faults:
         raise CheckpointError(f"{ckpt}: composes its layers from damaged checkpoints:\n  " + "\n  ".join(faults))
     return run_dir, ckpt, manifest
