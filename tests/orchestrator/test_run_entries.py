@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import stat
 from pathlib import Path
 
 import pytest
@@ -23,20 +22,9 @@ from orchestrator.validate import load_schedule
 from shard_tools.digest import folder_digests
 from shard_tools.manifest import EXPORT_MARKER, FINAL
 from tests.conftest import schedule_dict, write_schedule
+from tests.trees import snapshot
 
 KINDS = ("link to a folder", "link to a file", "dangling link", "link loop", "FIFO", "other kind")
-
-
-def snapshot(root: Path) -> dict[str, object]:
-    """Every path under ``root`` with its bytes, link target or kind (FIFOs never opened)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            mode = p.lstat().st_mode
-            out[str(p.relative_to(root))] = (os.readlink(p) if stat.S_ISLNK(mode) else p.read_bytes()
-                                             if stat.S_ISREG(mode) else stat.S_IFMT(mode))
-    return out
 
 
 @pytest.fixture

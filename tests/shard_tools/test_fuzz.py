@@ -27,6 +27,7 @@ from shard_tools.manifest import MANIFEST, verify_checkpoint
 from shard_tools.store import Checkpoints
 from tests.conftest import cli
 from tests.shard_tools.conftest import invoke
+from tests.trees import snapshot
 
 CASES = 200
 NAMES = ["../x", "/etc/passwd", "a/b", "..", ".", "", "../step-00000010/head.safetensors", "x\u0000y", "\\evil"]
@@ -166,18 +167,6 @@ def damage(rng: random.Random, c: Path, elsewhere: Path) -> str:
     return said
 
 
-def _snapshot(root: Path) -> dict[str, object]:
-    """Every path under ``root``: its bytes, link target, or kind; FIFOs are never opened."""
-    snap = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            mode = p.lstat().st_mode
-            snap[str(p.relative_to(root))] = (os.readlink(p) if stat.S_ISLNK(mode) else p.read_bytes()
-                                              if stat.S_ISREG(mode) else stat.S_IFMT(mode))
-    return snap
-
-
 def _clean(result, what: str) -> None:
     assert result.exit_code in (0, 1, 2), (what, result.exit_code, result.output, result.exception)
     # CliRunner turns an uncaught exception into exit 1 too; only a deliberate exit is a clean failure.
@@ -187,33 +176,45 @@ def _clean(result, what: str) -> None:
         assert "shard-tools: " in result.stderr, (what, result.output)
 
 
+def copied(source: Path, tmp: Path) -> tuple[Path, Path]:
+    """A copy of ``source``'s checkpoints and journal to damage, in ``tmp``, and a folder outside it
+    (for links out of the run)."""
+    run, elsewhere = tmp / "run", tmp / "elsewhere"
+    shutil.copytree(source / "checkpoints", run / "checkpoints")
+    shutil.copy2(source / "journal.jsonl", run / "journal.jsonl")
+    elsewhere.mkdir()
+    return run, elsewhere
+
+
+def read_cleanly(args: list, fifo: bool, what: str) -> None:
+    """``shard-tools ARGS`` ends cleanly (``_clean``); where the damage is a FIFO, in a process of
+    its own, since a regression would hang: one that a timeout ends."""
+    if not fifo:
+        _clean(invoke(*args), f"{what}: {args}")
+        return
+    r = cli("shard-tools", *map(str, args), timeout=60)
+    assert r.returncode in (0, 1, 2) and "Traceback" not in r.stderr, (what, args, r.stderr)
+    assert r.returncode == 0 or "shard-tools: " in r.stderr, (what, args, r.stderr)
+
+
 @pytest.mark.parametrize("seed", range(CASES))
 def test_damaged_checkpoint(seed, tiny_run, tmp_path):
     rng = random.Random(seed)
-    run = tmp_path / "run"
-    shutil.copytree(tiny_run / "checkpoints", run / "checkpoints")
-    shutil.copy2(tiny_run / "journal.jsonl", run / "journal.jsonl")
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
+    run, elsewhere = copied(tiny_run, tmp_path)
     checkpoints = Checkpoints(run).all()
     target = rng.choice(checkpoints)
     what = f"seed {seed}: {target.name}: {damage(rng, target, elsewhere)}"
-    before = _snapshot(run)
+    before = snapshot(run)
     fifo = any(stat.S_ISFIFO(p.lstat().st_mode) for p in target.iterdir())
 
     for args in (["verify", run], ["verify", target], ["inspect", run], ["inspect", target],
                  ["inspect", "--json", run], ["inspect", "--json", target]):
-        if fifo:  # a regression would hang: a process that a timeout ends
-            r = cli("shard-tools", *map(str, args), timeout=60)
-            assert r.returncode in (0, 1, 2) and "Traceback" not in r.stderr, (what, args, r.stderr)
-            assert r.returncode == 0 or "shard-tools: " in r.stderr, (what, args, r.stderr)
-        else:
-            _clean(invoke(*args), f"{what}: {args}")
+        read_cleanly(args, fifo, what)
     other = next(c for c in checkpoints if c != target)
     _clean(invoke("diff", other, target), f"{what}: diff")
     exported = invoke("export", target, "--out", tmp_path / "out")
     _clean(exported, f"{what}: export")
-    assert _snapshot(run) == before, what
+    assert snapshot(run) == before, what
 
     faults = {c: verify_checkpoint(c) for c in checkpoints}
     assert all(not f for c, f in faults.items() if c != target), (what, faults)
