@@ -17,7 +17,6 @@ cold ways' imports compete with whatever else runs. Writes result.json and resul
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -26,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _tiny_schedule import parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -89,12 +90,7 @@ def median(xs: list[float]) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--phases", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=4)
-    args = ap.parse_args()
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    args = parse_args(__doc__)
     from tests.cluster.slurm import Cluster, install
     from tests.conftest import make_llama, make_tokens
     from tests.reference import bitwise_equal, composed

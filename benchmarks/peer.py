@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from _peer_report import plot, summarise, table
-from _shapes import LAYERS_PER_PHASE, SHAPES
+from _shapes import LAYERS_PER_PHASE, SHAPES, chosen_shape, refuse_two_shapes, shape_arguments
 from _switch_watch import DeviceTrace, Devices, ManifestWatch, TreeMemory, finish_all, read_jsonl, start_all
 from switch import (
     BASELINES, RESULTS, BenchmarkError, child_env, cuda_available, hardware, model_problem, nvml, relayer_command,
@@ -44,6 +44,8 @@ from switch import (
 )
 
 PEER = Path(__file__).resolve().parent / "_peer_trainer.py"
+ON_CUDA = "7b"
+"""The shape without --shape or --tiny on CUDA."""
 FOLLOW = 0.75
 """How often a token is followed by its fixed successor in the generated rows (else a random token)."""
 
@@ -151,8 +153,7 @@ def new_result(name: str, date: dt.datetime, cuda: bool, hw: dict, shape_name: s
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), help="model and batch (default: tiny without CUDA, else 7b)")
-    ap.add_argument("--tiny", action="store_true", help="the same as --shape tiny (and its short job)")
+    shape_arguments(ap, ON_CUDA, " (and its short job)")
     ap.add_argument("--steps", type=int, help="optimizer steps of the job (default: 200; tiny 8)")
     ap.add_argument("--interval", type=int, help="steps between LISA's switches (default: 20; tiny 2)")
     ap.add_argument("--callback", choices=("auto", "axolotl", "same-algorithm"), default="auto",
@@ -168,8 +169,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds either way may run")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.tiny and args.shape not in (None, "tiny"):
-        ap.error(f"--tiny and --shape {args.shape}: give one")
+    refuse_two_shapes(ap, args)
     return args
 
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     nv = nvml()
     cuda = cuda_available(nv)
     devices = Devices(nv, 1) if cuda and nv else None
-    name = args.shape or ("tiny" if args.tiny or not cuda else "7b")
+    name = chosen_shape(args, cuda, ON_CUDA)
     shape = SHAPES[name]
     args.steps = args.steps or (8 if name == "tiny" else 200)
     args.interval = args.interval or (2 if name == "tiny" else 20)

@@ -8,7 +8,6 @@ both runs must end with bitwise equal weights, which it checks. Writes result.js
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -18,6 +17,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _tiny_schedule import parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -44,12 +45,7 @@ def one_run(work: Path, model: Path, data: Path, prewarm: bool, phases: int, ste
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--phases", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=4)
-    args = ap.parse_args()
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    args = parse_args(__doc__)
     from tests.conftest import make_llama, make_tokens
     from tests.reference import bitwise_equal, composed
 

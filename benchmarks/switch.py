@@ -67,7 +67,7 @@ from pathlib import Path
 
 import psutil
 
-from _shapes import LAYERS_PER_PHASE, SHAPES, layer_walk
+from _shapes import LAYERS_PER_PHASE, SHAPES, chosen_shape, layer_walk, refuse_two_shapes, shape_arguments
 from _switch_report import WAYS, plot, relayer_details, summarise, table
 from _switch_gaps import analyse
 from _switch_probe import StallDump, ThreadWatch
@@ -79,6 +79,8 @@ from _switch_watch import (
 ROOT = Path(__file__).resolve().parent.parent
 BASELINES = Path(__file__).resolve().parent / "_baselines.py"
 RESULTS = Path(__file__).resolve().parent / "results"
+ON_CUDA = "1.1b"
+"""The shape without --shape or --tiny on CUDA."""
 
 
 class BenchmarkError(RuntimeError):
@@ -355,8 +357,7 @@ def write_atomic(path: Path, data: str | bytes) -> None:
 # -- entry -------------------------------------------------------------------------------------
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), help="model and batch (default: tiny without CUDA, else 1.1b)")
-    ap.add_argument("--tiny", action="store_true", help="the same as --shape tiny")
+    shape_arguments(ap, ON_CUDA)
     ap.add_argument("--phases", type=int, help="phases (default: the shape's)")
     ap.add_argument("--steps", type=int, help="optimizer steps a phase (default: the shape's)")
     ap.add_argument("--ways", default="a,b,c", help="which ways, of a (relayer), b (inprocess), c (naive)")
@@ -391,8 +392,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--nproc: expected at least 1, got {args.nproc}")
     if args.prepare_only and args.model_dir is None:
         ap.error("--prepare-only: needs --model-dir (where the model is made)")
-    if args.tiny and args.shape not in (None, "tiny"):
-        ap.error(f"--tiny and --shape {args.shape}: give one")
+    refuse_two_shapes(ap, args)
     return args
 
 
@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     nv = nvml()
     cuda = cuda_available(nv)
     devices = Devices(nv, args.nproc) if cuda and nv else None
-    shape_name = args.shape or ("tiny" if args.tiny or not cuda else "1.1b")
+    shape_name = chosen_shape(args, cuda, ON_CUDA)
     shape, device = SHAPES[shape_name], "cuda" if cuda else "cpu"
     hw = hardware(devices)
     date = dt.datetime.now().astimezone()

@@ -28,10 +28,7 @@ class SourceSection(Section):
     """How many times an epoch draws each of its examples: 2 twice, 0.5 a seeded half; round(weight
     x examples) in all, the same ones every epoch."""
 
-    @field_validator("weight", mode="before")
-    @classmethod
-    def _weight_float(cls, v: Any) -> Any:
-        return int_is_float(v)
+    _weight_float = field_validator("weight", mode="before")(int_is_float)
 
 
 class DataSection(Section):
@@ -92,10 +89,7 @@ class DataSection(Section):
             raise KeyProblem("data.pack", f'expected true, false, "whole" or "stream", got {_show(v)}')
         return v
 
-    @field_validator("validation_split", mode="before")
-    @classmethod
-    def _split_float(cls, v: Any) -> Any:
-        return int_is_float(v)
+    _split_float = field_validator("validation_split", mode="before")(int_is_float)
 
     @model_validator(mode="after")
     def _one_form(self) -> DataSection:

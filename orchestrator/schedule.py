@@ -81,18 +81,14 @@ class OptimizerSection(Section):
     grad_clip: Annotated[float, Field(ge=0)] = 1.0
     """Max global gradient norm; 0 turns clipping off."""
 
-    @field_validator("lr", "weight_decay", "eps", "grad_clip", mode="before")
-    @classmethod
-    def _int_is_float(cls, v: Any) -> Any:
-        # TOML writes 0 and 1 as integers; strict mode would refuse them as floats.
-        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+    _int_is_float = field_validator("lr", "weight_decay", "eps", "grad_clip", mode="before")(int_is_float)
 
     @field_validator("betas", mode="before")
     @classmethod
     def _betas(cls, v: Any) -> Any:
         if not isinstance(v, list | tuple) or len(v) != 2:
             raise KeyProblem("optimizer.betas", f"expected two numbers [beta1, beta2], got {_show(v)}")
-        return tuple(float(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in v)
+        return tuple(int_is_float(x) for x in v)
 
 
 class LrScheduleSection(Section):
@@ -139,10 +135,7 @@ class ScheduleSection(Section):
     layers_per_phase: PositiveInt | None = None
     """With strategy: body layers trained per phase."""
 
-    @field_validator("epochs", mode="before")
-    @classmethod
-    def _epochs_float(cls, v: Any) -> Any:
-        return int_is_float(v)
+    _epochs_float = field_validator("epochs", mode="before")(int_is_float)
 
     @model_validator(mode="after")
     def _one_form(self) -> ScheduleSection:
@@ -222,10 +215,8 @@ class LaunchSection(Section):
     or 2 and the overlap fits, else through the checkpoint; "on" also without a GPU (through a
     file: for testing the choreography on a CPU); "off" always through the checkpoint."""
 
-    @field_validator("grace_seconds", "stall_seconds", "pause_preparing_seconds", "rendezvous_seconds", mode="before")
-    @classmethod
-    def _int_is_float(cls, v: Any) -> Any:
-        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+    _int_is_float = field_validator("grace_seconds", "stall_seconds", "pause_preparing_seconds", "rendezvous_seconds",
+                                    mode="before")(int_is_float)
 
     @model_validator(mode="after")
     def _nodes(self) -> LaunchSection:

@@ -47,17 +47,24 @@ def records(n: int, seed: int = 0) -> list[dict]:
     return out[:n]
 
 
-def write(path: Path, n: int) -> Path:
+def write(path: Path, rows: list[dict]) -> Path:
+    """``rows`` as JSON lines at ``path``, whole or not at all: a demo takes a file that is there as made."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records(n)))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tmp.replace(path)
     return path
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out", nargs="?", type=Path, default=HERE / "data" / "alpaca.jsonl")
-    p.add_argument("--records", type=int, default=300)
+def main(doc: str, make, default: Path, n: int) -> None:
+    """The command line of the examples' data scripts, as their docstring ``doc`` shows it: ``n``
+    records of ``make`` (``--records``) into ``default`` (or the file named)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("out", nargs="?", type=Path, default=default)
+    p.add_argument("--records", type=int, default=n)
     args = p.parse_args()
-    print(write(args.out, args.records))
+    print(write(args.out, make(args.records)))
+
+
+if __name__ == "__main__":
+    main(__doc__, records, HERE / "data" / "alpaca.jsonl", 300)

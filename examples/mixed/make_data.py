@@ -5,9 +5,7 @@ system turn. Deterministic: the same file every time.
     python examples/mixed/make_data.py [OUT.jsonl] [--records N]   # default: examples/mixed/data/sharegpt.jsonl
 """
 
-import argparse
 import importlib.util
-import json
 import random
 from pathlib import Path
 
@@ -34,10 +32,4 @@ def records(n: int, seed: int = 0) -> list[dict]:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out", nargs="?", type=Path, default=HERE / "data" / "sharegpt.jsonl")
-    p.add_argument("--records", type=int, default=60)
-    args = p.parse_args()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(json.dumps(r) + "\n" for r in records(args.records)))
-    print(args.out)
+    alpaca.main(__doc__, records, HERE / "data" / "sharegpt.jsonl", 60)

@@ -8,32 +8,21 @@ prints the held-out loss it logged.
 """
 
 import json
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BIN = Path(sys.executable).parent
-
-
-def step(*argv: str) -> None:
-    print(f"\n$ {' '.join(argv)}", flush=True)
-    subprocess.run([str(BIN / argv[0]), *argv[1:]], check=True, cwd=HERE)
+sys.path.insert(0, str(HERE.parent))  # examples/_demo.py, what the demos share
+from _demo import start, step  # noqa: E402
 
 
 def main() -> None:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if not (HERE / "data" / "sharegpt.jsonl").exists():
-        subprocess.run([sys.executable, str(HERE / "make_data.py")], check=True)
-    if not (HERE / "model" / "config.json").exists():
-        subprocess.run([sys.executable, str(HERE.parent / "alpaca" / "make_model.py"), str(HERE / "model")], check=True)
-    run = HERE / "runs" / "mixed"
-    shutil.rmtree(run, ignore_errors=True)  # the demo's own output: start it afresh each time
-    step("orchestrator", "data", "schedule.toml", "--show", "1")
-    step("orchestrator", "plan", "schedule.toml")
-    step("orchestrator", "run", "schedule.toml")
+    run = start(HERE / "runs" / "mixed", {
+        HERE / "data" / "sharegpt.jsonl": [HERE / "make_data.py"],
+        HERE / "model" / "config.json": [HERE.parent / "alpaca" / "make_model.py", HERE / "model"]})
+    step(HERE, "orchestrator", "data", "schedule.toml", "--show", "1")
+    step(HERE, "orchestrator", "plan", "schedule.toml")
+    step(HERE, "orchestrator", "run", "schedule.toml")
     evals = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "eval_loss" in x]
     print("\nheld-out loss: " + ", ".join(f"step {e['step']}: {e['eval_loss']:.3f}" for e in evals))
     print(f"run directory: {run}")

@@ -9,30 +9,20 @@ verifies the checkpoints, and prints the commands to go on with, as they will wo
 """
 
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BIN = Path(sys.executable).parent
-
-
-def step(*argv: str) -> None:
-    print(f"\n$ {' '.join(argv)}", flush=True)
-    subprocess.run([str(BIN / argv[0]), *argv[1:]], check=True, cwd=HERE)
+sys.path.insert(0, str(HERE.parent))  # examples/_demo.py, what the demos share
+from _demo import BIN, start, step  # noqa: E402
 
 
 def main() -> None:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if not (HERE / "model" / "config.json").exists():
-        subprocess.run([sys.executable, str(HERE / "make_model.py")], check=True)
-    run = HERE / "runs" / "tiny"
-    shutil.rmtree(run, ignore_errors=True)  # the demo's own output: start it afresh each time
-    step("orchestrator", "plan", "schedule.toml")
-    step("orchestrator", "run", "schedule.toml")
-    step("shard-tools", "verify", str(run))
-    step("shard-tools", "inspect", str(run))
+    run = start(HERE / "runs" / "tiny", {HERE / "model" / "config.json": [HERE / "make_model.py"]})
+    step(HERE, "orchestrator", "plan", "schedule.toml")
+    step(HERE, "orchestrator", "run", "schedule.toml")
+    step(HERE, "shard-tools", "verify", str(run))
+    step(HERE, "shard-tools", "inspect", str(run))
     print(f"\nrun directory: {here(run)}\nthe trained model (Hugging Face): {here(run / 'final')}")
     print(f"\nnext (as the README's \"First run\"): the tools are in {here(BIN)}/, so first\n"
           f"  source {here(BIN / 'activate')}")

@@ -52,6 +52,13 @@ def setting(section: str, **values):
     return edit
 
 
+def missing(key: str, value: str, expected: str, **also) -> tuple:
+    """(the edit, the message) for ``key`` (``also`` set beside it) naming ``value``, a file that is
+    not there: every such key's message says what it expects and the path that does not exist."""
+    section, name = key.split(".")
+    return setting(section, **also, **{name: value}), f"{key}: expected {expected}, {{tmp}}/{value} does not exist"
+
+
 # (id, edit of the schedule dict, message after "<schedule path>: "); {tmp} is the test's tmp_path.
 BAD = [
     ("unknown-section", lambda s, _: s.update(bogus={"a": 1}),
@@ -107,8 +114,7 @@ BAD = [
      'launch.launcher: expected deepspeed, torchrun or slurm for 2 nodes: "local" starts processes on this node only'),
     ("deepspeed-nodes-without-hostfile", setting("launch", launcher="deepspeed", nnodes=2),
      "launch.hostfile: required with launcher deepspeed on 2 nodes, but missing"),
-    ("hostfile-missing", setting("launch", launcher="deepspeed", nnodes=2, hostfile="hosts"),
-     "launch.hostfile: expected a hostfile, {tmp}/hosts does not exist"),
+    ("hostfile-missing", *missing("launch.hostfile", "hosts", "a hostfile", launcher="deepspeed", nnodes=2)),
     ("phases-and-strategy", setting("schedule", strategy="lisa", total_steps=20, interval=10, layers_per_phase=1),
      "schedule.strategy: expected either schedule.phases or schedule.strategy (with total_steps or epochs, "
      "interval, layers_per_phase), not both"),
@@ -122,8 +128,7 @@ BAD = [
                                                                          layers_per_phase=5)),
      "schedule.layers_per_phase: expected at most the model's 4 layers, got 5"),
     ("data-section-missing", lambda s, _: s.pop("data"), "data: required, but missing"),
-    ("data-file-missing", setting("data", path="nope.jsonl"),
-     "data.path: expected a data file or a datasets.save_to_disk folder, {tmp}/nope.jsonl does not exist"),
+    ("data-file-missing", *missing("data.path", "nope.jsonl", "a data file or a datasets.save_to_disk folder")),
     ("data-path-is-a-directory", setting("data", path="."),
      "data.path: expected a data file or a datasets.save_to_disk folder, {tmp} is a directory"),
     ("text-without-tokenizer", setting("data", format="text"),
@@ -136,11 +141,9 @@ BAD = [
      'data.fields.messages: not a field of data.format = "instruction"; expected one of instruction, input, output'),
     ("data-format-unknown", setting("data", format="alpaca"),
      "data.format: expected 'tokens', 'text', 'instruction' or 'chat', got 'alpaca'"),
-    ("chat-template-file-missing", setting("data", chat_template="nope.jinja"),
-     "data.chat_template: expected a Jinja template, one named llama3, chatml, qwen2.5, mistral, gemma, phi3, or a "
-     "file holding one, {tmp}/nope.jinja does not exist"),
-    ("model-dir-missing", setting("model", path="no-model"),
-     "model.path: expected a Hugging Face model directory, {tmp}/no-model does not exist"),
+    ("chat-template-file-missing", *missing("data.chat_template", "nope.jinja", "a Jinja template, one named llama3, "
+                                            "chatml, qwen2.5, mistral, gemma, phi3, or a file holding one")),
+    ("model-dir-missing", *missing("model.path", "no-model", "a Hugging Face model directory")),
     ("model-without-config-json", lambda s, tmp: (tmp / "empty-model").mkdir() or s["model"].update(path="empty-model"),
      "model.path: expected a Hugging Face model directory with config.json, {tmp}/empty-model/config.json does not "
      "exist"),

@@ -188,21 +188,32 @@ def test_a_tokenizer_that_does_not_load_exits_2(tmp_path, model):
     assert f"model.tokenizer: cannot load a tokenizer from {broken}" in r.output
 
 
-def test_a_stop_while_the_data_is_staged_leaves_nothing(tmp_path, model):
-    """SIGTERM while a new run prepares its data (before its directory exists): exit 75, and
-    neither the run directory nor the staging folder beside it is left."""
-    schedule = sched(tmp_path, model, INSTRUCTIONS, "instruction")
-    orch = subprocess.Popen([ORCH, "run", str(schedule)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+def stop_while_preparing(argv: list[str], sig: int, preparing, env: dict | None = None):
+    """Starts ``argv``, sends it ``sig`` once ``preparing(process)`` returns (the data being
+    prepared), and checks it exits 75 saying so, without a traceback; its session is killed where it
+    has not ended by then. (The process, what ``preparing`` returned.)"""
+    orch = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        # The data tool (a Python that imports transformers) takes seconds: the signal lands in it.
-        while not list(tmp_path.glob(".relayer-data-*")):
-            assert orch.poll() is None, orch.communicate()
-        orch.send_signal(signal.SIGTERM)
+        found = preparing(orch)
+        orch.send_signal(sig)
         _, err = orch.communicate(timeout=60)
     finally:
         if orch.poll() is None:
             os.killpg(orch.pid, signal.SIGKILL)
     assert orch.returncode == 75, err
     assert "while preparing the data" in err and "Traceback" not in err
+    return orch, found
+
+
+def test_a_stop_while_the_data_is_staged_leaves_nothing(tmp_path, model):
+    """SIGTERM while a new run prepares its data (before its directory exists): exit 75, and
+    neither the run directory nor the staging folder beside it is left."""
+    def staging(orch: subprocess.Popen) -> None:
+        # The data tool (a Python that imports transformers) takes seconds: the signal lands in it.
+        while not list(tmp_path.glob(".relayer-data-*")):
+            assert orch.poll() is None, orch.communicate()
+
+    stop_while_preparing([ORCH, "run", str(sched(tmp_path, model, INSTRUCTIONS, "instruction"))], signal.SIGTERM,
+                         staging)
     assert not (tmp_path / "run").exists() and not list(tmp_path.glob(".*relayer-data-*"))

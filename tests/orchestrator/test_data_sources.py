@@ -198,7 +198,7 @@ def test_a_mixed_run_trains_on_the_counted_examples(tmp_path, model):
 @pytest.mark.slow
 def test_the_mixed_example_runs(tmp_path):
     for name, files in (("alpaca", ("make_data.py", "make_model.py", "data/alpaca.jsonl")),
-                        ("mixed", ("make_data.py", "run_demo.py", "schedule.toml"))):
+                        ("mixed", ("make_data.py", "run_demo.py", "schedule.toml")), (".", ("_demo.py",))):
         for f in files:
             (tmp_path / name / f).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / name / f).write_text((ROOT / "examples" / name / f).read_text())

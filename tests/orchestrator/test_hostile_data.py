@@ -26,7 +26,9 @@ from orchestrator.errors import RunLocked
 from orchestrator.rundir import RunLock, create_run_dir
 from orchestrator.validate import load_schedule
 from tests.conftest import faults_env
-from tests.orchestrator.test_data_cli import CHATS, INSTRUCTIONS, jsonl, model, sched  # noqa: F401 - a fixture
+from tests.orchestrator.test_data_cli import (  # noqa: F401 - model: a fixture
+    CHATS, INSTRUCTIONS, model, sched, stop_while_preparing,
+)
 
 ORCH = str(Path(sys.executable).parent / "orchestrator")
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
@@ -147,17 +149,7 @@ def test_a_stop_while_a_large_file_is_tokenized_leaves_nothing(tmp_path, model, 
     tmpdir = tmp_path / "tmpdir"
     tmpdir.mkdir()
     env = {**os.environ, **faults_env(hold_data_batch=0.3), "TMPDIR": str(tmpdir)}
-    orch = subprocess.Popen([ORCH, command, str(schedule)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        pids = preparing(orch)
-        orch.send_signal(sig)
-        _, err = orch.communicate(timeout=60)
-    finally:
-        if orch.poll() is None:
-            os.killpg(orch.pid, signal.SIGKILL)
-    assert orch.returncode == 75, err
-    assert "while preparing the data" in err and "Traceback" not in err
+    orch, pids = stop_while_preparing([ORCH, command, str(schedule)], sig, preparing, env)
     deadline = time.monotonic() + 10
     while not gone(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
