@@ -260,9 +260,23 @@ def probe_rows(result: dict) -> list[str]:
     return lines
 
 
+def disk_rows(result: dict) -> list[str]:
+    """relayer's checkpoint writes (checkpoint.every_seconds) and the most its run directory held."""
+    d = (result["ways"].get("relayer") or {}).get("disk")
+    if not d:
+        return []
+    every = result["shape"].get("every_seconds")
+    return ["", f"relayer's checkpoints (checkpoint.every_seconds = {'default' if every is None else f'{every:g}'}): "
+            f"{d['checkpoints_written']} written, {d['bytes_written'] / 1e9:.2f} GB in all, "
+            f"{d['bytes_per_phase'] / 1e9:.3f} GB a phase, {d['bytes_per_second'] / 1e9:.3f} GB/s over the run; "
+            f"the checkpoints folder held at most {d['peak_checkpoint_bytes'] / 1e9:.2f} GB, "
+            f"the run directory {d['peak_run_dir_bytes'] / 1e9:.2f} GB"]
+
+
 def table(result: dict) -> str:
     names = [n for n in WAYS.values() if n in result["ways"]]
-    lines = header(result) + way_rows(result, names) + switch_rows(result, names) + memory_rows(result, names)
+    lines = header(result) + way_rows(result, names) + switch_rows(result, names) + memory_rows(result, names) \
+        + disk_rows(result)
     return "\n".join(lines + device_rows(result, names) + probe_rows(result)) + "\n"
 
 

@@ -202,7 +202,7 @@ class ManifestWatch(_Poller):
     later): its step, phase, layers, the head's and the body's Adam steps, and when it was made."""
 
     interval = 0.1
-    KEYS = ("global_step", "phase", "layers", "phase_complete", "head_step", "body_step", "created")
+    KEYS = ("global_step", "phase", "layers", "carried_layers", "phase_complete", "head_step", "body_step", "created")
 
     def __init__(self, run_dir: Path):
         super().__init__("manifest-watch")
@@ -217,7 +217,34 @@ class ManifestWatch(_Poller):
                 m = store.manifest(ckpt)
             except (OSError, CheckpointError):
                 continue  # a removal raced this look
-            self.manifests[ckpt.name] = {k: getattr(m, k) for k in self.KEYS}
+            self.manifests[ckpt.name] = {**{k: getattr(m, k) for k in self.KEYS},
+                                         "bytes": sum(e.size for e in m.files.values())}
+
+
+class DiskWatch(_Poller):
+    """The bytes under the run's checkpoints folder and under the whole run directory, every 0.5 s:
+    the most each ever held."""
+
+    interval = 0.5
+
+    def __init__(self, run_dir: Path):
+        super().__init__("disk-watch")
+        self.run_dir, self.peak, self.peak_all = run_dir, 0, 0
+
+    def look(self) -> None:
+        self.peak = max(self.peak, _bytes_under(self.run_dir / "checkpoints"))
+        self.peak_all = max(self.peak_all, _bytes_under(self.run_dir))
+
+
+def _bytes_under(root: Path) -> int:
+    total = 0
+    for folder, _dirs, files in os.walk(root):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(folder, f)).st_size
+            except OSError:
+                pass  # removed meanwhile
+    return total
 
 
 class TreeMemory(_Poller):

@@ -72,7 +72,7 @@ from _switch_report import WAYS, plot, relayer_details, summarise, table
 from _switch_gaps import analyse
 from _switch_probe import StallDump, ThreadWatch
 from _switch_watch import (
-    DeviceTrace, Devices, HostWatch, JournalWatch, ManifestWatch, MemInfoWatch, finish_all, leftovers, read_jsonl,
+    DeviceTrace, Devices, DiskWatch, HostWatch, JournalWatch, ManifestWatch, MemInfoWatch, finish_all, leftovers, read_jsonl,
     start_all,
 )
 
@@ -191,7 +191,8 @@ def write_schedule(path: Path, setup: dict) -> None:
         "launch": {"launcher": "local", "nproc": setup["nproc"],  # relayer's defaults unless given
                    **{k: setup[k] for k in ("prewarm", "prewarm_depth", "pause_preparing_seconds", "handover")
                       if setup.get(k) is not None}},
-        "checkpoint": {"every_steps": 0, "keep_last": 2},
+        "checkpoint": {"every_steps": 0, "keep_last": 2,
+                       **({"every_seconds": setup["every_seconds"]} if setup.get("every_seconds") is not None else {})},
     }
     text = "".join(f"[{name}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in body.items()) + "\n"
                    for name, body in sections.items())
@@ -248,6 +249,8 @@ def run_relayer(setup: dict, work: Path, devices: Devices | None, timeout: float
     host = HostWatch(run)
     probes = switch_probes(run, devices is not None)
     watchers = [host] + ([JournalWatch(devices, run), DeviceTrace(devices)] if devices else []) + list(probes.values())
+    disk = DiskWatch(run)
+    watchers.append(disk)
     before = devices.sample({"before": True}) if devices else None
     start_all(watchers)
     try:
@@ -263,12 +266,20 @@ def run_relayer(setup: dict, work: Path, devices: Devices | None, timeout: float
     out = {"wall_seconds": wall, "phases": phases, "steps": read_jsonl(run / "metrics.jsonl"), "journal": journal,
            "switch_details": relayer_details(phases, journal, stages, host, trace, bare),
            "plan_estimate": plan_estimate(sched), "plan_text": plan_text(sched, devices),
+           "disk": disk_summary(disk, probes["manifests"].manifests, wall, len(phases)),
            **probe_results(probes, phases, journal)}
     if devices:
         out["device_before"] = before
         out["device_between_phases"] = [{**s, "leftover": leftovers(s, s["phase_pids"])} for s in watchers[1].samples]
         out["device_trace"] = trace.coarse()
     return out
+
+
+def disk_summary(disk: DiskWatch, manifests: dict, wall: float, phases: int) -> dict:
+    """What the run wrote to its checkpoints and the most its checkpoints folder ever held."""
+    written = sum(m["bytes"] for m in manifests.values())
+    return {"checkpoints_written": len(manifests), "bytes_written": written, "bytes_per_phase": written / phases,
+            "bytes_per_second": written / wall, "peak_checkpoint_bytes": disk.peak, "peak_run_dir_bytes": disk.peak_all}
 
 
 def switch_probes(run: Path, cuda: bool) -> dict:
@@ -378,6 +389,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", choices=("walk", "lisa"), default="walk",
                     help="the phases' layers: walk (2 a phase in turn, the default) or lisa (sampled with --seed)")
+    ap.add_argument("--every-seconds", type=float,
+                    help="relayer's [checkpoint] every_seconds (default: relayer's; 0: a checkpoint at every phase end)")
     ap.add_argument("--prewarm-depth", type=int, help="relayer's [launch] prewarm_depth (default: relayer's)")
     ap.add_argument("--prewarm", choices=("on", "off"), help="relayer's [launch] prewarm (default: relayer's)")
     ap.add_argument("--micro-batch", type=int, help="examples a process's forward pass takes (default: the "
@@ -416,7 +429,7 @@ def make_setup(args: argparse.Namespace, shape: dict, work: Path, cuda: bool) ->
         "data_path": str(work / "train.jsonl"), "work_dir": str(work), "setup_path": str(work / "setup.json"),
         "dtype": "bfloat16" if cuda else "float32", "zero_stage": args.zero_stage, "nproc": args.nproc,
         "prewarm_depth": args.prewarm_depth, "pause_preparing_seconds": args.pause_preparing_seconds,
-        "handover": args.handover, "seq_len": shape["seq_len"],
+        "handover": args.handover, "seq_len": shape["seq_len"], "every_seconds": args.every_seconds,
         # The shape's batch is a process's: the global batch grows with the processes, the work of each stays.
         "batch_size": shape["batch_size"] * args.nproc, "micro_batch_size": args.micro_batch or shape["micro_batch_size"],
         "prewarm": None if args.prewarm is None else args.prewarm == "on",
@@ -468,7 +481,7 @@ def bare_process(args: argparse.Namespace, work: Path, cuda: bool) -> dict:
 def new_result(name: str, date: dt.datetime, device: str, hw: dict, shape_name: str, shape: dict,
                setup: dict, notes: list[str]) -> dict:
     keys = ("dtype", "zero_stage", "nproc", "handover", "seq_len", "batch_size", "micro_batch_size", "lr", "phases",
-            "prewarm", "prewarm_depth", "pause_preparing_seconds", "layer_order")
+            "prewarm", "prewarm_depth", "pause_preparing_seconds", "layer_order", "every_seconds")
     return {
         "name": name, "date": date.isoformat(timespec="seconds"), "device": device, "hardware": hw,
         "versions": {**versions(), "relayer": relayer_source()}, "seconds_total": None,

@@ -18,6 +18,7 @@ benchmarks/results/2026-12-01-ipc-handover-h200/.
 from __future__ import annotations
 
 import base64
+import math
 import os
 import time
 from pathlib import Path
@@ -127,12 +128,13 @@ def _unpack(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tenso
 
 
 # -- the predecessor ----------------------------------------------------------------------------
-def offer(ph: Phase) -> PhaseState | None:
+def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
     """Offers this finished phase's state to its successor and waits for the answer; the snapshot
-    to write the checkpoint from, or None where this phase does not hand over."""
+    to write the checkpoint from (None where this phase does not hand over), and whether to write
+    it: not where the successor took the state and carries it on to its own (``Answer.write``)."""
     transport = transport_of(ph)
     if not ph.spec.handover.offer or transport is None:
-        return None
+        return None, True
     snap = snapshot(ph)  # collectives: every rank
     tensors = _pack(ph.built.engine.module, snap)
     files = PhaseDir(ph.spec.phase_dir)
@@ -151,7 +153,10 @@ def offer(ph: Phase) -> PhaseState | None:
     ph.timeline.mark("t_answered")
     ph.timeline.add(handover_taken=answer.taken, handover_answer=answer.reason or answer.by)
     files.blob_path(ph.rank).unlink(missing_ok=True)
-    return snap
+    write = not answer.taken or answer.write
+    if not write:
+        ph.timeline.add(checkpoint_written=False)
+    return snap, write
 
 
 # -- the successor ------------------------------------------------------------------------------
@@ -220,37 +225,70 @@ def _put_layers(ph: Phase, made: Prepared, sources: dict[int, Path], offered: fr
             made.trained[name] = t.to(ph.device, copy=True)
 
 
-def take(ph: Phase, source: Path) -> PhaseState | None:
-    """Copies the predecessor's offered state (rank for rank) into this process and answers: the
-    state it carries on; None where it could not (then it answered "not taken": the checkpoint follows)."""
+def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False) -> tuple[PhaseState | None, Path | None]:
+    """Copies the predecessor's offered state (rank for rank) into this process and answers. With
+    ``defer``, where this phase can hold them (``_can_carry``), it keeps the offered fp32 masters of
+    the layers it does not train too (``Prepared.carried``) and answers that the predecessor need not
+    write ``restore``, its end checkpoint. Returns the state it carries on (None where it could not:
+    it answered "not taken", the checkpoint follows) and the checkpoint its own wait for: ``restore``,
+    or where the predecessor writes none, the one the predecessor built on."""
     files, carried = PhaseDir(source), None
-    reason = ph.made.refusal
     offered = files.read_offer(ph.rank)
-    if reason is None and offered is None:
-        reason = f"no offer in {files.offer_path(ph.rank)}"
-    if reason is None and offered.transport != transport_of(ph):
-        reason = f"offered through {offered.transport}"
-    if reason is None and offered.device != device_id(ph.device):
-        reason = f"offered on device {offered.device}, this rank is on {device_id(ph.device)}"
+    reason = _unfit(ph, offered, files)
+    keep = defer and reason is None and _can_carry(ph, offered)
     if reason is None:
         try:
-            carried = _copy_in(ph, offered, files.blob_path(ph.rank))
+            carried = _copy_in(ph, offered, files.blob_path(ph.rank), keep)
         except (RuntimeError, OSError, KeyError) as e:  # torch.OutOfMemoryError is a RuntimeError
             reason = f"{type(e).__name__}: {e}"
-    files.write_answer(ph.rank, Answer(taken=reason is None, by="successor", reason=reason or ""))
+    files.write_answer(ph.rank, Answer(taken=reason is None, by="successor", reason=reason or "",
+                                       write=not (keep and reason is None)))
     ph.timeline.mark("t_taken")
     ph.timeline.add(handover="device" if reason is None else "checkpoint", handover_reason=reason)
     if reason is not None:
-        return None
+        return None, restore
     # After the answer: these come from committed checkpoints, not the predecessor, which need not
     # wait for them to free its device and write its own.
     _layers_trained_between(ph, offered.carried, frozenset(carried.masters))
-    return carried
+    if not keep:
+        return carried, restore
+    ph.timeline.add(predecessor_wrote=False, carried_layers=sorted({_layer_of(ph, n) for n in ph.made.carried}))
+    return carried, Path(offered.carried["restore"]) if offered.carried.get("restore") else None
 
 
-def _copy_in(ph: Phase, offered: Offer, blob: Path) -> PhaseState:
+def _unfit(ph: Phase, offered: Offer | None, files: PhaseDir) -> str | None:
+    """Why this rank cannot take ``offered`` over; None: it can."""
+    if ph.made.refusal is not None:
+        return ph.made.refusal
+    if offered is None:
+        return f"no offer in {files.offer_path(ph.rank)}"
+    if offered.transport != transport_of(ph):
+        return f"offered through {offered.transport}"
+    if offered.device != device_id(ph.device):
+        return f"offered on device {offered.device}, this rank is on {device_id(ph.device)}"
+    return None
+
+
+def _can_carry(ph: Phase, offered: Offer) -> bool:
+    """Whether the offered masters of other layers than this phase's fit on its device beside the
+    phase's planned peak (on the host, always): else its predecessor writes its checkpoint."""
+    if ph.device.type != "cuda":
+        return True
+    made = ph.made
+    names = [r for r in offered.tensors if r.name.startswith("master/")
+             and r.name[len("master/"):] not in made.body_names and r.name[len("master/"):] not in made.head_names]
+    extra = sum(math.prod(r.shape) * 4 for r in names)
+    return ph.spec.handover.peak_bytes + extra <= torch.cuda.mem_get_info(ph.device)[1]
+
+
+def _layer_of(ph: Phase, name: str) -> int:
+    return int(name[len(ph.made.origin.layers_attr) + 1:].split(".", 1)[0])
+
+
+def _copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool = False) -> PhaseState:
     """Own copies of the offered weights (into the model), the head's state and the layers' fp32
-    masters (the state carried on); then the mappings go."""
+    masters (the state carried on), with ``keep`` the other layers' masters too (``Prepared.carried``);
+    then the mappings go."""
     made = ph.made
     parts = _unpack(_map(offered, blob, ph.device))
     faults.point("handover.copying", rank=ph.rank)
@@ -268,6 +306,8 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path) -> PhaseState:
             module._buffers[leaf] = parts[BUFFERS][name].clone()
         head = {k: {n: parts[k][n].clone() for n in made.head_names} for k in zero_state.KEYS}
         layers = {n: t.clone() for n, t in parts["master"].items() if n in made.body_names}
+        others = set(parts["master"]) - set(made.body_names) - set(made.head_names) if keep else set()
+        made.carried = {n: parts["master"][n].clone() for n in others}
     del parts
     if ph.device.type == "cuda":
         torch.cuda.synchronize(ph.device)

@@ -31,8 +31,9 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict,
             phase.built = switch.assemble(phase, go, delta)
             switch.restore(phase)
         done = train.train(phase, stop)
-        snap = handover.offer(phase) if done else None
-        save.save(phase, phase_complete=done, snap=snap)
+        snap, write = handover.offer(phase) if done else (None, True)
+        if write:  # else its successor took its state and carries it on to its own checkpoint
+            save.save(phase, phase_complete=done, snap=snap)
         if phase.wandb is not None:
             phase.wandb.finish()
     except BaseException:

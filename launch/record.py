@@ -7,7 +7,7 @@ module imports them back."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,10 @@ class Prepared:
     trained: dict[str, torch.Tensor]
     """fp32 weights of the trainable parameters, for their fp32 masters (the module may be bf16);
     emptied once they are in the engine."""
+    carried: dict[str, torch.Tensor] = field(default_factory=dict)
+    """fp32 masters of other layers than this phase's, trained by phases since the last checkpoint
+    whose ends wrote none (``checkpoint.every_seconds``), taken over from the predecessor: its
+    checkpoint, or its offer to its successor, holds them too."""
 
 
 @dataclass

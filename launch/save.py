@@ -27,7 +27,7 @@ def snapshot(ph: Phase) -> PhaseState:
     zero_state.relink(built.engine)
     head = zero_state.get_state(built.head, on_device=True)
     masters = zero_state.get_masters(built.body, on_device=True)
-    return _state(ph, True, head, masters)
+    return _state(ph, True, head, {**ph.made.carried, **masters})
 
 
 def save(ph: Phase, phase_complete: bool, snap: PhaseState | None = None) -> Path | None:
@@ -99,16 +99,20 @@ def _gather(ph: Phase, phase_complete: bool, prepared: StateFiles | None) -> Pha
     else:
         body = zero_state.get_state(built.body, into={"master": masters_into}, **gather)
         masters = body.pop("master", {})
-    state = _state(ph, phase_complete, head, masters, body)
+    carried = {n: zero_state.to_host(t, t.shape, None, ph.made.staging) for n, t in ph.made.carried.items()} \
+        if writer else {}
+    state = _state(ph, phase_complete, head, {**carried, **masters}, body)  # collectives: every rank
     return state if writer else None
 
 
 def _state(ph: Phase, phase_complete: bool, head: dict, masters: dict, body: dict | None = None) -> PhaseState:
     spec = ph.spec
     head_step, body_step = _steps(ph)
+    prefix = ph.made.origin.layers_attr + "."
+    carried = sorted({int(n[len(prefix):].split(".", 1)[0]) for n in ph.made.carried})
     return PhaseState(step=ph.step, phase=spec.phase, layers=list(spec.layers), phase_complete=phase_complete,
                       head_step=head_step, body_step=body_step, head=head, masters=masters, run=run_state(ph),
-                      body=body, lr=lr_at(max(ph.step - 1, 0), spec.optimizer))
+                      body=body, lr=lr_at(max(ph.step - 1, 0), spec.optimizer), carried=carried)
 
 
 def _steps(ph: Phase) -> tuple[int, int]:

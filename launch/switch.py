@@ -29,6 +29,9 @@ class Go:
 
     restore: Path | None
     offer_from: Path | None = None
+    defer: bool = False
+    """Where it takes the state over, the predecessor need not write its checkpoint: this phase
+    carries what it trained on (``checkpoint.every_seconds``)."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ def await_go(ph: Phase) -> tuple[Go, Delta | None]:
     ph.timeline.mark("t_go")
     _foreground(ph)
     paths = [Path(go[k]) if go[k] else None for k in ("restore", "handover")]
-    return Go(*paths), delta
+    return Go(*paths, defer=go["defer"] is True), delta
 
 
 def _foreground(ph: Phase) -> None:
@@ -107,10 +110,10 @@ def assemble(ph: Phase, go: Go, delta: Delta | None) -> Assembled:
     ph.stage("building the engine")
     ph.timeline.add(memory_start=memory_now())
     if go.offer_from is not None:
-        taken = handover.take(ph, go.offer_from)
-        if taken is not None:  # its checkpoints wait for the predecessor's
+        taken, base = handover.take(ph, go.offer_from, go.restore, go.defer)
+        if taken is not None:  # its checkpoints wait for the predecessor's (or, where it writes none, for its base)
             ph.timeline.mark("t_delta_loaded")
-            return build_engine(ph, made, Source(go.restore, taken, taken=True, awaiting=go.restore))
+            return build_engine(ph, made, Source(base, taken, taken=True, awaiting=base))
         ph.checkpoints.wait_committed(go.restore)  # it answered "not taken": the checkpoint is read once committed
     if made.skeleton:  # prepared to take over, but the go names a checkpoint only
         host_model(ph, made)

@@ -143,7 +143,7 @@ LAYOUTS = {"pad": "one example a row, padded or cut to", "stream": "one stream c
 
 
 def _echo_data_line(loaded, phases, data: dict) -> None:
-    from orchestrator.space import data_cache_bytes, describe, disk_need, file_system_of
+    from orchestrator.space import data_cache_bytes, describe, disk_need, file_system_of, write_rate
 
     st, train = data["stats"], data["stats"]["train"]
     click.echo(f"data: {train['examples']} examples, {train['rows']} rows of {st['seq_len']} tokens "
@@ -158,6 +158,8 @@ def _echo_data_line(loaded, phases, data: dict) -> None:
     need = disk_need(loaded, phases, data_cache_bytes(splits))
     if need is not None:
         click.echo(describe(need, file_system_of(loaded.output_dir)))
+    if (rate := write_rate(loaded, phases)) is not None:
+        click.echo(rate)
 
 
 def _source_line(src: dict) -> str:

@@ -10,6 +10,7 @@ order, from the loop) only once it has returned.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Callable
 
 from orchestrator.groups import Group
@@ -34,7 +35,9 @@ class Committer:
         self.queue: list[tuple[Group, Group | None, Later[None], float]] = []
 
     def submit(self, finished: Group, current: Group | None) -> None:
-        self.queue.append((finished, current, Later(make_durable, finished.end), time.monotonic()))
+        """``finished.end`` None: its end wrote no checkpoint (``Cadence``): journaled in turn all the same."""
+        durable = Later(make_durable, finished.end) if finished.end is not None else Later.now(None)
+        self.queue.append((finished, current, durable, time.monotonic()))
 
     def behind(self) -> bool:
         return len(self.queue) > BEHIND_PHASES or \
@@ -47,3 +50,20 @@ class Committer:
             finished, current, durable, _ = self.queue.pop(0)
             durable.result()  # raised here, in the loop: nothing is journaled for it
             self.done(finished, current)
+
+
+class Cadence:
+    """``checkpoint.every_seconds``: whether a phase that hands its state over to a successor that
+    takes it writes its end checkpoint. ``defer`` is asked at each such go; ``wrote`` is told of
+    every go (or cold start) whose predecessor writes one. ``base``: the newest checkpoint written
+    or being written, which the phases pre-warmed from now on preload (a deferred phase end's
+    checkpoint never exists)."""
+
+    def __init__(self, every_seconds: float, base: Path | None):
+        self.every, self.base, self.at = every_seconds, base, time.monotonic()
+
+    def defer(self) -> bool:
+        return self.every > 0 and time.monotonic() - self.at < self.every
+
+    def wrote(self, restore: Path | None) -> None:
+        self.base, self.at = restore, time.monotonic()

@@ -148,9 +148,11 @@ class Display(Observer):
             "resumed": lambda: f"resuming at step {e['step']}" + (f" from {e['checkpoint']}" if e.get("checkpoint") else ""),
             "phase_started": lambda: f"phase {e['phase']} started: steps {e['start_step']}-{e['end_step'] - 1}, "
                                      f"layers {e['layers']}, {e['nproc']} process(es)",
-            "phase_done": lambda: f"phase {e['phase']} done at step {e['step']} " + (
+            "phase_done": lambda: None if "checkpoint_at" in e else f"phase {e['phase']} done at step {e['step']} " + (
                 "(found at the resume: its checkpoint is whole, the journal did not say so)"
                 if e.get("recovered") else f"in {e['seconds']:.1f} s"),
+            "phase_trained": lambda: f"phase {e['phase']} done at step {e['step']}; its layers go on to the next "
+                                     "checkpoint (checkpoint.every_seconds)",
             "checkpoint_skipped": lambda: f"skipping damaged checkpoint: {e['fault']}",
             # A phase's prepared files (.tmp-prepared.*) go whenever its phase does not run: no news.
             "stray_removed": lambda: None if ".tmp-prepared." in e["path"] else

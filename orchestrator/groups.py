@@ -215,10 +215,12 @@ class PhaseProcesses:
             reasons = [*silent_ranks(group.phase_dir, group.world), *reasons]
         return f"its processes ended {exit_text(rc)}", group.log_path, reasons
 
-    def go(self, group: Group, restore: Path | None, handover: Path | None = None) -> None:
+    def go(self, group: Group, restore: Path | None, handover: Path | None = None, defer: bool = False) -> None:
         """Tells a pre-warmed group its checkpoint; called only once its predecessor is gone, or,
-        with ``handover`` (the predecessor's phase directory), once it has made its offers."""
-        record = GO.encode(restore=str(restore) if restore else None, handover=str(handover) if handover else None)
+        with ``handover`` (the predecessor's phase directory), once it has made its offers; ``defer``:
+        where it takes the state over, the predecessor's end writes no checkpoint (``checkpoint.every_seconds``)."""
+        record = GO.encode(restore=str(restore) if restore else None, handover=str(handover) if handover else None,
+                           defer=defer)
         # The records wait in the pipe for ranks still preparing; the FIFO stays open until the
         # group is gone, since a pipe's data goes with its last open descriptor.
         for _ in range(group.world):

@@ -22,7 +22,7 @@ from orchestrator.dsconfig import recorded_raw
 from orchestrator.groups import Group, PhaseProcesses, Work
 from orchestrator.errors import STOP_SIGNALS, PhaseFailed, Preempted, RelayerError
 from orchestrator.changes import check_same_schedule
-from orchestrator.commit import Committer
+from orchestrator.commit import Cadence, Committer
 from orchestrator.journal import Journal
 from orchestrator.quiet import Pauser
 from orchestrator.resume import next_work, restore_point, resume_point, set_aside_after
@@ -102,6 +102,9 @@ class Runner:
                                      lambda work, phase_dir: phase_spec(loaded, self.phases, work, phase_dir, estimate))
         self.pauser = Pauser(loaded.schedule.launch.pause_preparing_seconds, self._event)
         self.committer = Committer(self._phase_done)
+        self.undurable: list[Group] = []
+        """Phases done whose ends wrote no checkpoint (``checkpoint.every_seconds``): journaled done
+        with the next one."""
         self.supervision = Context(
             run_dir=self.run_dir, grace=loaded.schedule.launch.grace_seconds, groups=self.groups,
             pauser=self.pauser, event=self._event, stop_signal=lambda: self.stop_signal, abort=self._abort,
@@ -213,6 +216,8 @@ class Runner:
     def _loop(self, fresh: bool) -> None:
         self._clear_leftovers()
         switch = Switch(None, self._start_point(fresh))
+        self.cadence = Cadence(self.loaded.schedule.checkpoint.every_seconds,
+                               switch.work.restore if switch.work is not None else None)
         while switch.work is not None and self.stop_signal is None:
             switch = self._phase(switch)
         self._end_run(switch)
@@ -318,12 +323,21 @@ class Runner:
         self.groups.abort(groups)
 
     def _phase_done(self, finished: Group, current: Group | None) -> None:
-        """A finished phase's checkpoint is durable: journaled done, the device check (NVML is slow
-        to start) and retention (which must spare what ``current`` may still be loading)."""
+        """A finished phase's checkpoint is durable: journaled done (with the phases before it whose
+        ends wrote none, ``phase_trained`` until then), the device check (NVML is slow to start) and
+        retention (which must spare what ``current`` may still be loading)."""
         ph = finished.work.phase
+        if finished.end is None:  # its successor carries its layers on to a later checkpoint
+            self._event("phase_trained", phase=ph.index, step=ph.end_step, layers=list(ph.layers))
+            self.undurable.append(finished)
+            return
         self._event("checkpoint_committed", step=ph.end_step, path=str(finished.end))
-        self._event("phase_done", phase=ph.index, step=ph.end_step, layers=list(ph.layers), nproc=ph.nproc,
-                    seconds=finished.records["t_gone"] - finished.t_start, records=finished.records)
+        for done in [*self.undurable, finished]:
+            p = done.work.phase
+            self._event("phase_done", phase=p.index, step=p.end_step, layers=list(p.layers), nproc=p.nproc,
+                        seconds=done.records["t_gone"] - done.t_start, records=done.records,
+                        **({"checkpoint_at": ph.end_step} if done is not finished else {}))
+        self.undurable = []
         finished.end = None
         self._event("device_after_phase", phase=ph.index, nvml=devmem.snapshot(finished.pids))
         protect = {g.preload for g in (current, *self.ahead) if g is not None and g.preload}
@@ -340,10 +354,14 @@ class Runner:
         """The group to run ``switch.work``: the first pre-warmed one when it was made for it, told
         to go (naming the predecessor, which hands its state over), else a new one."""
         work, group, predecessor = switch.work, self._prewarmed(switch.work), switch.predecessor
+        # Where the predecessor hands its state over to a group that takes it, its end may write nothing.
+        defer = predecessor is not None and group is not None and group.takes and self.cadence.defer()
+        if not defer:
+            self.cadence.wrote(work.restore)
         if group is None:
             return self._start_cold(work)
         self.ahead.pop(0)
-        self.groups.go(group, work.restore, predecessor.group.phase_dir if predecessor is not None else None)
+        self.groups.go(group, work.restore, predecessor.group.phase_dir if predecessor is not None else None, defer)
         group.work, group.prewarmed = work, True
         return group
 
@@ -370,7 +388,7 @@ class Runner:
             nxt = self._after(last)
             if nxt is None:
                 return
-            ahead.append(self.groups.start(Work(nxt, nxt.start_step, work.restore), prewarm=True))
+            ahead.append(self.groups.start(Work(nxt, nxt.start_step, self.cadence.base), prewarm=True))
             self._event("prewarm_started", phase=nxt.index)
             last = nxt
 

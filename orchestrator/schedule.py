@@ -231,8 +231,17 @@ class LaunchSection(Section):
 class CheckpointSection(Section):
     every_steps: NonNegInt = 0
     """Mid-phase checkpoints for preemption; 0: only at phase ends."""
+    every_seconds: Annotated[float, Field(ge=0)] = 300.0
+    """Where a phase hands its state over to its successor (``launch.handover``), its end writes a
+    checkpoint only once this long has passed since the last one; the successor carries what it
+    trained on to the next. A stop (SIGTERM, SIGINT, SIGUSR1) and the run's end always write one; a
+    crash (SIGKILL, a lost node) costs the phases since the last, which the rerun trains again.
+    0: a checkpoint at every phase end; where the state goes through the checkpoint (no handover),
+    every phase end writes one anyway."""
     keep_last: PositiveInt = 2
     """Checkpoints kept whole; of older ones only the layers files a kept one composes from stay."""
+
+    _int_is_float = field_validator("every_seconds", mode="before")(int_is_float)
 
 
 class Schedule(Section):

@@ -4,7 +4,9 @@ both, ``run`` refuses (exit 2, before any phase process starts) where the need e
 Sizes follow orchestrator/estimate.py's parameter counts:
 
     a checkpoint   head x 12 bytes (fp32 master, exp_avg, exp_avg_sq) + the phase's layers x per_layer x 4
-                   (their fp32 masters); a stop's mid-phase checkpoint also the body's Adam moments (x 8)
+                   (their fp32 masters); a stop's mid-phase checkpoint also the body's Adam moments (x 8);
+                   where phase ends may write none (``carries``), every layer the run trains (a
+                   checkpoint holds the layers trained since the last one)
     checkpoints    (keep_last + 1) checkpoints (retention runs after the next one is durable) and the
                    layers files of the older checkpoints retention keeps as layer sources (``layer_sources``)
     data cache     the prepared rows: int32 input_ids and labels per token, two int32 per row
@@ -61,6 +63,30 @@ def layer_sources(phases: list[Phase], keep_last: int) -> int:
     return min(trained + (keep_last - 1) * widest, max(len(phases) - keep_last, 0))
 
 
+def carries(loaded: LoadedSchedule) -> bool:
+    """Whether a phase end may write no checkpoint, its successor carrying its layers on
+    (``checkpoint.every_seconds`` with a handover)."""
+    s = loaded.schedule
+    return s.checkpoint.every_seconds > 0 and s.launch.handover != "off" and s.launch.prewarm and s.launch.nnodes == 1
+
+
+def write_rate(loaded: LoadedSchedule, phases: list[Phase]) -> str | None:
+    """``plan``'s line on how much the run writes: at every phase end, or at most every every_seconds."""
+    try:
+        count = param_count(model_config(loaded))
+    except EstimateError:
+        return None
+    head, every = trained_head(loaded, count), loaded.schedule.checkpoint.every_seconds
+    widest = max(len(p.layers) for p in phases)
+    phase_end = format_bytes(_full(count, head, widest))
+    if not carries(loaded):
+        return f"checkpoints: every phase end writes up to {phase_end} (checkpoint.every_seconds = {every:g})"
+    most = _full(count, head, len({layer for p in phases for layer in p.layers}))
+    return (f"checkpoints: where the state is handed over, one at most every {every:g} s (checkpoint.every_seconds) "
+            f"of up to {format_bytes(most)} (the head and every layer trained since the last): at most "
+            f"{format_bytes(int(most / every))}/s; else every phase end writes up to {phase_end}")
+
+
 def _full(count: ParamCount, head: int, layers: int) -> int:
     return head * ADAM_BYTES + layers * count.per_layer * MASTER_BYTES
 
@@ -74,7 +100,8 @@ def disk_need(loaded: LoadedSchedule, phases: list[Phase], data_bytes: int) -> D
     except EstimateError:
         return None
     widest = max(len(p.layers) for p in phases)
-    full = _full(count, trained_head(loaded, count), widest)
+    held = len({layer for p in phases for layer in p.layers}) if carries(loaded) else widest
+    full = _full(count, trained_head(loaded, count), held)
     stop = widest * count.per_layer * (ADAM_BYTES - MASTER_BYTES)  # a stop's body optimizer state
     # Retention runs once the next checkpoint is durable: keep_last + 1 for a while. An older
     # checkpoint kept as a layer source keeps its layers file alone.

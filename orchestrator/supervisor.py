@@ -317,6 +317,8 @@ class Supervisor:
         self.deadline = time.time() + self.ctx.grace
         if self.state is not State.HANDING_OVER:  # which writes its checkpoint already
             self._enter(State.STOPPING)
+            if self.group.offers:  # a rank whose last step ends now offers its state to nobody: it writes instead
+                self.ctx.groups.decline(self.group, "stopped")
         self.ctx.event("stop_requested", phase=self.phase.index, signal=self.ctx.stop_signal())
 
     def waiting_for(self) -> str:
@@ -373,17 +375,20 @@ class Supervisor:
         records = {**PhaseDir(phase_dir).read_records(), **getattr(proc, "times", {}), "t_gone": t_gone}
         store = self.ctx.checkpoints
         end = store.at(ph.end_step)
+        written = records.get("checkpoint_written") is not False  # else its successor carries its state on
         # Stopped also where every rank was signalled from outside (scancel --signal=TERM) and wrote its
         # checkpoint; not where this reap signalled them (their launcher died: a fault).
         ranks = {rec.pid for rec in PhaseDir(phase_dir).pid_records(RANK)}
         stopped = self.ctx.stop_signal() is not None or \
             (not ranks & set(self.killed) and stopped_outside(phase_dir, group.world))
-        state = State.FAILED if self.stall else verdict(self.rc, lambda: not store.faults(end, checksums=False), stopped)
+        whole = (lambda: not store.faults(end, checksums=False)) if written else (lambda: True)
+        state = State.FAILED if self.stall else verdict(self.rc, whole, stopped)
         self._enter(state)
         if state is State.DONE:
             # Journaled by the runner once the next phase has its go and the checkpoint is durable.
-            group.records, group.end = records, end
-            store.trust(end)
+            group.records, group.end = records, end if written else None
+            if written:
+                store.trust(end)
             return
         self.ctx.abort(self.ahead)
         self.ctx.flush()

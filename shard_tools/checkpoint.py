@@ -259,6 +259,8 @@ def _write_files(tmp: Path, manifest: Manifest, files: dict[str, dict[str, torch
                 if durable:
                     fsync_path(path)
             else:
+                if prepared is not None and name in prepared.views:  # made ahead for other tensors (still mapped)
+                    path.unlink()
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
                 try:
                     checksum = digest.write_and_digest(fd, _safetensors_stream(tensors, metadata.get(name)), pool)

@@ -51,7 +51,8 @@ def _checkpoint_summary(ckpt: Path) -> dict[str, Any]:
         m = read_manifest(ckpt)
     except CheckpointError:
         return {**entry, "phase": None, "layers": [], "complete": False, "bytes": None, "faults": faults}
-    return {**entry, "phase": m.phase, "layers": m.layers, "phase_complete": m.phase_complete,
+    return {**entry, "phase": m.phase, "layers": m.layers, "carried_layers": m.carried_layers,
+            "phase_complete": m.phase_complete,
             "layers_only": m.layers_only, "complete": not faults, "bytes": sum(e.size for e in m.files.values()), "faults": faults}
 
 

@@ -77,11 +77,20 @@ class Manifest:
     layers_only: bool = False
     """Retention dropped its head, state and body optimizer state: a source of layers for the
     checkpoints after it, never a restore point."""
+    carried_layers: list[int] = field(default_factory=list)
+    """Layers its layers file holds besides its phase's: trained by phases since the last checkpoint
+    whose ends wrote none (``checkpoint.every_seconds``), carried on to this one."""
+
+    @property
+    def stored_layers(self) -> list[int]:
+        """Every layer its layers file holds: its phase's, then the carried ones."""
+        return [*self.layers, *(l for l in self.carried_layers if l not in self.layers)]
 
     def to_json(self) -> str:
         data = asdict(self)
-        if not self.layers_only:  # a full checkpoint's manifest stays as every earlier reader knows it
-            del data["layers_only"]
+        for name in ("layers_only", "carried_layers"):  # a manifest without them reads as every earlier reader knows it
+            if not data[name]:
+                del data[name]
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod
@@ -92,7 +101,7 @@ class Manifest:
             raise CheckpointError(f"{where}: not a valid manifest (not JSON: {e})") from None
         if not isinstance(data, dict):
             raise CheckpointError(f"{where}: not a valid manifest (not a JSON object)")
-        _check_fields(data, _FIELDS, where, "", optional={"extra", "format_version", "layers_only"})
+        _check_fields(data, _FIELDS, where, "", optional={"extra", "format_version", "layers_only", "carried_layers"})
         if data.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
             raise CheckpointError(f"{where}: format_version {data['format_version']}; this relayer reads "
                                   f"format {FORMAT_VERSION}")
@@ -128,6 +137,7 @@ _FIELDS = {
     "global_step": _count(), "phase": _count(), "head_step": _count(), "body_step": _count(),
     "world_size": _count(1), "zero_stage": _count(0, 3), "format_version": _count(),
     "layers": (lambda v: isinstance(v, list) and all(_count()[0](x) for x in v), "a list of integers >= 0"),
+    "carried_layers": (lambda v: isinstance(v, list) and all(_count()[0](x) for x in v), "a list of integers >= 0"),
     "phase_complete": _of(bool, "true or false"),
     "dtype": _of(str, "a string"),
     "files": (lambda v: isinstance(v, dict) and all(isinstance(e, dict) for e in v.values()),
@@ -226,7 +236,7 @@ def verify_checkpoint(ckpt: Path, *, checksums: bool = True) -> list[str]:
             elif checksums and name.endswith(".safetensors"):
                 # A manifest that vouches for a malformed file (a writer's bug) must not make it whole.
                 tensors, metadata = read_header(fd, f)
-                if name == LAYERS and (fault := _layers_fault(f, tensors, metadata, manifest.layers)):
+                if name == LAYERS and (fault := _layers_fault(f, tensors, metadata, manifest.stored_layers)):
                     faults.append(fault)
         except CheckpointError as e:
             faults.append(str(e))
@@ -251,7 +261,7 @@ def listing_fault(ckpt: Path) -> str | None:
     except (CheckpointError, OSError):
         return None
     try:
-        return _layers_fault(f, *read_header(fd, f), manifest.layers)
+        return _layers_fault(f, *read_header(fd, f), manifest.stored_layers)
     except CheckpointError:
         return None
     finally:

@@ -84,6 +84,13 @@ class PhaseState:
     """Mid-phase: the phase's layers' Adam moments, {``MOMENTS``: {parameter: tensor}}."""
     lr: float | None = None
     """The learning rate of the last step taken (None where a manifest does not say)."""
+    carried: list[int] = field(default_factory=list)
+    """Layers whose fp32 masters ``masters`` holds besides the phase's own: trained by phases since
+    the last checkpoint whose ends wrote none (``Manifest.carried_layers``)."""
+
+    @property
+    def stored_layers(self) -> list[int]:
+        return [*self.layers, *(l for l in self.carried if l not in self.layers)]
 
 
 @dataclass(frozen=True)
@@ -111,13 +118,14 @@ def save_state(run_dir: Path, state: PhaseState, origin: Origin, *, durable: boo
         files[BODY_OPTIM] = flatten(state.body or {})
     manifest = Manifest(
         global_step=state.step, phase=state.phase, layers=list(state.layers), phase_complete=state.phase_complete,
+        carried_layers=[l for l in state.carried if l not in state.layers],
         head_step=state.head_step, body_step=state.body_step, world_size=origin.world_size,
         zero_stage=origin.zero_stage, dtype=origin.base_model.dtype, files={}, versions=versions(), created=0.0,
         extra={"data_position": state.run.data_position, "persistent": origin.persistent,
                "base_model": asdict(origin.base_model), "tokenizer": origin.tokenizer,
                "layers_attr": origin.layers_attr, "lr": state.lr})
     files_ahead = prepared.release() if prepared is not None else None
-    return write_checkpoint(run_dir, manifest, files, _metadata(state.layers, origin.layers_attr), durable=durable,
+    return write_checkpoint(run_dir, manifest, files, _metadata(state.stored_layers, origin.layers_attr), durable=durable,
                             prepared=files_ahead, on_file_written=on_file_written)
 
 
@@ -136,7 +144,8 @@ def load_state(ckpt: Path, mapped: bool = False) -> tuple[PhaseState, Manifest]:
         step=manifest.global_step, phase=manifest.phase, layers=manifest.layers,
         phase_complete=manifest.phase_complete, head_step=manifest.head_step, body_step=manifest.body_step,
         head=_unflatten(ckpt / HEAD, tensors(HEAD), OPTIM_KEYS), masters=tensors(LAYERS),
-        run=RunState.of(load_tensors(ckpt / STATE)), body=body, lr=lr if isinstance(lr, (int, float)) else None)
+        run=RunState.of(load_tensors(ckpt / STATE)), body=body, lr=lr if isinstance(lr, (int, float)) else None,
+        carried=list(manifest.carried_layers))
     return state, manifest
 
 

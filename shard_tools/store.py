@@ -142,7 +142,7 @@ class Checkpoints:
                 m = read_manifest(ckpt)
             except CheckpointError as e:
                 raise CheckpointError(f"{e}; {upto.name} may compose layers from it") from None
-            sources.update(dict.fromkeys(m.layers, ckpt))
+            sources.update(dict.fromkeys(m.stored_layers, ckpt))
         return sources
 
     def source_faults(self, ckpt: Path, cached: bool = True) -> list[str]:

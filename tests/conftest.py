@@ -67,7 +67,8 @@ def schedule_dict(model_dir: Path, data_path: Path, **sections) -> dict:
                                 {"steps": 10, "layers": [0]}]},
         "deepspeed": {"zero_stage": 2},
         "launch": {"launcher": "local", "nproc": 1, "grace_seconds": 10},
-        "checkpoint": {"every_steps": 0, "keep_last": 10},
+        # A checkpoint at every phase end, as the tests of phase ends expect; the cadence has its own.
+        "checkpoint": {"every_steps": 0, "every_seconds": 0, "keep_last": 10},
     }
     for name, values in sections.items():
         if values is None:

@@ -71,7 +71,7 @@ class Channel:
         return self.decode(data)
 
 
-GO = Channel(4096, frozenset({"restore", "handover"}))
+GO = Channel(4096, frozenset({"restore", "handover", "defer"}))
 """phase-NNNN/go: a pre-warmed phase's checkpoint to restore (or None: the base model), one record
 per rank, written once its predecessor's processes are gone; or, with ``handover`` (the
 predecessor's phase directory), once every rank of the predecessor has made its offer: the

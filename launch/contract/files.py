@@ -228,6 +228,9 @@ class Answer(_Record):
     taken: bool
     by: Literal["successor", "orchestrator"]
     reason: str = ""
+    write: bool = True
+    """False: taken, and the successor carries what this phase trained on to its own checkpoint
+    (``checkpoint.every_seconds``): this phase's end writes none."""
 
 
 def write_reason(path: Path, error: BaseException) -> None:

@@ -161,10 +161,10 @@ def test_stages_append_lines_and_clear_removes_what_an_attempt_left(tmp_path):
 
 # -- the channels -------------------------------------------------------------------------------
 def test_records_are_padded_to_the_channel_size_and_round_trip():
-    go = GO.encode(restore="/runs/a/checkpoints/step-00000010", handover="/runs/a/phases/phase-0000")
+    go = GO.encode(restore="/runs/a/checkpoints/step-00000010", handover="/runs/a/phases/phase-0000", defer=False)
     assert len(go) == 4096 and go.endswith(b" ")
-    assert GO.decode(go) == {"restore": "/runs/a/checkpoints/step-00000010", "handover": "/runs/a/phases/phase-0000"}
-    assert GO.decode(GO.encode(restore=None, handover=None)) == {"restore": None, "handover": None}
+    assert GO.decode(go) == {"restore": "/runs/a/checkpoints/step-00000010", "handover": "/runs/a/phases/phase-0000", "defer": False}
+    assert GO.decode(GO.encode(restore=None, handover=None, defer=True)) == {"restore": None, "handover": None, "defer": True}
     request = FORK_REQUESTS.encode(spec="/runs/a/phases/phase-0001/spec.json", nproc=2)
     assert len(request) == 4096
     assert FORK_REQUESTS.decode(request) == {"spec": "/runs/a/phases/phase-0001/spec.json", "nproc": 2}
@@ -173,16 +173,16 @@ def test_records_are_padded_to_the_channel_size_and_round_trip():
 def test_a_record_that_does_not_fit_is_an_error():
     # Past PIPE_BUF a write may interleave with another's: it must not be written at all.
     with pytest.raises(ValueError, match="does not fit the channel's 4096"):
-        GO.encode(restore="/" + "x" * 2048, handover="/" + "x" * 2048)
+        GO.encode(restore="/" + "x" * 2048, handover="/" + "x" * 2048, defer=False)
     with pytest.raises(ValueError, match="keys"):
-        GO.encode(restore=None, handover=None, spec="x")
+        GO.encode(restore=None, handover=None, defer=False, spec="x")
     with pytest.raises(ValueError, match="keys"):
         GO.encode(restore=None)
 
 
 def test_a_short_or_foreign_record_is_an_error():
     with pytest.raises(ValueError, match="a record of 4095 bytes, expected 4096"):
-        GO.decode(GO.encode(restore=None, handover=None)[:-1])
+        GO.decode(GO.encode(restore=None, handover=None, defer=False)[:-1])
     with pytest.raises(ValueError, match="not a record of keys"):
         GO.decode(json.dumps({"spec": "x", "nproc": 1}).encode().ljust(4096))
 
@@ -210,10 +210,10 @@ def test_read_calls_idle_until_the_go_comes(tmp_path):
     def idle():
         calls.append(1)
         if len(calls) == 3:
-            os.write(keep, GO.encode(restore="/c", handover=None))
+            os.write(keep, GO.encode(restore="/c", handover=None, defer=False))
 
     try:
-        assert GO.read(fd, idle, interval=0.001) == {"restore": "/c", "handover": None}
+        assert GO.read(fd, idle, interval=0.001) == {"restore": "/c", "handover": None, "defer": False}
         assert len(calls) == 3
         os.close(keep)
         keep = -1

@@ -72,11 +72,11 @@ def test_an_answer_names_who_gave_it():
 
 
 def test_the_go_names_the_offering_phase(tmp_path):
-    record = GO.encode(restore=str(tmp_path / "checkpoints" / "step-00000010"), handover=str(tmp_path / "phase-0000"))
+    record = GO.encode(restore=str(tmp_path / "checkpoints" / "step-00000010"), handover=str(tmp_path / "phase-0000"), defer=False)
     assert len(record) == 4096
     assert GO.decode(record) == {"restore": str(tmp_path / "checkpoints" / "step-00000010"),
-                                 "handover": str(tmp_path / "phase-0000")}
-    assert GO.decode(GO.encode(restore=None, handover=None)) == {"restore": None, "handover": None}
+                                 "handover": str(tmp_path / "phase-0000"), "defer": False}
+    assert GO.decode(GO.encode(restore=None, handover=None, defer=True)) == {"restore": None, "handover": None, "defer": True}
     with pytest.raises(ValueError):
         GO.encode(restore=None)  # the key is always there: None where there is no handover
 

@@ -82,7 +82,14 @@ def final(uninterrupted, tiny_model):
     return composed(tiny_model, uninterrupted)
 
 
-def test_random_kill_chain_resumes_bitwise(tmp_path, tiny_model, tiny_data, final):
+# "cadence": each phase hands its state over (the host transport) and only a stop or the run's end
+# writes a checkpoint (checkpoint.every_seconds, #23); a kill then loses everything since the last.
+CADENCE = {"launch": {"handover": "on", "prewarm_depth": 1},
+           "checkpoint": {"every_steps": EVERY, "keep_last": 100, "every_seconds": 1e6}}
+
+
+@pytest.mark.parametrize("variant", ["checkpoints", pytest.param("cadence", marks=pytest.mark.slow)])
+def test_random_kill_chain_resumes_bitwise(tmp_path, tiny_model, tiny_data, final, variant):
     """12 kills that interrupt a run, at seeded random moments; after each, running again goes on.
 
     Where a run completes before the next kill (fast machines), its result is checked and a new
@@ -91,7 +98,7 @@ def test_random_kill_chain_resumes_bitwise(tmp_path, tiny_model, tiny_data, fina
     rng = random.Random(1234)
     kinds = ["worker_sigkill", "write_sigkill", "orchestrator_sigkill", "orchestrator_sigterm"] * 3
     rng.shuffle(kinds)
-    sched = schedule(tmp_path, tiny_model, tiny_data)
+    sched = schedule(tmp_path, tiny_model, tiny_data, **(CADENCE if variant == "cadence" else {}))
     run = tmp_path / "run"
     interrupted, chains, attempts = [], 0, 0
 
