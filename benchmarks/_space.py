@@ -143,11 +143,16 @@ def _placements(s: Sizes, run_disk: int, outputs: int) -> list[tuple[str, str, i
 
 
 def plan(shape: dict, phases: list[list[int]], *, free_disk: int, free_shm: int, ram: int, device: int,
-         final_model: bool, peer_output: bool, want_handover: bool, prewarm: bool, keep_last: int = 2) -> Plan:
+         final_model: bool, peer_output: bool, want_handover: bool, prewarm: bool, keep_last: int = 2,
+         carried: int = 0) -> Plan:
     """The first placement (most on disk) that fits, with the deepest pre-warming (at most the
-    default) whose host memory fits and the micro batch that fits the device with it."""
+    default) whose host memory fits and the micro batch that fits the device with it. ``carried``:
+    the run's phase ends write no checkpoint but this many (``checkpoint.every_seconds``), each
+    holding every layer trained since the last (counted as every layer the run trains)."""
     s = sizes(shape["model"])
-    run_disk = retained_disk(phases, s.checkpoint, keep_last) + (s.final_model() if final_model else 0)
+    trained = len({layer for p in phases for layer in p})
+    checkpoints = carried * s.checkpoint(trained) if carried else retained_disk(phases, s.checkpoint, keep_last)
+    run_disk = checkpoints + (s.final_model() if final_model else 0)
     outputs = s.final_model() if peer_output else 0
     for model_on, work_on, disk, shm in _placements(s, run_disk, outputs):
         for d in range(DEFAULT_DEPTH if prewarm else 0, -1, -1):
@@ -179,6 +184,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--peer-output", action="store_true", help="the peer writes a model too (before relayer runs)")
     ap.add_argument("--handover", action="store_true", help="the run wants the device handover")
     ap.add_argument("--no-prewarm", action="store_true")
+    ap.add_argument("--carried", type=int, default=0,
+                    help="the run writes this many checkpoints, each of every layer (checkpoint.every_seconds); "
+                         "0: one at every phase end")
     ap.add_argument("--shell", action="store_true", help="print shell assignments instead of JSON")
     return ap.parse_args(argv)
 
@@ -190,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
               layer_walk(args.layers, args.phases or shape["phases"], shape["model"]["num_hidden_layers"], args.seed))
     p = plan(shape, phases, free_disk=free_bytes(args.disk), free_shm=free_bytes(args.shm),
              ram=psutil.virtual_memory().available, device=args.device_memory, final_model=args.final_model,
-             peer_output=args.peer_output, want_handover=args.handover, prewarm=not args.no_prewarm)
+             peer_output=args.peer_output, want_handover=args.handover, prewarm=not args.no_prewarm,
+             carried=args.carried)
     if args.shell:
         at = {"disk": args.disk, "shm": args.shm}
         print(f"MODEL_DIR={at[p.model_on]}/model-{args.shape} WORK_DIR={at[p.work_on]}/work MICRO={p.micro_batch} "

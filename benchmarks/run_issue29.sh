@@ -44,7 +44,7 @@
 # On a CPU, for trying the script itself (tiny shapes, a few minutes each):
 #     OUT=/tmp/o DS_ACCELERATOR=cpu I29_TINY=1 bash benchmarks/run_issue29.sh peer7b
 set -uo pipefail
-STEP=${1:?usage: run_issue29.sh peer7b|lisa7b|lisa13|big|big13|big30}
+STEP=${1:?usage: run_issue29.sh peer7b|lisa7b|lisa13|big|big13|big30|long11|long7}
 : "${OUT:?set OUT to the folder the results go to}"
 T0=$(date +%s)
 S=${I29_SCRATCH:-/tmp/i29}
@@ -156,6 +156,25 @@ big30() {
     rm -rf "$WORK_DIR/big30" "$SHM/model-30b"
 }
 
+# Issue #23's long runs (checkpoint.every_seconds), each one device command:
+#   long11  ~8 min  1.1B, 200 LISA phases x 20 steps at the default cadence (300 s): the run shorter
+#                   than 300 s of training writes few checkpoints, each of every layer trained since.
+#   long7   ~8 min  7B, 60 LISA phases x 20 steps at the default cadence, then 16 phases with
+#                   every_seconds = 0 (a checkpoint at every phase end), for the switches beside it.
+long11() {
+    space 1.1b --layers lisa --phases 200 --handover --carried 2 || exit 3
+    switch long11 1.1b --phases 200 --steps 20 --timeout 540
+    rm -rf "$WORK_DIR/long11"
+}
+
+long7() {
+    space 7b --layers lisa --phases 60 --handover --carried 1 || exit 3
+    switch long7 7b --phases 60 --steps 20 --timeout 330
+    rm -rf "$WORK_DIR/long7"
+    switch long7-every-phase 7b --phases 16 --steps 20 --every-seconds 0 --timeout 180
+    rm -rf "$WORK_DIR/long7-every-phase"
+}
+
 case "$STEP" in
     peer7b) peer7b ;;
     lisa7b) lisa7b ;;
@@ -163,5 +182,7 @@ case "$STEP" in
     big30) big30 ;;
     big) big13; big30 ;;
     lisa13) lisa7b; big13 ;;  # one machine start for both (~7 min)
-    *) say "unknown step $STEP (peer7b, lisa7b, lisa13, big, big13, big30)"; exit 2 ;;
+    long11) long11 ;;
+    long7) long7 ;;
+    *) say "unknown step $STEP (peer7b, lisa7b, lisa13, big, big13, big30, long11, long7)"; exit 2 ;;
 esac
