@@ -151,7 +151,8 @@ def plan(shape: dict, phases: list[list[int]], *, free_disk: int, free_shm: int,
     holding every layer trained since the last (counted as every layer the run trains)."""
     s = sizes(shape["model"])
     trained = len({layer for p in phases for layer in p})
-    checkpoints = carried * s.checkpoint(trained) if carried else retained_disk(phases, s.checkpoint, keep_last)
+    checkpoints = carried * s.checkpoint(trained) + trained * s.per_layer * 4 if carried else \
+        retained_disk(phases, s.checkpoint, keep_last)
     run_disk = checkpoints + (s.final_model() if final_model else 0)
     outputs = s.final_model() if peer_output else 0
     for model_on, work_on, disk, shm in _placements(s, run_disk, outputs):

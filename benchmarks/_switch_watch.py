@@ -70,7 +70,13 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def phase_pids(phase_dir: Path, prefix: str = "") -> list[int]:
     # The local launcher execs the worker, so "launcher" and "rank-0" can name the same pid.
-    return sorted({json.loads(p.read_text())["pid"] for p in (phase_dir / "pids").glob(f"{prefix}*.json")})
+    pids = set()
+    for p in (phase_dir / "pids").glob(f"{prefix}*.json"):
+        try:
+            pids.add(json.loads(p.read_text())["pid"])
+        except (OSError, ValueError):  # the phase's folder pruned (KEEP_PHASE_DIRS) or being written
+            continue
+    return sorted(pids)
 
 
 def leftovers(sample: dict, pids: list[int]) -> list[dict]:

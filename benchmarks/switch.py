@@ -191,7 +191,7 @@ def write_schedule(path: Path, setup: dict) -> None:
         "launch": {"launcher": "local", "nproc": setup["nproc"],  # relayer's defaults unless given
                    **{k: setup[k] for k in ("prewarm", "prewarm_depth", "pause_preparing_seconds", "handover")
                       if setup.get(k) is not None}},
-        "checkpoint": {"every_steps": 0, "keep_last": 2,
+        "checkpoint": {"every_steps": 0, "keep_last": setup.get("keep_last") or 2,
                        **({"every_seconds": setup["every_seconds"]} if setup.get("every_seconds") is not None else {})},
     }
     text = "".join(f"[{name}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in body.items()) + "\n"
@@ -391,6 +391,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="the phases' layers: walk (2 a phase in turn, the default) or lisa (sampled with --seed)")
     ap.add_argument("--every-seconds", type=float,
                     help="relayer's [checkpoint] every_seconds (default: relayer's; 0: a checkpoint at every phase end)")
+    ap.add_argument("--keep-last", type=int, help="relayer's [checkpoint] keep_last (default: 2)")
     ap.add_argument("--prewarm-depth", type=int, help="relayer's [launch] prewarm_depth (default: relayer's)")
     ap.add_argument("--prewarm", choices=("on", "off"), help="relayer's [launch] prewarm (default: relayer's)")
     ap.add_argument("--micro-batch", type=int, help="examples a process's forward pass takes (default: the "
@@ -430,6 +431,7 @@ def make_setup(args: argparse.Namespace, shape: dict, work: Path, cuda: bool) ->
         "dtype": "bfloat16" if cuda else "float32", "zero_stage": args.zero_stage, "nproc": args.nproc,
         "prewarm_depth": args.prewarm_depth, "pause_preparing_seconds": args.pause_preparing_seconds,
         "handover": args.handover, "seq_len": shape["seq_len"], "every_seconds": args.every_seconds,
+        "keep_last": args.keep_last,
         # The shape's batch is a process's: the global batch grows with the processes, the work of each stays.
         "batch_size": shape["batch_size"] * args.nproc, "micro_batch_size": args.micro_batch or shape["micro_batch_size"],
         "prewarm": None if args.prewarm is None else args.prewarm == "on",
@@ -481,7 +483,7 @@ def bare_process(args: argparse.Namespace, work: Path, cuda: bool) -> dict:
 def new_result(name: str, date: dt.datetime, device: str, hw: dict, shape_name: str, shape: dict,
                setup: dict, notes: list[str]) -> dict:
     keys = ("dtype", "zero_stage", "nproc", "handover", "seq_len", "batch_size", "micro_batch_size", "lr", "phases",
-            "prewarm", "prewarm_depth", "pause_preparing_seconds", "layer_order", "every_seconds")
+            "prewarm", "prewarm_depth", "pause_preparing_seconds", "layer_order", "every_seconds", "keep_last")
     return {
         "name": name, "date": date.isoformat(timespec="seconds"), "device": device, "hardware": hw,
         "versions": {**versions(), "relayer": relayer_source()}, "seconds_total": None,

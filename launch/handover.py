@@ -28,7 +28,7 @@ from launch import zero_state
 from launch.contract import faults
 from launch.contract.files import Answer, Offer, PhaseDir, TensorRef
 from launch.record import Phase, Prepared
-from launch.save import snapshot
+from launch.save import carried_layer, snapshot
 from shard_tools.errors import CheckpointError
 from shard_tools.state import PhaseState, RunState, layer_weights
 
@@ -252,7 +252,7 @@ def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False) -> 
     _layers_trained_between(ph, offered.carried, frozenset(carried.masters))
     if not keep:
         return carried, restore
-    ph.timeline.add(predecessor_wrote=False, carried_layers=sorted({_layer_of(ph, n) for n in ph.made.carried}))
+    ph.timeline.add(predecessor_wrote=False, carried_layers=sorted({carried_layer(ph, n) for n in ph.made.carried}))
     return carried, Path(offered.carried["restore"]) if offered.carried.get("restore") else None
 
 
@@ -271,18 +271,15 @@ def _unfit(ph: Phase, offered: Offer | None, files: PhaseDir) -> str | None:
 
 def _can_carry(ph: Phase, offered: Offer) -> bool:
     """Whether the offered masters of other layers than this phase's fit on its device beside the
-    phase's planned peak (on the host, always): else its predecessor writes its checkpoint."""
+    switch's planned peak (on the host, always), twice: the predecessor holds them too until it
+    exits. Else its predecessor writes its checkpoint, and the carried layers start over."""
     if ph.device.type != "cuda":
         return True
     made = ph.made
     names = [r for r in offered.tensors if r.name.startswith("master/")
              and r.name[len("master/"):] not in made.body_names and r.name[len("master/"):] not in made.head_names]
     extra = sum(math.prod(r.shape) * 4 for r in names)
-    return ph.spec.handover.peak_bytes + extra <= torch.cuda.mem_get_info(ph.device)[1]
-
-
-def _layer_of(ph: Phase, name: str) -> int:
-    return int(name[len(ph.made.origin.layers_attr) + 1:].split(".", 1)[0])
+    return ph.spec.handover.peak_bytes + 2 * extra <= torch.cuda.mem_get_info(ph.device)[1]
 
 
 def _copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool = False) -> PhaseState:

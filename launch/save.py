@@ -17,6 +17,7 @@ from launch.scaler import scaler_fields
 from launch.zero_state import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DECAY
 from shard_tools.errors import CheckpointError
 from shard_tools.later import Later
+from shard_tools.manifest import layer_of
 from shard_tools.state import PhaseState, RunState, StateFiles, save_state
 
 
@@ -108,8 +109,7 @@ def _gather(ph: Phase, phase_complete: bool, prepared: StateFiles | None) -> Pha
 def _state(ph: Phase, phase_complete: bool, head: dict, masters: dict, body: dict | None = None) -> PhaseState:
     spec = ph.spec
     head_step, body_step = _steps(ph)
-    prefix = ph.made.origin.layers_attr + "."
-    carried = sorted({int(n[len(prefix):].split(".", 1)[0]) for n in ph.made.carried})
+    carried = sorted({carried_layer(ph, n) for n in ph.made.carried})
     return PhaseState(step=ph.step, phase=spec.phase, layers=list(spec.layers), phase_complete=phase_complete,
                       head_step=head_step, body_step=body_step, head=head, masters=masters, run=run_state(ph),
                       body=body, lr=lr_at(max(ph.step - 1, 0), spec.optimizer), carried=carried)
@@ -123,6 +123,11 @@ def _steps(ph: Phase) -> tuple[int, int]:
     head_step = max(steps.get(by_role.get(r, -1), 0) for r in (HEAD_DECAY, HEAD_NO_DECAY))
     body_step = max((steps.get(by_role.get(r, -1), 0) for r in (BODY_DECAY, BODY_NO_DECAY)), default=0)
     return head_step, body_step
+
+
+def carried_layer(ph: Phase, name: str) -> int:
+    """The layer a carried master belongs to (``Prepared.carried``)."""
+    return layer_of(Path(ph.spec.phase_dir), name, ph.made.origin.layers_attr + ".")
 
 
 def run_state(ph: Phase) -> RunState:

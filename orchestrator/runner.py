@@ -19,7 +19,7 @@ from launch.contract.files import RunDir
 from orchestrator import backstop, devmem, final, procs
 from orchestrator.datastep import adopt_data, stage_data
 from orchestrator.dsconfig import recorded_raw
-from orchestrator.groups import Group, PhaseProcesses, Work
+from orchestrator.groups import Group, PhaseProcesses, Work, log_tail
 from orchestrator.errors import STOP_SIGNALS, PhaseFailed, Preempted, RelayerError
 from orchestrator.changes import check_same_schedule
 from orchestrator.commit import Cadence, Committer
@@ -369,7 +369,11 @@ class Runner:
         """A new group for ``work``; the ones ahead, made for a future that did not come, go."""
         if self.ahead:
             first = self.ahead[0]
-            self._event("prewarm_unused", phase=first.work.phase.index, rc=first.proc.poll())
+            rc = first.proc.poll()
+            # One that died while it waited: why, for the journal (its folder may be pruned later).
+            why = {} if rc is None else dict(zip(("who", "log", "reasons"), self.groups.failure(first, rc)))
+            self._event("prewarm_unused", phase=first.work.phase.index, rc=rc,
+                        **({**why, "log": str(why["log"]), "log_tail": log_tail(why["log"], 12)} if why else {}))
             self._abort(self.ahead)
         return self.groups.start(work, prewarm=False)
 

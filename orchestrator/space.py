@@ -6,7 +6,8 @@ Sizes follow orchestrator/estimate.py's parameter counts:
     a checkpoint   head x 12 bytes (fp32 master, exp_avg, exp_avg_sq) + the phase's layers x per_layer x 4
                    (their fp32 masters); a stop's mid-phase checkpoint also the body's Adam moments (x 8);
                    where phase ends may write none (``carries``), every layer the run trains (a
-                   checkpoint holds the layers trained since the last one)
+                   checkpoint holds the layers trained since the last one), and the layers-only
+                   sources then at most one more copy of each (an estimate, not a bound)
     checkpoints    (keep_last + 1) checkpoints (retention runs after the next one is durable) and the
                    layers files of the older checkpoints retention keeps as layer sources (``layer_sources``)
     data cache     the prepared rows: int32 input_ids and labels per token, two int32 per row
@@ -107,6 +108,8 @@ def disk_need(loaded: LoadedSchedule, phases: list[Phase], data_bytes: int) -> D
     # checkpoint kept as a layer source keeps its layers file alone.
     kept = min(s.checkpoint.keep_last + 1, len(phases) + 1)
     sources = layer_sources(phases, s.checkpoint.keep_last) * _full(count, 0, widest)
+    if carries(loaded):  # the layers-only sources beside checkpoints of every layer: about one more copy of each
+        sources = min(sources, _full(count, 0, held))
     final = count.total * DTYPE_BYTES[s.model.dtype] if s.run.final_model else 0
     return DiskNeed(checkpoints=kept * full + stop + sources, data_cache=data_bytes, final=final)
 

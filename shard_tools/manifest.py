@@ -268,20 +268,33 @@ def listing_fault(ckpt: Path) -> str | None:
         os.close(fd)
 
 
+def layers_said(f: Path, metadata: dict[str, str]) -> tuple[set[int], str]:
+    """The layers a layers file's metadata says it holds, and the prefix of their tensors' names
+    ("model.layers."); CheckpointError where it does not say (every reader needs both)."""
+    try:
+        return {int(k) for k in metadata.get("layers", "").split(",") if k}, metadata["layers_prefix"] + "."
+    except (KeyError, ValueError):
+        raise CheckpointError(f"{f}: its metadata does not say which layers it holds (layers, layers_prefix)") from None
+
+
+def layer_of(f: Path, name: str, prefix: str) -> int:
+    """The layer a layers file's tensor belongs to; CheckpointError where it is under no layer."""
+    index = name[len(prefix):].partition(".")[0] if name.startswith(prefix) else ""
+    if not index.isdigit():
+        raise CheckpointError(f"{f}: tensor {name!r} is not under {prefix}<layer>")
+    return int(index)
+
+
 def _layers_fault(f: Path, tensors: dict, metadata: dict[str, str], listed: list[int]) -> str | None:
     """Where the layers file (checksummed) does not say which layers it holds, as its readers need
     (``state.layer_weights``), or holds other layers than its manifest lists: a manifest that lost a
     layer would make the checkpoints after it compose an older copy of it, or the base model's."""
     try:
-        said = sorted({int(k) for k in metadata.get("layers", "").split(",") if k})
-        prefix = metadata["layers_prefix"] + "."
-    except (KeyError, ValueError):
-        return f"{f}: its metadata does not say which layers it holds (layers, layers_prefix)"
-    indices = [n[len(prefix):].partition(".")[0] if n.startswith(prefix) else "" for n in tensors]
-    if not all(i.isdigit() for i in indices):
-        return f"{f}: holds tensors that are not under {prefix}<layer>"
-    held = sorted({int(i) for i in indices})
-    listed = sorted(set(listed))
+        said, prefix = layers_said(f, metadata)
+        held = sorted({layer_of(f, n, prefix) for n in tensors})
+    except CheckpointError as e:
+        return str(e)
+    said, listed = sorted(said), sorted(set(listed))
     if said != listed or held != listed:
         return f"{f}: holds layers {held} (its metadata says {said}), the manifest lists {listed}"
     return None

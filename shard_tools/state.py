@@ -25,7 +25,7 @@ import torch
 
 from shard_tools.checkpoint import PreparedFiles, Written, file_metadata, load_tensors, map_tensors, write_checkpoint
 from shard_tools.errors import CheckpointError
-from shard_tools.manifest import BODY_OPTIM, HEAD, LAYERS, STATE, Manifest, read_manifest
+from shard_tools.manifest import BODY_OPTIM, HEAD, LAYERS, STATE, Manifest, layer_of, layers_said, read_manifest
 from shard_tools.model import ModelSpec
 from shard_tools.store import Checkpoints
 
@@ -209,20 +209,11 @@ def layer_weights(sources: dict[int, Path], mapped: bool = False) -> dict[str, t
         by_source.setdefault(src, set()).add(layer)
     weights: dict[str, torch.Tensor] = {}
     for src, layers in by_source.items():
-        meta = file_metadata(src / LAYERS)
-        try:
-            held = {int(k) for k in meta.get("layers", "").split(",") if k}
-            prefix = meta["layers_prefix"] + "."
-        except (KeyError, ValueError):
-            raise CheckpointError(f"{src / LAYERS}: its metadata does not say which layers it holds "
-                                  f"(layers, layers_prefix)") from None
+        held, prefix = layers_said(src / LAYERS, file_metadata(src / LAYERS))
         if layers - held:
             raise CheckpointError(f"{src / LAYERS}: does not hold layers {sorted(layers - held)} its manifest lists")
         for name, t in (map_tensors(src / LAYERS) if mapped else load_tensors(src / LAYERS)).items():
-            index = name[len(prefix):].split(".", 1)[0] if name.startswith(prefix) else ""
-            if not index.isdigit():
-                raise CheckpointError(f"{src / LAYERS}: tensor {name!r} is not under {prefix}<layer>")
-            if int(index) in layers:
+            if layer_of(src / LAYERS, name, prefix) in layers:
                 weights[name] = t
     return weights
 

@@ -101,7 +101,9 @@ def test_tiny_benchmark_on_two_processes_runs_relayer_alone(tmp_path: Path):
 def test_tiny_handover_records_each_switch_piece_by_piece(tmp_path: Path):
     """Through the host transport (``handover = "on"``): every switch cut at its go and the
     successor's read of it, the manifests as they came, the page cache and relayer's plan."""
-    result = switch(tmp_path, "--ways", "a", "--handover", "on", "--layers", "lisa", "--phases", "3")
+    # every_seconds 0: a checkpoint at every phase end, whose manifests are watched as they come.
+    result = switch(tmp_path, "--ways", "a", "--handover", "on", "--layers", "lisa", "--phases", "3",
+                    "--every-seconds", "0")
     w = result["ways"]["relayer"]
     gaps = w["switch_gaps"]
     assert [(g["from"], g["to"]) for g in gaps] == [(0, 1), (1, 2)]
@@ -114,5 +116,8 @@ def test_tiny_handover_records_each_switch_piece_by_piece(tmp_path: Path):
     ends = sorted(m["global_step"] for m in w["manifests"].values() if m["phase_complete"])
     steps = result["shape"]["phases"][0]["steps"]
     assert ends == [steps * (k + 1) for k in range(3)]
+    disk = w["disk"]
+    assert disk["checkpoints_written"] == 3 and disk["bytes_written"] == sum(m["bytes"] for m in w["manifests"].values())
+    assert 0 < disk["peak_checkpoint_bytes"] <= disk["peak_run_dir_bytes"]
     assert w["meminfo_trace"] and "hands over" in w["plan_text"]
     assert "| 0 -> 1 |" in (tmp_path / "tiny" / "table.md").read_text().split("piece by piece")[1]
