@@ -33,6 +33,9 @@ from shard_tools.errors import CheckpointError
 from shard_tools.state import PhaseState, RunState, layer_weights
 
 ALIGN = 64
+CARRY_SHARE = 0.9
+"""Of the device's memory, what the switch's planned peak and the carried layers (twice) may take:
+on one H200 at 7B the switches' peak reached 147 of 151 GB with 29 layers carried and no margin."""
 ANSWER_POLL = 0.002
 _IPC_FIELDS = ("device", "handle", "size", "offset", "rc_handle", "rc_offset", "event", "event_sync")
 
@@ -272,14 +275,15 @@ def _unfit(ph: Phase, offered: Offer | None, files: PhaseDir) -> str | None:
 def _can_carry(ph: Phase, offered: Offer) -> bool:
     """Whether the offered masters of other layers than this phase's fit on its device beside the
     switch's planned peak (on the host, always), twice: the predecessor holds them too until it
-    exits. Else its predecessor writes its checkpoint, and the carried layers start over."""
+    exits; within CARRY_SHARE of the device, the plan's peak being an estimate. Else its
+    predecessor writes its checkpoint, and the carried layers start over."""
     if ph.device.type != "cuda":
         return True
     made = ph.made
     names = [r for r in offered.tensors if r.name.startswith("master/")
              and r.name[len("master/"):] not in made.body_names and r.name[len("master/"):] not in made.head_names]
     extra = sum(math.prod(r.shape) * 4 for r in names)
-    return ph.spec.handover.peak_bytes + 2 * extra <= torch.cuda.mem_get_info(ph.device)[1]
+    return ph.spec.handover.peak_bytes + 2 * extra <= CARRY_SHARE * torch.cuda.mem_get_info(ph.device)[1]
 
 
 def _copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool = False) -> PhaseState:
