@@ -141,7 +141,8 @@ def _render_run(r: dict[str, Any], console) -> None:
     table = Table("phase", "global steps", "layers", "procs", "status", "wall", "switch", "peak mem", "checkpoints")
     for p in r["phases"]:
         ckpts = "\n".join(f"{c['name']} {human_bytes(c['bytes'])}{' (layers only)' if c.get('layers_only') else ''}"
-                          f"{'' if c['complete'] else ' (incomplete)'}"
+                          + (f" (+ layers {','.join(map(str, c['carried_layers']))})" if c.get("carried_layers") else "")
+                          + f"{'' if c['complete'] else ' (incomplete)'}"
                           for c in p["checkpoints"]) or "-"
         last = None if p["end_step"] is None else p["end_step"] - 1
         table.add_row(str(p["index"]), f"{_or_unknown(p['start_step'])}-{_or_unknown(last)}",
