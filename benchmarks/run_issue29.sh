@@ -167,6 +167,12 @@ long11() {
     rm -rf "$WORK_DIR/long11"
 }
 
+long11s() {  # 50 phases of long11: the carried layers' take, within the last few minutes of a session
+    space 1.1b --layers lisa --phases 50 --handover --carried 2 || exit 3
+    switch long11s 1.1b --phases 50 --steps 20 --timeout 200
+    rm -rf "$WORK_DIR/long11s"
+}
+
 long7() {
     long7c
     switch long7-every-phase 7b --phases 16 --steps 20 --every-seconds 0 --timeout 180
@@ -189,6 +195,7 @@ case "$STEP" in
     big) big13; big30 ;;
     lisa13) lisa7b; big13 ;;  # one machine start for both (~7 min)
     long11) long11 ;;
+    long11s) long11s ;;
     long7) long7 ;;
     long7c) long7c ;;  # the cadence run alone
     *) say "unknown step $STEP (peer7b, lisa7b, lisa13, big, big13, big30, long11, long7)"; exit 2 ;;
