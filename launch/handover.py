@@ -279,10 +279,9 @@ def _can_carry(ph: Phase, offered: Offer) -> bool:
     predecessor writes its checkpoint, and the carried layers start over."""
     if ph.device.type != "cuda":
         return True
-    made = ph.made
-    names = [r for r in offered.tensors if r.name.startswith("master/")
-             and r.name[len("master/"):] not in made.body_names and r.name[len("master/"):] not in made.head_names]
-    extra = sum(math.prod(r.shape) * 4 for r in names)
+    own = {*ph.made.body_names, *ph.made.head_names}
+    others = [r for r in offered.tensors if r.name.startswith("master/") and r.name.removeprefix("master/") not in own]
+    extra = sum(math.prod(r.shape) * 4 for r in others)
     return ph.spec.handover.peak_bytes + 2 * extra <= CARRY_SHARE * torch.cuda.mem_get_info(ph.device)[1]
 
 

@@ -369,11 +369,11 @@ class Runner:
         """A new group for ``work``; the ones ahead, made for a future that did not come, go."""
         if self.ahead:
             first = self.ahead[0]
-            rc = first.proc.poll()
-            # One that died while it waited: why, for the journal (its folder may be pruned later).
-            why = {} if rc is None else dict(zip(("who", "log", "reasons"), self.groups.failure(first, rc)))
-            self._event("prewarm_unused", phase=first.work.phase.index, rc=rc,
-                        **({**why, "log": str(why["log"]), "log_tail": log_tail(why["log"], 12)} if why else {}))
+            rc, why = first.proc.poll(), {}
+            if rc is not None:  # it died while it waited: why, for the journal (its folder may be pruned later)
+                who, log, reasons = self.groups.failure(first, rc)
+                why = {"who": who, "log": str(log), "reasons": reasons, "log_tail": log_tail(log, 12)}
+            self._event("prewarm_unused", phase=first.work.phase.index, rc=rc, **why)
             self._abort(self.ahead)
         return self.groups.start(work, prewarm=False)
 

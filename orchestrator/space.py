@@ -55,11 +55,16 @@ def data_cache_bytes(stats: list[dict | None]) -> int:
     return sum(st["rows"] * (st["seq_len"] * ROW_BYTES_PER_TOKEN + ROW_BYTES) for st in stats if st)
 
 
+def trained_layers(phases: list[Phase]) -> int:
+    """How many distinct layers the run trains."""
+    return len({layer for p in phases for layer in p.layers})
+
+
 def layer_sources(phases: list[Phase], keep_last: int) -> int:
     """The older checkpoints retention keeps for their layers alone, at most: one for each layer
     trained (its newest copy, which the newest checkpoint composes) and, for each older kept
     checkpoint, one for each layer a newer kept one retrained; no more than the checkpoints beyond keep_last."""
-    trained = len({layer for p in phases for layer in p.layers})
+    trained = trained_layers(phases)
     widest = max(len(p.layers) for p in phases)
     return min(trained + (keep_last - 1) * widest, max(len(phases) - keep_last, 0))
 
@@ -82,7 +87,7 @@ def write_rate(loaded: LoadedSchedule, phases: list[Phase]) -> str | None:
     phase_end = format_bytes(_full(count, head, widest))
     if not carries(loaded):
         return f"checkpoints: every phase end writes up to {phase_end} (checkpoint.every_seconds = {every:g})"
-    most = _full(count, head, len({layer for p in phases for layer in p.layers}))
+    most = _full(count, head, trained_layers(phases))
     return (f"checkpoints: where the state is handed over, one at most every {every:g} s (checkpoint.every_seconds) "
             f"of up to {format_bytes(most)} (the head and every layer trained since the last): at most "
             f"{format_bytes(int(most / every))}/s; else every phase end writes up to {phase_end}")
@@ -101,7 +106,7 @@ def disk_need(loaded: LoadedSchedule, phases: list[Phase], data_bytes: int) -> D
     except EstimateError:
         return None
     widest = max(len(p.layers) for p in phases)
-    held = len({layer for p in phases for layer in p.layers}) if carries(loaded) else widest
+    held = trained_layers(phases) if carries(loaded) else widest
     full = _full(count, trained_head(loaded, count), held)
     stop = widest * count.per_layer * (ADAM_BYTES - MASTER_BYTES)  # a stop's body optimizer state
     # Retention runs once the next checkpoint is durable: keep_last + 1 for a while. An older
