@@ -44,7 +44,7 @@
 # On a CPU, for trying the script itself (tiny shapes, a few minutes each):
 #     OUT=/tmp/o DS_ACCELERATOR=cpu I29_TINY=1 bash benchmarks/run_issue29.sh peer7b
 set -uo pipefail
-STEP=${1:?usage: run_issue29.sh peer7b|lisa7b|lisa13|big|big13|big30|long11|long7}
+STEP=${1:?usage: run_issue29.sh peer7b|lisa7b|lisa13|big|big13|big30|long11|long11s|long11e|long7|long7c}
 : "${OUT:?set OUT to the folder the results go to}"
 T0=$(date +%s)
 S=${I29_SCRATCH:-/tmp/i29}
@@ -159,6 +159,7 @@ big30() {
 # Issue #23's long runs (checkpoint.every_seconds), each one device command:
 #   long11  ~8 min  1.1B, 200 LISA phases x 20 steps at the default cadence (300 s): the run shorter
 #                   than 300 s of training writes few checkpoints, each of every layer trained since.
+#   long11e ~9 min  long11 with every_seconds = 0: a 1.93 GB checkpoint at every phase end (~1.1 GB/s).
 #   long7   ~8 min  7B, 60 LISA phases x 20 steps at the default cadence (keep_last 1), then 16 phases with
 #                   every_seconds = 0 (a checkpoint at every phase end), for the switches beside it.
 long11() {
@@ -171,6 +172,12 @@ long11s() {  # 50 phases of long11: the carried layers' take, within the last fe
     space 1.1b --layers lisa --phases 50 --handover --carried 2 || exit 3
     switch long11s 1.1b --phases 50 --steps 20 --timeout 200
     rm -rf "$WORK_DIR/long11s"
+}
+
+long11e() {  # long11 with every_seconds = 0 (a checkpoint at every phase end): the switches beside it
+    space 1.1b --layers lisa --phases 200 --handover || exit 3
+    switch long11-every-phase 1.1b --phases 200 --steps 20 --every-seconds 0 --timeout 560
+    rm -rf "$WORK_DIR/long11-every-phase"
 }
 
 long7() {
@@ -196,7 +203,8 @@ case "$STEP" in
     lisa13) lisa7b; big13 ;;  # one machine start for both (~7 min)
     long11) long11 ;;
     long11s) long11s ;;
+    long11e) long11e ;;
     long7) long7 ;;
     long7c) long7c ;;  # the cadence run alone
-    *) say "unknown step $STEP (peer7b, lisa7b, lisa13, big, big13, big30, long11, long7)"; exit 2 ;;
+    *) say "unknown step $STEP (peer7b, lisa7b, lisa13, big, big13, big30, long11, long11s, long11e, long7, long7c)"; exit 2 ;;
 esac
