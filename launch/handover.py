@@ -230,11 +230,12 @@ def _put_layers(ph: Phase, made: Prepared, sources: dict[int, Path], offered: fr
 
 def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False) -> tuple[PhaseState | None, Path | None]:
     """Copies the predecessor's offered state (rank for rank) into this process and answers. With
-    ``defer``, where this phase can hold them (``_can_carry``), it keeps the offered fp32 masters of
-    the layers it does not train too (``Prepared.carried``) and answers that the predecessor need not
-    write ``restore``, its end checkpoint. Returns the state it carries on (None where it could not:
-    it answered "not taken", the checkpoint follows) and the checkpoint its own wait for: ``restore``,
-    or where the predecessor writes none, the one the predecessor built on."""
+    ``defer``, where every rank took its offer and can hold them (``_can_carry``, ``_all_keep``), it
+    keeps the offered fp32 masters of the layers it does not train too (``Prepared.carried``) and
+    answers that the predecessor need not write ``restore``, its end checkpoint. Returns the state it
+    carries on (None where it could not: it answered "not taken", the checkpoint follows) and the
+    checkpoint its own wait for: ``restore``, or where the predecessor writes none, the one the
+    predecessor built on. Every rank calls it (the go names the offer to all): ``_all_keep`` is collective."""
     files, carried = PhaseDir(source), None
     offered = files.read_offer(ph.rank)
     reason = _unfit(ph, offered, files)
@@ -244,8 +245,8 @@ def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False) -> 
             carried = _copy_in(ph, offered, files.blob_path(ph.rank), keep)
         except (RuntimeError, OSError, KeyError) as e:  # torch.OutOfMemoryError is a RuntimeError
             reason = f"{type(e).__name__}: {e}"
-    files.write_answer(ph.rank, Answer(taken=reason is None, by="successor", reason=reason or "",
-                                       write=not (keep and reason is None)))
+    keep = _all_keep(ph, reason is None, keep)
+    files.write_answer(ph.rank, Answer(taken=reason is None, by="successor", reason=reason or "", write=not keep))
     ph.timeline.mark("t_taken")
     ph.timeline.add(handover="device" if reason is None else "checkpoint", handover_reason=reason)
     if reason is not None:
@@ -272,11 +273,26 @@ def _unfit(ph: Phase, offered: Offer | None, files: PhaseDir) -> str | None:
     return None
 
 
+def _all_keep(ph: Phase, took: bool, kept: bool) -> bool:
+    """Whether every rank took its offer and kept the carried masters: only then may the
+    predecessor skip its checkpoint. Decided by one rank alone, a rank told "need not write" (its
+    rank 0 writes the checkpoint) left a rank that did not take waiting for it for good, and the
+    ranks' carried layers apart. Else what this rank kept goes, its memory with it: it answers as one
+    that did not keep. Every rank reaches it, a rank that did not take too."""
+    flags = torch.tensor([float(took), float(took and kept)], device=ph.device)
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
+    every = bool(flags[0].item() and flags[1].item())
+    if not every:
+        ph.made.carried = {}
+    return every
+
+
 def _can_carry(ph: Phase, offered: Offer) -> bool:
-    """Whether the offered masters of other layers than this phase's fit on its device beside the
-    switch's planned peak (on the host, always), twice: the predecessor holds them too until it
-    exits; within CARRY_SHARE of the device, the plan's peak being an estimate. Else its
-    predecessor writes its checkpoint, and the carried layers start over."""
+    """Whether the offered masters of other layers than this phase's fit on this rank's device
+    beside the switch's planned peak (on the host, always), twice: the predecessor holds them too
+    until it exits; within CARRY_SHARE of the device, the plan's peak being an estimate. Decided
+    per rank, then by all (``_all_keep``): where one cannot, none carries, the predecessor writes
+    its checkpoint, and the carried layers start over."""
     if ph.device.type != "cuda":
         return True
     own = {*ph.made.body_names, *ph.made.head_names}
@@ -291,7 +307,7 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool = False) -> Phase
     then the mappings go."""
     made = ph.made
     parts = _unpack(_map(offered, blob, ph.device))
-    faults.point("handover.copying", rank=ph.rank)
+    faults.point("handover.copying", phase=ph.spec.phase, rank=ph.rank)
     with torch.no_grad():
         # New parameters in place of the skeleton's (on the meta device), tied ones tied still.
         new = {id(p): torch.nn.Parameter(parts[WEIGHTS][n].clone(), requires_grad=p.requires_grad)

@@ -19,13 +19,8 @@ from orchestrator.handover import handover_part
 from orchestrator.modelcheck import tokenizer_of
 from orchestrator.nodes import master_addr
 from orchestrator.plan import check_batch
+from orchestrator.ports import free_port
 from orchestrator.schedule import LoadedSchedule, Phase
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def phase_spec(loaded: LoadedSchedule, phases: list[Phase], work: Work, phase_dir: Path,

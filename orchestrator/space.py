@@ -8,8 +8,12 @@ Sizes follow orchestrator/estimate.py's parameter counts:
                    where phase ends may write none (``carries``), every layer the run trains (a
                    checkpoint holds the layers trained since the last one), and the layers-only
                    sources then at most one more copy of each (an estimate, not a bound)
-    checkpoints    (keep_last + 1) checkpoints (retention runs after the next one is durable) and the
-                   layers files of the older checkpoints retention keeps as layer sources (``layer_sources``)
+    checkpoints    (keep_last + 1) checkpoints (retention runs after the next one is durable); where
+                   every phase end writes, launch.prewarm_depth more with pre-warming (retention
+                   spares each waiting phase's preload, which with short phases is older than
+                   keep_last: 5 whole at once at 1.1B, 2-s phases, keep_last 2, depth 3, on an H200;
+                   under a cadence the preloads are the newest); and the layers files of the older
+                   checkpoints retention keeps as layer sources (``layer_sources``)
     data cache     the prepared rows: int32 input_ids and labels per token, two int32 per row
     final model    every parameter in model.dtype, where run.final_model
 
@@ -109,9 +113,10 @@ def disk_need(loaded: LoadedSchedule, phases: list[Phase], data_bytes: int) -> D
     held = trained_layers(phases) if carries(loaded) else widest
     full = _full(count, trained_head(loaded, count), held)
     stop = widest * count.per_layer * (ADAM_BYTES - MASTER_BYTES)  # a stop's body optimizer state
-    # Retention runs once the next checkpoint is durable: keep_last + 1 for a while. An older
-    # checkpoint kept as a layer source keeps its layers file alone.
-    kept = min(s.checkpoint.keep_last + 1, len(phases) + 1)
+    # Retention runs once the next checkpoint is durable: keep_last + 1 for a while, and spares the
+    # waiting phases' preloads. An older checkpoint kept as a layer source keeps its layers file alone.
+    ahead = s.launch.prewarm_depth if s.launch.prewarm and not carries(loaded) else 0
+    kept = min(s.checkpoint.keep_last + 1 + ahead, len(phases) + 1)
     sources = layer_sources(phases, s.checkpoint.keep_last) * _full(count, 0, widest)
     if carries(loaded):  # the layers-only sources beside checkpoints of every layer: about one more copy of each
         sources = min(sources, _full(count, 0, held))

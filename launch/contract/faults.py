@@ -10,8 +10,8 @@ the handlers. Points:
   phase is about to take its first step.
 - ``handover.offered`` (``rank``): a finished phase's rank has written its offer
   (``launch.handover``), before it waits for the answer.
-- ``handover.copying`` (``rank``): a successor's rank has mapped its predecessor's offer, before
-  it copies and answers.
+- ``handover.copying`` (``phase``: the successor's index; ``rank``): a successor's rank has
+  mapped its predecessor's offer, before it copies and answers.
 - ``data.batch``: a batch of records is about to be rendered and tokenized (``datasets.map``,
   in its workers too).
 - ``journal.fsync`` (``event``, ``phase``): the orchestrator has written a journal event and is

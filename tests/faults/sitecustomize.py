@@ -17,6 +17,10 @@ A test puts this folder on PYTHONPATH and its plan in RELAYER_TEST_FAULTS (JSON)
   also blocks the stop signals and so never runs Python again, as a main thread in an fsync on a
   full disk (uninterruptible sleep) does not: e.g. ``{"point": "journal.fsync", "event": "phase_started",
   "phase": 1}`` (the orchestrator's own journal).
+- ``raise_at``: ``{"point": NAME, **context}`` as for ``kill_at``: the process that reaches it
+  raises RuntimeError there (``raised at NAME (a test's fault)``), as a rank whose copy runs out of
+  memory does, e.g. ``{"point": "handover.copying", "phase": 1, "rank": 1}`` (the successor's rank
+  1 answers "not taken").
 - ``hold_first_step``: seconds a pre-warmed phase waits before its first step.
 - ``hold_data_batch``: seconds each batch of records waits before it is tokenized (the data
   tool and its ``datasets.map`` workers), so that a test can stop a long preparation.
@@ -59,10 +63,15 @@ if _plan:
         while True:
             time.sleep(3600)
 
+    def _raise(name: str) -> None:
+        raise RuntimeError(f"raised at {name} (a test's fault)")
+
     if stall_at := _plan.get("stall_at"):
         _matching(stall_at, _stall)
     if block_at := _plan.get("block_at"):
         _matching(block_at, _block)
+    if raise_at := _plan.get("raise_at"):
+        _matching(raise_at, _raise)
     kill_at = dict(_plan.get("kill_at") or {})
     if kill_after := _plan.get("kill_after"):
         kill_at = {"point": "checkpoint.file_written", "name": kill_after}

@@ -24,7 +24,9 @@ import torch
 from launch.contract.files import RANK
 from orchestrator.procs import recorded
 from shard_tools.checkpoint import load_tensors
+from shard_tools.store import Checkpoints
 from tests.conftest import cli, faults_env, schedule_dict, write_schedule
+from tests.reference import bitwise_equal, composed
 
 pytestmark = pytest.mark.multiprocess
 THREE = [{"steps": 4, "layers": [0]}, {"steps": 4, "layers": [1]}, {"steps": 4, "layers": [0]}]
@@ -53,10 +55,10 @@ def run(tmp: Path, model: Path, data: Path, device: str, handover: str, phases: 
 
 
 def schedule(tmp: Path, model: Path, data: Path, device: str, handover: str, phases: list[dict] = THREE,
-             dtype: str | None = None, **launch) -> Path:
+             dtype: str | None = None, checkpoint: dict | None = None, **launch) -> Path:
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     s = schedule_dict(model, data, schedule={"phases": phases}, model={"dtype": dtype},
-                      launch={"handover": handover, "prewarm_depth": 1, **launch})
+                      launch={"handover": handover, "prewarm_depth": 1, **launch}, checkpoint=checkpoint or {})
     tmp.mkdir(parents=True, exist_ok=True)
     return write_schedule(tmp / "s.toml", s)
 
@@ -184,6 +186,27 @@ def test_one_rank_not_taken(tmp_path, tiny_model, tiny_data, device, reference2)
     again = run(tmp_path, tiny_model, tiny_data, device, how, nproc=2)
     assert again.returncode == 0, again.stderr
     assert_same_checkpoints(reference2, run_dir)
+    assert_clean(run_dir)
+
+
+def test_the_ranks_agree_whether_the_predecessor_writes(tmp_path, tiny_model, tiny_data, device, reference2):
+    """Under a cadence (the go says defer) the successor's rank 1 fails its copy at the switch to
+    phase 1, as an out-of-memory would, and answers "not taken"; its rank 0, which took the state
+    and could keep the carried layers, keeps none: the predecessor's save is collective, and both of
+    its ranks write its end checkpoint. The switch to phase 2 carries layer 1 on, as without a fault."""
+    fault = faults_env(raise_at={"point": "handover.copying", "phase": 1, "rank": 1})
+    run_dir = finished(tmp_path, tiny_model, tiny_data, device, handing_over(device), nproc=2, env=fault,
+                       checkpoint={"every_seconds": 3600})
+    rec = done_records(run_dir)
+    assert (rec[0]["handover_taken"], rec[0]["handover_answer"]) == (True, "successor"), rec[0]
+    assert "checkpoint_written" not in rec[0] and rec[1]["handover"] == "device"
+    assert "predecessor_wrote" not in rec[1] and "carried_layers" not in rec[1], rec[1]
+    assert rec[1]["checkpoint_written"] is False and rec[2]["predecessor_wrote"] is False, rec[2]
+    assert [c.name for c in Checkpoints(run_dir).all()] == ["step-00000004", "step-00000012"]
+    assert bitwise_equal(composed(tiny_model, run_dir), composed(tiny_model, reference2))
+    ours, theirs = checkpoint_tensors(run_dir), checkpoint_tensors(reference2)
+    written = [k for k in theirs if k.startswith("step-00000004/")]
+    assert written and all(bitwise_equal(ours[k], theirs[k]) for k in written), written
     assert_clean(run_dir)
 
 

@@ -125,3 +125,20 @@ def left_in_session(sid: int) -> list[int]:
         except OSError:
             pass
     return left
+
+
+def test_every_phase_end_counts_the_waiting_phases_preloads(tmp_path, model16, tiny_data):
+    """Where every phase end writes, retention spares each pre-warmed phase's preload, older than
+    keep_last with short phases: the need counts launch.prewarm_depth more whole checkpoints (on an
+    H200, 1.1B, 2-s phases: five whole at once with keep_last 2 and depth 3)."""
+    from orchestrator.plan import plan_phases
+    from orchestrator.space import disk_need
+    from orchestrator.validate import load_schedule
+
+    def need(**launch) -> int:
+        sched = write_schedule(tmp_path / "s.toml", lisa(model16, tiny_data, tmp_path / "run", 40, launch=launch))
+        loaded = load_schedule(sched)
+        return disk_need(loaded, plan_phases(loaded), 0).checkpoints
+
+    cold, one, three = need(prewarm=False), need(prewarm_depth=1), need(prewarm_depth=3)
+    assert cold < one < three and three - one == 2 * (one - cold), (cold, one, three)
