@@ -3,7 +3,7 @@
 A port the kernel handed out for ``bind(0)`` is back in its ephemeral range once the probe closes,
 and in the seconds before the phase's rank 0 binds it (its TCPStore) the kernel may hand it to
 anything else: an outgoing connection, NCCL's bootstrap, another phase's store client. On an H200,
-3 of 400 pre-warmed 1.1B phases died so (``EADDRINUSE`` at ``init_process_group``), each switch then
+2 of 200 pre-warmed 1.1B phases died so (``EADDRINUSE`` at ``init_process_group``), each switch then
 8 s on a cold phase. The ports picked here lie below the ephemeral range
 (``/proc/sys/net/ipv4/ip_local_port_range``), where the kernel hands out none, nothing listens on
 them when picked, and none is one of the last ``RECENT`` picked (a pre-warmed phase that has not
