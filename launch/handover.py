@@ -279,9 +279,9 @@ def _all_keep(ph: Phase, took: bool, kept: bool) -> bool:
     rank 0 writes the checkpoint) left a rank that did not take waiting for it for good, and the
     ranks' carried layers apart. Else what this rank kept goes, its memory with it: it answers as one
     that did not keep. Every rank reaches it, a rank that did not take too."""
-    flags = torch.tensor([float(took), float(took and kept)], device=ph.device)
-    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
-    every = bool(flags[0].item() and flags[1].item())
+    flag = torch.tensor([float(took and kept)], device=ph.device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    every = bool(flag.item())
     if not every:
         ph.made.carried = {}
     return every

@@ -45,9 +45,8 @@ def free_port() -> int:
     """A port for a phase's process group: below the ephemeral range, free, not picked lately;
     where that range leaves too few below it, the kernel's pick (``bind(0)``), not picked lately."""
     low = ephemeral_low()
-    candidates = list(range(LOWEST, low)) if low - LOWEST >= 4 * RECENT else []
-    random.shuffle(candidates)
-    for port in candidates[:512]:
+    below = range(LOWEST, low) if low - LOWEST >= 4 * RECENT else range(0)
+    for port in random.sample(below, min(len(below), 512)):
         if port not in _recent and _free(port):
             _recent.append(port)
             return port

@@ -18,7 +18,7 @@ def test_ports_are_below_the_ephemeral_range_free_and_not_picked_lately():
         assert all(ports.LOWEST <= p < low for p in picked), (low, picked)
 
 
-def test_a_port_in_use_or_picked_lately_is_not_picked(monkeypatch, tmp_path):
+def test_a_port_in_use_or_picked_lately_is_not_picked(monkeypatch):
     # A window of five ports: one held by a listener, three picked lately: the fifth is the pick.
     with socket.socket() as probe:
         probe.bind(("", 0))

@@ -15,7 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from orchestrator.space import file_system_of
+from orchestrator.plan import plan_phases
+from orchestrator.space import disk_need, file_system_of
+from orchestrator.validate import load_schedule
 from tests.conftest import cli, make_llama, schedule_dict, write_schedule
 
 
@@ -131,10 +133,6 @@ def test_every_phase_end_counts_the_waiting_phases_preloads(tmp_path, model16, t
     """Where every phase end writes, retention spares each pre-warmed phase's preload, older than
     keep_last with short phases: the need counts launch.prewarm_depth more whole checkpoints (on an
     H200, 1.1B, 2-s phases: five whole at once with keep_last 2 and depth 3)."""
-    from orchestrator.plan import plan_phases
-    from orchestrator.space import disk_need
-    from orchestrator.validate import load_schedule
-
     def need(**launch) -> int:
         sched = write_schedule(tmp_path / "s.toml", lisa(model16, tiny_data, tmp_path / "run", 40, launch=launch))
         loaded = load_schedule(sched)
