@@ -61,12 +61,17 @@ def test_a_checkpoint_sharded(tiny_run, tiny_model, tmp_path):
     assert torch.equal(_logits(exported), _logits(_reference(tiny_run, 20, tiny_model)))
 
 
-def test_dtype(tiny_run, tmp_path):
+def test_dtype(tiny_run, tiny_model, tmp_path):
+    """Composed in the export's dtype (never through a whole fp32 copy), each weight is the fp32
+    composition rounded once."""
     out = tmp_path / "export"
     assert invoke("export", tiny_run, "--out", out, "--dtype", "bfloat16").exit_code == 0
     header, _ = tensor_headers(out / "model.safetensors")
     assert {t["dtype"] for t in header.values()} == {"BF16"}
-    assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    assert exported.dtype == torch.bfloat16
+    want = _reference(tiny_run, 30, tiny_model).to(torch.bfloat16).state_dict()
+    assert all(torch.equal(t, want[name]) for name, t in exported.state_dict().items())
 
 
 def test_force_replaces_only_an_earlier_export(tiny_run, tmp_path):
