@@ -9,7 +9,10 @@ Per switch k -> k+1, in the order they happen (seconds):
   the last rank reaped by the fork server: mostly the device's teardown) and reaped -> gone (the
   orchestrator seeing it);
 - gone -> go read: the orchestrator's go, as read by phase k+1 (later when k+1 was still preparing,
-  or still reading phase k's checkpoint, which it starts at the commit);
+  or still reading phase k's checkpoint, which it starts at the commit); "-" where k+1 read its go
+  before k was gone (handed over on the device: the go comes at the offer, and the switch's
+  table has its offer -> go -> answer pieces) or was not prepared when k was gone (a cold start:
+  its imports and model load are in no column, only in the overhead);
 - engine: k+1 building its engine; of it: weights to the device (the rest is ``deepspeed.initialize``);
 - restore: injecting the head's optimizer state; of it: waiting for the head's moments to be mapped;
 - first: k+1's first step;
@@ -48,12 +51,21 @@ def rows(result: dict) -> list[str]:
             f"| {a['phase']} -> {b['phase']} | {t(a, 't_gone') - t(a, 't_last_step_end'):.2f} "
             f"| {ck.get('gather_seconds', 0):.2f} | {ck.get('write_seconds', 0):.2f} "
             f"| {span(a, 't_saved', a, 't_reaped')} | {span(a, 't_reaped', a, 't_gone')} "
-            f"| {t(b, 't_go') - t(a, 't_gone'):.2f} | {f'{early:.2f}' if early else '-'} "
+            f"| {go_after_gone(a, b)} | {f'{early:.2f}' if early else '-'} "
             f"| {t(b, 't_engine_built') - t(b, 't_delta_loaded'):.2f} | {span(b, 't_delta_loaded', b, 't_on_device')} "
             f"| {t(b, 't_restored') - t(b, 't_engine_built'):.2f} | {span(b, 't_engine_built', b, 't_head_populated')} "
             f"| {t(b, 't_first_step_end') - t(b, 't_restored'):.2f} | {preparing} | {paused} "
             f"| {overhead.get((a['phase'], b['phase']), float('nan')):.2f} |")
     return out
+
+
+def go_after_gone(a: dict, b: dict) -> str:
+    """Seconds from phase ``a`` gone to ``b`` reading its go, where that is what the switch waited on:
+    ``b`` prepared before ``a`` was gone and its go read after; "-" otherwise (see the module)."""
+    gone, go, prepared = a.get("t_gone"), b.get("t_go"), b.get("t_prepared")
+    if not (gone and go and prepared) or go < gone or prepared > gone:
+        return "-"
+    return f"{go - gone:.2f}"
 
 
 def main(folder: Path) -> None:

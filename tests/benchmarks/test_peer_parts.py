@@ -166,3 +166,18 @@ def test_a_go_late_while_the_loop_journals_a_finished_phase():
     got = analyse(records(14.02, 14.42, 14.5), journal(14.4, ("checkpoint_committed", 13.9), ("phase_done", 13.91)),
                   {}, Threads([]), MemInfo())
     assert got[0]["from"] == 1 and any("checkpoint_committed, phase_done" in c for c in got[0]["causes"])
+
+
+# -- a switch's pieces (benchmarks/breakdown.py) ----------------------------------------------------
+def test_gone_to_go_read_is_shown_only_where_the_switch_waited_on_it():
+    from breakdown import go_after_gone, rows
+
+    before = {"phase": 0, "t_gone": 10.0}
+    assert go_after_gone(before, {"t_prepared": 5.0, "t_go": 10.25}) == "0.25"  # waited for the go
+    assert go_after_gone(before, {"t_prepared": 5.0, "t_go": 9.5}) == "-"  # handed over: go at the offer
+    assert go_after_gone(before, {"t_prepared": 12.0, "t_go": 12.5}) == "-"  # still preparing when k was gone
+    assert go_after_gone(before, {"t_prepared": 5.0}) == "-"  # a cold start reads no go
+    phases = [{"phase": 0, "t_last_step_end": 9.0, "t_gone": 10.0},
+              {"phase": 1, "t_prepared": 5.0, "t_go": 9.5, "t_first_step_end": 11.0}]
+    table = rows({"phases": phases, "switches": [{"from": 0, "to": 1, "overhead_seconds": 0.3}]})
+    assert table[-1].split(" | ")[6] == "-" and "-0.50" not in table[-1]
