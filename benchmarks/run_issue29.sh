@@ -21,6 +21,9 @@
 #                     offer, the go, the successor's read of it and its answer, the journal lines, the
 #                     page cache under writeback and the main threads' kernel waits around each go
 #                     (benchmarks/_switch_gaps.py), py-spy stacks of late ones; breakdown.md.
+#   step7b  ~2 min    benchmarks/step_cost.py at 7B: one steady step way by way in one process
+#                     (relayer's engine, fused AdamW, ZeRO-1, the peer's bf16 step, forward and backward
+#                     alone), with each way's top operators by device time; the model made on the GPU.
 #   big     ~8 min    13B (big13) then ~30B (big30); either alone where big would pass 9 minutes:
 #   big13   ~3.5 min    Llama-2-13B, 8 phases x 20 steps, LISA's layers, handover auto, the micro batch
 #                       the plan's overlap fits 90% of the device with (1; the batch stays 4): the model
@@ -44,7 +47,7 @@
 # On a CPU, for trying the script itself (tiny shapes, a few minutes each):
 #     OUT=/tmp/o DS_ACCELERATOR=cpu I29_TINY=1 bash benchmarks/run_issue29.sh peer7b
 set -uo pipefail
-STEP=${1:?usage: run_issue29.sh peer7b|lisa7b|lisa13|big|big13|big30|long11|long11s|long11e|long7|long7c}
+STEP=${1:?usage: run_issue29.sh peer7b|lisa7b|step7b|lisa13|big|big13|big30|long11|long11s|long11e|long7|long7c}
 : "${OUT:?set OUT to the folder the results go to}"
 T0=$(date +%s)
 S=${I29_SCRATCH:-/tmp/i29}
@@ -122,6 +125,11 @@ switch() {
     rm -rf "$WORK_DIR/$name/relayer/run/checkpoints"
 }
 
+step7b() {
+    $PY benchmarks/step_cost.py --shape "$(shape 7b)" --out "$S/results/step7b" --profile
+    say "step_cost.py: rc $?"
+}
+
 lisa7b() {
     space 7b --layers lisa --phases 13 --handover || exit 3
     switch lisa7b 7b --phases 13 --steps 20 --timeout 400
@@ -197,6 +205,7 @@ long7c() {
 case "$STEP" in
     peer7b) peer7b ;;
     lisa7b) lisa7b ;;
+    step7b) step7b ;;
     big13) big13 ;;
     big30) big30 ;;
     big) big13; big30 ;;
@@ -206,5 +215,5 @@ case "$STEP" in
     long11e) long11e ;;
     long7) long7 ;;
     long7c) long7c ;;  # the cadence run alone
-    *) say "unknown step $STEP (peer7b, lisa7b, lisa13, big, big13, big30, long11, long11s, long11e, long7, long7c)"; exit 2 ;;
+    *) say "unknown step $STEP (peer7b, lisa7b, step7b, lisa13, big, big13, big30, long11, long11s, long11e, long7, long7c)"; exit 2 ;;
 esac
