@@ -10,7 +10,8 @@ layers), on the same fixed batch, from one model made on the device:
 - ``ds-zero2``: relayer's step as ``launch.prepare.build_engine`` and ``launch.train._step`` make it
   (a client torch AdamW in four groups, DeepSpeed's bf16 with fp32 masters, ZeRO-2, the step's
   loss, grad norm and flags collective);
-- ``ds-zero2-fused``, ``ds-zero1-fused``: the same with ``AdamW(fused=True)``, and ZeRO-1;
+- ``ds-zero2-fused``, ``ds-zero1-fused``, ``ds-zero0-fused``: the same with ``AdamW(fused=True)``, and
+  ZeRO-1 and 0 (DeepSpeed's bf16 optimizer, fp32 masters still);
 - ``torch-bf16-fused``: the peer's step (bf16 weights and moments, no masters, fused AdamW,
   ``clip_grad_norm_``): less exact, and what relayer is measured against;
 - ``fwd-bwd``: forward and backward alone, no optimizer (the floor every way pays).
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _shapes import LAYERS_PER_PHASE, SHAPES, chosen_shape, refuse_two_shapes, shape_arguments  # noqa: E402
 
-WAYS = ("fwd-bwd", "torch-bf16-fused", "ds-zero2", "ds-zero2-fused", "ds-zero1-fused")
+WAYS = ("fwd-bwd", "torch-bf16-fused", "ds-zero2", "ds-zero2-fused", "ds-zero1-fused", "ds-zero0-fused")
 PEER = "torch-bf16-fused"
 WARM_STEPS = 3
 
