@@ -43,8 +43,10 @@ def materialise(engine, steps_by_group: list[int]) -> None:
     """Creates zero moments and the given step in every flat partition, as a first step would."""
     base = _base(engine)
     for flat, group in flat_partitions(engine):
+        # A fused AdamW (on CUDA: launch.prepare.adamw) keeps its step beside the moments, others on the host.
+        where = flat.device if base.param_groups[group].get("fused") else "cpu"
         base.state[flat] = {
-            "step": torch.tensor(float(steps_by_group[group]), dtype=torch.float32),
+            "step": torch.tensor(float(steps_by_group[group]), dtype=torch.float32, device=where),
             "exp_avg": torch.zeros_like(flat),
             "exp_avg_sq": torch.zeros_like(flat),
         }
