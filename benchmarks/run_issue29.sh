@@ -105,9 +105,11 @@ space() {
 shape() { [ "$TINY" = 1 ] && echo tiny || echo "$1"; }
 
 peer7b() {
+    # keep_last 1: the plan's peak (since 2026-12-02 it counts up to keep_last checkpoints of every
+    # layer trained, 72.6 GiB with 2) must fit the 64 GB disk beside the final model.
     space 7b --layers lisa --phases 11 --final-model --peer-output --handover || exit 3
     $PY benchmarks/peer.py --shape "$(shape 7b)" --model-dir "$MODEL_DIR" --outputs "$WORK_DIR" --work "$S/work/peer7b" \
-        --micro-batch "$MICRO" --results-dir "$S/results" --out peer7b --timeout 420 --callback auto
+        --micro-batch "$MICRO" --results-dir "$S/results" --out peer7b --timeout 420 --callback auto --keep-last 1
     say "peer.py: rc $?"
     rm -rf "$S/work/peer7b" "$WORK_DIR"
 }
