@@ -181,3 +181,15 @@ def test_gone_to_go_read_is_shown_only_where_the_switch_waited_on_it():
               {"phase": 1, "t_prepared": 5.0, "t_go": 9.5, "t_first_step_end": 11.0}]
     table = rows({"phases": phases, "switches": [{"from": 0, "to": 1, "overhead_seconds": 0.3}]})
     assert table[-1].split(" | ")[6] == "-" and "-0.50" not in table[-1]
+
+
+# -- one step way by way (benchmarks/step_cost.py) --------------------------------------------------
+def test_step_cost_table_puts_each_way_beside_the_peer():
+    from step_cost import PEER, WAYS, build, table
+
+    rows = [{"way": PEER, "step_median": 0.2, "step_min": 0.19, "memory_peak": 2e9},
+            {"way": "ds-zero2", "step_median": 0.25, "step_min": 0.24, "memory_peak": 3e9}]
+    lines = table(rows)
+    assert lines[2].split(" | ")[3] == "1.000 x" and lines[3].split(" | ")[3] == "1.250 x"
+    assert table(rows[1:])[2].split(" | ")[3] == "-"  # no peer measured: no ratio
+    assert PEER in WAYS and callable(build)
