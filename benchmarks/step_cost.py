@@ -32,10 +32,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _baselines import deepspeed_config, head_and_layers  # noqa: E402
 from _shapes import LAYERS_PER_PHASE, SHAPES, chosen_shape, refuse_two_shapes, shape_arguments  # noqa: E402
 
 WAYS = ("fwd-bwd", "torch-bf16-fused", "ds-zero2", "ds-zero2-fused", "ds-zero1-fused", "ds-zero0-fused")
@@ -70,12 +72,9 @@ class Setup:
         self.model.config.use_cache = False
         self.micro, self.gas = shape["micro_batch_size"], shape["batch_size"] // shape["micro_batch_size"]
         self.ids = torch.randint(0, config.vocab_size, (self.micro, shape["seq_len"]), device=self.device)
-        layers = [config.num_hidden_layers // 3 + i for i in range(LAYERS_PER_PHASE)]
-        body = tuple(f"model.layers.{i}." for i in layers)
-        self.head = [n for n, _ in self.model.named_parameters()
-                     if n.startswith(("model.embed_tokens.", "lm_head.", "model.norm."))]
-        self.trainable = set(self.head) | {n for n, _ in self.model.named_parameters() if n.startswith(body)}
-        self.layers = layers
+        self.layers = [config.num_hidden_layers // 3 + i for i in range(LAYERS_PER_PHASE)]
+        self.trainable = {n for n, _ in self.model.named_parameters() if head_and_layers(n, self.layers)}
+        self.head = {n for n in self.trainable if head_and_layers(n, [])}
 
     def freeze(self) -> list:
         for name, p in self.model.named_parameters():
@@ -84,21 +83,17 @@ class Setup:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def groups(self) -> list[dict]:
-        """relayer's four groups (``launch.prepare.param_groups``): head/body x decay/no-decay."""
-        buckets: dict[tuple[bool, bool], list] = {}
-        for name, p in self.model.named_parameters():
-            if p.requires_grad:
-                buckets.setdefault((name in self.head, p.ndim < 2), []).append(p)
-        return [{"params": ps, "weight_decay": 0.0 if no_decay else 0.01} for (_, no_decay), ps in buckets.items()]
+        """relayer's four groups, as ``launch.prepare.param_groups`` makes them (weight decay 0.01)."""
+        from launch.prepare import param_groups
+
+        opt = SimpleNamespace(weight_decay=0.01)
+        return param_groups(self.model, self.head, self.trainable - self.head, opt)[0]
 
 
 def ds_config(setup: Setup, stage: int, numel: int) -> dict:
-    """``launch.prepare.deepspeed_config`` for this batch (buckets sized to the trainable set)."""
-    bucket = int(min(5e8, max(5e5, numel)))
-    return {"train_batch_size": setup.micro * setup.gas, "train_micro_batch_size_per_gpu": setup.micro,
-            "gradient_accumulation_steps": setup.gas, "gradient_clipping": 1.0,
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
-            "bf16": {"enabled": True}, "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+    """``_baselines.deepspeed_config`` (what ``launch.prepare.deepspeed_config`` builds) for this batch."""
+    return deepspeed_config({"batch_size": setup.micro * setup.gas, "micro_batch_size": setup.micro, "grad_clip": 1.0,
+                             "zero_stage": stage, "dtype": "bfloat16"}, numel)
 
 
 def engine_way(setup: Setup, stage: int, fused: bool):
