@@ -25,12 +25,15 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from launch.contract import faults
 from launch.dataprep import IGNORE, ROWS, VALIDATION, DataError, prepare, read_stats
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["IGNORE", "DataError", "Examples", "SampleOrder", "load_examples", "load_validation", "micro_batch",
            "prepare", "read_stats", "rows", "step_targets", "training_rows"]
@@ -131,6 +134,8 @@ def rows(examples: Examples, idx: list[int]) -> dict[str, torch.Tensor]:
     with an attention mask over the padding, or, for rows packed whole, one flattened row
     [1, len(idx) x seq_len] with its position ids (see the module docstring). Flattening changes
     no loss: a row's first token is an example's first, never a target."""
+    import torch  # here, not at the top: the datatool (``orchestrator plan``) reads examples without torch
+
     ids = torch.from_numpy(_take(examples.input_ids, idx).astype(np.int64))
     labels = torch.from_numpy(_take(examples.labels, idx).astype(np.int64))
     if examples.positions is not None:

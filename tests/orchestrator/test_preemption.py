@@ -179,12 +179,11 @@ def test_a_stop_is_the_journals_last_word_after_a_late_commit(tmp_path, tiny_mod
     assert ("phase_done", 0) in names and ("device_after_phase", 0) in names, names
 
 
-def test_two_processes_preempt_and_resume(tmp_path, tiny_model, tiny_data):
+def test_two_processes_preempt_and_resume(tmp_path, tiny_model, tiny_data, final):
+    """Two ranks stopped twice and resumed end as one uninterrupted process does (the same
+    schedule; its batch split over two ranks changes no sum on this model: bitwise equal on the
+    CPU, 1e-6 allowed)."""
     launch = {"launcher": "deepspeed", "nproc": 2, "grace_seconds": 20}
-    ref_dir = tmp_path / "ref"
-    ref_dir.mkdir()
-    r = cli("orchestrator", "run", str(schedule(ref_dir, tiny_model, tiny_data, launch=launch)))
-    assert r.returncode == 0, r.stderr
     sched = schedule(tmp_path, tiny_model, tiny_data, launch=launch)
     run = tmp_path / "run"
     for target in (12, 24):
@@ -195,7 +194,7 @@ def test_two_processes_preempt_and_resume(tmp_path, tiny_model, tiny_data):
         assert not any(alive(p) for p in rank_pids(run))
     r = cli("orchestrator", "run", str(sched))
     assert r.returncode == 0, r.stderr
-    assert max_abs_diff(composed(tiny_model, run), composed(tiny_model, ref_dir / "run")) <= 1e-6
+    assert max_abs_diff(composed(tiny_model, run), final) <= 1e-6
 
 
 def truncated_copy(src: Path, dst: Path, keep_upto: int) -> Path:
