@@ -73,7 +73,7 @@ def make_setup(args: argparse.Namespace, shape: dict, work: Path, outputs: Path,
         "total_steps": args.steps, "interval": args.interval, "layers_per_phase": LAYERS_PER_PHASE,
         "callback": args.callback, "final_model": True, "shuffle": False,
         "prewarm": None, "prewarm_depth": args.prewarm_depth, "pause_preparing_seconds": None, "handover": args.handover,
-        "keep_last": args.keep_last,
+        "keep_last": args.keep_last, "every_seconds": args.every_seconds,
     }
 
 
@@ -165,6 +165,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--handover", choices=("auto", "on", "off"), help="relayer's [launch] handover (default: relayer's)")
     ap.add_argument("--prewarm-depth", type=int, help="relayer's [launch] prewarm_depth (default: relayer's)")
     ap.add_argument("--keep-last", type=int, help="relayer's [checkpoint] keep_last (default: 2)")
+    ap.add_argument("--every-seconds", type=float,
+                    help="relayer's [checkpoint] every_seconds (default: relayer's; 0: a checkpoint at every phase end)")
     ap.add_argument("--out", help="the results folder's name (default: DATE-DEVICE-SHAPE-peer)")
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
     ap.add_argument("--work", type=Path, help="scratch folder (default: a new temporary one, removed at the end)")

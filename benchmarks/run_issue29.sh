@@ -15,6 +15,7 @@
 #                     the GPU and written to /dev/shm 40-60 s; the peer (HF Trainer + axolotl's LISA
 #                     callback) ~15 s imports + 200 x ~0.17 s + ~30 s saving 13.5 GB; relayer ~30 s to
 #                     its first step + 11 phases x ~3.6 s + ~40-60 s for RUN_DIR/final; report 10 s.
+#   peer7be ~5.5 min  peer7b with relayer's checkpoint at every phase end (every_seconds 0).
 #   lisa7b  ~3 min    benchmarks/switch.py --layers lisa at 7B, 13 phases (12 switches) x 20 steps:
 #                     the model reused from /dev/shm where peer7b ran on this machine (else ~60 s to
 #                     make), a bare process ~20 s, relayer ~30 s + 13 x ~3.6 s; per switch the
@@ -42,12 +43,12 @@
 # model stays in /dev/shm for lisa7b; big removes it first.
 # $OUT gets: STEP.log (everything printed), results.tgz (results.json, table.md, PNGs, breakdown.md,
 # the runs' journals, records and logs; no checkpoints), README.md (benchmarks/_issue29_readme.py over
-# the results so far), and peer.png for peer7b; a packer refreshes results.tgz every 20 s, so a step
+# the results so far), and peer7b.png / peer7b-every-phase.png for the peer steps; a packer refreshes results.tgz every 20 s, so a step
 # cut off at the device's limit still brings back what it measured.
 # On a CPU, for trying the script itself (tiny shapes, a few minutes each):
 #     OUT=/tmp/o DS_ACCELERATOR=cpu I29_TINY=1 bash benchmarks/run_issue29.sh peer7b
 set -uo pipefail
-STEP=${1:?usage: run_issue29.sh peer7b|lisa7b|step7b|lisa13|big|big13|big30|long11|long11s|long11e|long7|long7c}
+STEP=${1:?usage: run_issue29.sh peer7b|peer7be|lisa7b|step7b|lisa13|big|big13|big30|long11|long11s|long11e|long7|long7c}
 : "${OUT:?set OUT to the folder the results go to}"
 T0=$(date +%s)
 S=${I29_SCRATCH:-/tmp/i29}
@@ -82,7 +83,7 @@ finish() {
     kill $PACKER 2>/dev/null
     wait $PACKER 2>/dev/null  # a packer cut off mid-way must not rename its older archive over the last one
     $PY benchmarks/_issue29_readme.py "$S/results" "$S/results/README.md" && cp "$S/results/README.md" "$OUT/"
-    [ -f "$S/results/peer7b/peer.png" ] && cp "$S/results/peer7b/peer.png" "$OUT/"
+    for png in "$S"/results/peer7b*/peer.png; do [ -f "$png" ] && cp "$png" "$OUT/$(basename "$(dirname "$png")").png"; done
     pack
     # The results alone, once more, whatever became of the packer's archive (one came back without them).
     tar -czf "$OUT/results-$STEP.tgz" -C "$S" results 2>/dev/null
@@ -104,14 +105,23 @@ space() {
 
 shape() { [ "$TINY" = 1 ] && echo tiny || echo "$1"; }
 
-peer7b() {
+peer7b() { peer 7b peer7b; }
+# peer7b with a checkpoint at every phase end (every_seconds 0), not the cadence's one at the run's
+# end: the cadence's carried layers and its end-of-run write left out of the comparison.
+peer7be() { peer 7b peer7b-every-phase --every-seconds 0; }
+
+# peer SHAPE NAME ARGS...: one peer.py run (relayer and the peer, one after the other), removed after.
+peer() {
+    local sh=$1 name=$2
+    shift 2
     # keep_last 1: the plan's peak (since 2026-12-02 it counts up to keep_last checkpoints of every
     # layer trained, 72.6 GiB with 2) must fit the 64 GB disk beside the final model.
-    space 7b --layers lisa --phases 11 --final-model --peer-output --handover || exit 3
-    $PY benchmarks/peer.py --shape "$(shape 7b)" --model-dir "$MODEL_DIR" --outputs "$WORK_DIR" --work "$S/work/peer7b" \
-        --micro-batch "$MICRO" --results-dir "$S/results" --out peer7b --timeout 420 --callback auto --keep-last 1
-    say "peer.py: rc $?"
-    rm -rf "$S/work/peer7b" "$WORK_DIR"
+    space "$sh" --layers lisa --phases 11 --final-model --peer-output --handover || exit 3
+    $PY benchmarks/peer.py --shape "$(shape "$sh")" --model-dir "$MODEL_DIR" --outputs "$WORK_DIR" \
+        --work "$S/work/$name" --micro-batch "$MICRO" --results-dir "$S/results" --out "$name" --timeout 420 \
+        --callback auto --keep-last 1 "$@"
+    say "peer.py $name: rc $?"
+    rm -rf "$S/work/$name" "$WORK_DIR"
 }
 
 # switch NAME SHAPE ARGS...: one switch.py run of relayer alone, its run removed after.
@@ -206,6 +216,7 @@ long7c() {
 
 case "$STEP" in
     peer7b) peer7b ;;
+    peer7be) peer7be ;;
     lisa7b) lisa7b ;;
     step7b) step7b ;;
     big13) big13 ;;
@@ -217,5 +228,5 @@ case "$STEP" in
     long11e) long11e ;;
     long7) long7 ;;
     long7c) long7c ;;  # the cadence run alone
-    *) say "unknown step $STEP (peer7b, lisa7b, step7b, lisa13, big, big13, big30, long11, long11s, long11e, long7, long7c)"; exit 2 ;;
+    *) say "unknown step $STEP (peer7b, peer7be, lisa7b, step7b, lisa13, big, big13, big30, long11, long11s, long11e, long7, long7c)"; exit 2 ;;
 esac
