@@ -165,6 +165,11 @@ def table(result: dict) -> str:
                   f"{'yes' if t['memory_flat_where_peer_grows'] else 'NO'}.", ""]
     lines += [f"Where the whole job's time went ({name}): " + ", ".join(f"{k} {v:.1f} s" for k, v in summ[name]["parts"].items())
               for name in WAYS]
+    stages = next((e.get("seconds") for e in result["ways"]["relayer"]["journal"] if e["event"] == "final_model_written"),
+                  None)
+    if stages:  # the export's own account (orchestrator.final): the final model's stages
+        lines += [f"The final model's export (relayer): " + ", ".join(
+            f"{k} {v:.1f} s" if isinstance(v, float) else f"{k} {v}" for k, v in stages.items())]
     lines += _phase_rows(result)
     return "\n".join(lines) + "\n"
 

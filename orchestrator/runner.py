@@ -102,6 +102,8 @@ class Runner:
                                      lambda work, phase_dir: phase_spec(loaded, self.phases, work, phase_dir, estimate))
         self.pauser = Pauser(loaded.schedule.launch.pause_preparing_seconds, self._event)
         self.committer = Committer(self._phase_done)
+        self.exporter: final.Exporter | None = None
+        """The final model's exporter, started while the last phase trains."""
         self.undurable: list[Group] = []
         """Phases done whose ends wrote no checkpoint (``checkpoint.every_seconds``): journaled done
         with the next one."""
@@ -152,6 +154,8 @@ class Runner:
                 raise
             finally:
                 self._commit_all()  # a phase done before a failure or a stop is journaled done
+                if self.exporter is not None:  # no go: it exits having written nothing
+                    self.exporter.cancel()
                 self.groups.stop_fork_server()
                 disarm()
                 for s, h in old.items():
@@ -308,14 +312,15 @@ class Runner:
         if not self.loaded.schedule.run.final_model or final.is_current(self.run_dir, step):
             return
         self._event("final_model_started", path=str(self.run_dir / final.FINAL), step=step)
-        out, rc, output = final.write_final(self.run_dir)
+        ahead, self.exporter = self.exporter, None
+        out, rc, output, timings = final.write_final(self.run_dir, ahead)
         if rc != 0 and self.stop_signal is not None:
             self._event("preempted", step=step, signal=self.stop_signal)
             raise Preempted(f"stopped by signal {self.stop_signal} while writing {out}; run again to write it")
         if rc != 0:
             raise RelayerError(f"the run is complete, but writing the final model to {out} failed "
                                f"(exit code {rc}):\n{output}\nthe checkpoints are intact; run again to retry")
-        self._event("final_model_written", path=str(out), step=step)
+        self._event("final_model_written", path=str(out), step=step, seconds=timings)
 
     def _abort(self, groups: list[Group]) -> None:
         """Takes pre-warmed groups down, paused ones included."""
@@ -396,6 +401,13 @@ class Runner:
             self._event("prewarm_started", phase=nxt.index)
             last = nxt
 
+    def _prewarm_final(self) -> None:
+        """The final model's exporter, started while the last phase trains (``orchestrator.final``)."""
+        if self.exporter is None and self.loaded.schedule.run.final_model:
+            base = final.base_ahead(self.loaded)
+            self.exporter = final.Exporter(self.run_dir, base)
+            self._event("final_model_prewarm", base_model=base is not None)
+
     def _supervise(self, group: Group, predecessor: Supervisor | None) -> Supervisor:
         """Waits for a phase's group until all of it is gone, or until it hands its state over
         (``orchestrator.supervisor``), following ``predecessor`` on, the phase that hands its state
@@ -404,6 +416,8 @@ class Runner:
 
         def start_ahead() -> None:
             self._prewarm_ahead(group.work)
+            if self._after(group.work.phase) is None:
+                self._prewarm_final()
 
         deferred = group.prewarmed and bool(self.ahead) and self.pauser.limit > 0
         if not deferred:

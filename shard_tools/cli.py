@@ -121,10 +121,21 @@ def diff(a: Path, b: Path, as_json: bool) -> None:
               help="Weights' dtype (default: the run's).")
 @click.option("--force", is_flag=True, help="Replace an earlier export at --out (never anything else).")
 @click.option("--max-shard-size", help="Largest weights file, e.g. 500MB (default 5GB); bigger models are sharded.")
-def export(source: Path, out: Path, dtype: str | None, force: bool, max_shard_size: str | None) -> None:
+@click.option("--wait-for-go", is_flag=True, hidden=True,
+              help="The orchestrator's exporter: prepare (build_ahead), then export only after a line 'go' on stdin.")
+@click.option("--base-spec", hidden=True, help="With --wait-for-go: the base model to build ahead, as JSON.")
+def export(source: Path, out: Path, dtype: str | None, force: bool, max_shard_size: str | None, wait_for_go: bool,
+           base_spec: str | None) -> None:
     """A Hugging Face model directory from a run (its newest whole checkpoint) or a checkpoint."""
-    from shard_tools.export import export as export_model
+    from shard_tools.export import build_ahead, export as export_model
 
     _quiet_transformers()
-    ckpt = export_model(source, out, dtype=dtype, force=force, max_shard_size=max_shard_size, warn=_warn)
+    prebuilt = build_ahead(base_spec) if wait_for_go else None
+    if wait_for_go and sys.stdin.readline().strip() != "go":
+        return  # the run stopped or failed, or the orchestrator is gone (EOF): nothing is written
+    times: dict = {}
+    ckpt = export_model(source, out, dtype=dtype, force=force, max_shard_size=max_shard_size, warn=_warn,
+                        prebuilt=prebuilt, times=times)
     click.echo(f"exported {ckpt} to {out}")
+    if wait_for_go:
+        click.echo(f"timings {json.dumps(times)}")

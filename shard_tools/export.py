@@ -15,6 +15,7 @@ import errno
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -71,11 +72,34 @@ def base_model(ckpt: Path, manifest: Manifest, dtype: str = "float32") -> nn.Mod
         raise CheckpointError(f"{where}: cannot build the base model that {ckpt / MANIFEST} names ({e})") from None
 
 
-def compose(run_dir: Path, ckpt: Path, manifest: Manifest, dtype: str = "float32") -> nn.Module:
-    """The base model with the checkpoint's run weights loaded over it, in ``dtype``. Built in that
-    dtype, never through fp32 (7B: 28 GB and seconds of converting): a base weight's bytes are those
-    its round trip through fp32 gives, and a run weight (fp32) is rounded once, as ``.to`` rounds it."""
-    model = base_model(ckpt, manifest, dtype)
+def build_ahead(spec_json: str | None) -> tuple[ModelSpec, nn.Module] | None:
+    """What an export needs before its checkpoint exists, made while the run's last phase trains (the
+    orchestrator's exporter, waiting for its go): transformers' model code imported and, given a spec
+    (``extra.base_model`` as the run's phases record it, as JSON), the base model built on one thread.
+    None without a spec or where it cannot be built: the export then builds what its checkpoint names
+    (and says what is wrong with it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # beside a phase that trains: the build reads files, it needs no threads
+    try:
+        from transformers import AutoModelForCausalLM  # noqa: F401 - the import is the point
+
+        if spec_json is None:
+            return None
+        spec = ModelSpec(**json.loads(spec_json))
+        return spec, build_base_model(spec)
+    except Exception:  # a spec or model it cannot build: after the go the export builds it, and names the fault
+        return None
+    finally:
+        torch.set_num_threads(threads)
+
+
+def compose(run_dir: Path, ckpt: Path, manifest: Manifest, dtype: str = "float32",
+            base: nn.Module | None = None) -> nn.Module:
+    """The base model (``base`` where it was built ahead, else built now) with the checkpoint's run
+    weights loaded over it, in ``dtype``. Built in that dtype, never through fp32 (7B: 28 GB and
+    seconds of converting): a base weight's bytes are those its round trip through fp32 gives, and a
+    run weight (fp32) is rounded once, as ``.to`` rounds it."""
+    model = base.to(DTYPES[dtype]) if base is not None else base_model(ckpt, manifest, dtype)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, t in run_weights(run_dir, ckpt).items():
@@ -88,23 +112,33 @@ def compose(run_dir: Path, ckpt: Path, manifest: Manifest, dtype: str = "float32
     return model
 
 
+class Laps:
+    """Seconds each stage of an export took, into ``times`` where given (the orchestrator journals them)."""
+
+    def __init__(self, times: dict | None):
+        self.times, self.start = times, time.perf_counter()
+
+    def __call__(self, stage: str) -> None:
+        now = time.perf_counter()
+        if self.times is not None:
+            self.times[stage] = round(now - self.start, 3)
+        self.start = now
+
+
 def export(source: Path, out: Path, dtype: str | None = None, force: bool = False,
-           max_shard_size: str | int | None = None, warn: Callable[[str], None] | None = None) -> Path:
+           max_shard_size: str | int | None = None, warn: Callable[[str], None] | None = None,
+           prebuilt: tuple[ModelSpec, nn.Module] | None = None, times: dict | None = None) -> Path:
     """Writes the composed model of ``source`` (run or checkpoint) to ``out``; returns the checkpoint used
-    (``warn`` is told where a run's newest checkpoint is damaged and an older one is exported)."""
-    out = Path(out)
+    (``warn`` is told where a run's newest checkpoint is damaged and an older one is exported).
+    ``prebuilt``: a base model built ahead (``build_ahead``), used where its spec is the checkpoint's;
+    ``times``: filled with each stage's seconds."""
+    out, lap = Path(out), Laps(times)
     if dtype is not None and dtype not in DTYPES:
         raise InputError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     shard_bytes = shard_size(MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
-    dest = check_out(out, force)
-    # A run's own final/ is the one place inside a run an export may go (what a completed run writes).
-    own_final = path_kind(Path(source)) == "run" and dest == real_path(Path(source)) / FINAL
-    if path_kind(Path(source)) == "run" and out.is_symlink() and real_path(out.parent) == real_path(Path(source)):
-        raise InputError(f"--out {out}: a symbolic link (to {os.readlink(out)}) in the run; an export replaces its "
-                         f"--out, and nothing of the run is written through a link: remove it")
-    if not own_final:
-        guard(out, dest, _source_paths(Path(source)))
+    dest, own_final = _destination(Path(source), out, force)
     run_dir, ckpt, manifest = trusted_checkpoint(source, warn)
+    lap("verify")
     dtype = dtype or manifest.dtype
     if dtype not in DTYPES:
         raise CheckpointError(f"{ckpt / MANIFEST}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -112,15 +146,21 @@ def export(source: Path, out: Path, dtype: str | None = None, force: bool = Fals
     if base_path is not None:
         guard(out, dest, {real_path(Path(base_path)): f"the base model folder that {ckpt.name} names"},
               inside_runs=not own_final)
-    model = compose(run_dir, ckpt, manifest, dtype)
+    ahead = prebuilt is not None and prebuilt[0] == base_spec(ckpt, manifest)
+    if times is not None:
+        times["base_built_ahead"] = ahead
+    model = compose(run_dir, ckpt, manifest, dtype, prebuilt[1] if ahead else None)
     _check_tied(model)
+    lap("compose")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f"{TMP_PREFIX}{dest.name}.{os.getpid()}"
     try:
         model.save_pretrained(tmp, max_shard_size=shard_bytes)
+        lap("write")
         _add_files(tmp, run_dir, ckpt, manifest, dtype, base_path)
         _one_mode(tmp)
         _replace_dir(tmp, dest)
+        lap("files")
     except (OSError, SafetensorError) as e:  # a full disk, a quota: one line, --out as it was
         shutil.rmtree(tmp, ignore_errors=True)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
@@ -130,6 +170,20 @@ def export(source: Path, out: Path, dtype: str | None = None, force: bool = Fals
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ckpt
+
+
+def _destination(source: Path, out: Path, force: bool) -> tuple[Path, bool]:
+    """(the real path to write ``--out`` to, whether it is the run's own final/); InputError where it may
+    not be written (``check_out``, ``guard``) or is a link inside the run."""
+    dest = check_out(out, force)
+    # A run's own final/ is the one place inside a run an export may go (what a completed run writes).
+    own_final = path_kind(source) == "run" and dest == real_path(source) / FINAL
+    if path_kind(source) == "run" and out.is_symlink() and real_path(out.parent) == real_path(source):
+        raise InputError(f"--out {out}: a symbolic link (to {os.readlink(out)}) in the run; an export replaces its "
+                         f"--out, and nothing of the run is written through a link: remove it")
+    if not own_final:
+        guard(out, dest, _source_paths(source))
+    return dest, own_final
 
 
 def _one_mode(folder: Path) -> None:

@@ -72,6 +72,55 @@ def test_final_model_loads_and_generates_without_the_base_model(done):
     assert not torch.equal(model.lm_head.weight, base_head), "the final model is the base model, untrained"
 
 
+def files_of(folder: Path) -> dict[str, bytes]:
+    """An export's files but its relayer.json (which names the checkpoint and the run)."""
+    return {f.name: f.read_bytes() for f in folder.iterdir() if f.name != "relayer.json"}
+
+
+def test_the_final_model_was_prepared_ahead_and_is_what_export_writes(done, tmp_path):
+    """The exporter started while the last phase trained built the base model then and used it; its
+    final/ is byte for byte what ``shard-tools export`` of the run writes on its own."""
+    *_, run = done
+    ev = events(run)
+    assert [e["base_model"] for e in ev if e["event"] == "final_model_prewarm"] == [True]
+    order = [e["event"] if e["event"] != "phase_started" else f"phase {e['phase']}" for e in ev]
+    assert order.index("phase 0") < order.index("final_model_prewarm"), "started while the first phase trained"
+    seconds = next(e for e in ev if e["event"] == "final_model_written")["seconds"]
+    assert seconds["base_built_ahead"] is True and seconds.keys() >= {"verify", "compose", "write", "files"}
+    r = cli("shard-tools", "export", str(run), "--out", str(tmp_path / "plain"))
+    assert r.returncode == 0, r.stderr
+    assert files_of(run / "final") == files_of(tmp_path / "plain")
+
+
+def test_an_exporter_without_its_go_writes_nothing_and_one_that_died_is_replaced(done):
+    """EOF on its stdin (the run stopped or failed, the orchestrator died): it exits 0 having written
+    nothing. One dead before its go: write_final starts another. A base model built ahead for another
+    spec than the checkpoint's is not used."""
+    from orchestrator import final
+
+    *_, run = done
+    before = {f.name: f.stat().st_mtime_ns for f in (run / "final").iterdir()}
+    waiting = final.Exporter(run, None)
+    waiting.proc.stdin.close()
+    assert waiting.proc.wait(120) == 0
+    waiting.log.seek(0)
+    assert b"exported" not in waiting.log.read()
+    assert {f.name: f.stat().st_mtime_ns for f in (run / "final").iterdir()} == before
+    assert not [p for p in run.iterdir() if p.name.startswith(".tmp")]
+    written = files_of(run / "final")
+    dead = final.Exporter(run, None)
+    dead.proc.kill()
+    dead.proc.wait()
+    out, rc, output, seconds = final.write_final(run, dead)
+    assert (out, rc, seconds["base_built_ahead"]) == (run / "final", 0, False), output
+    assert files_of(run / "final") == written
+    newest = max((run / "checkpoints").glob("step-*"))
+    other = final.Exporter(run, {**read_manifest(newest).extra["base_model"], "seed": 12345})
+    out, rc, output, seconds = final.write_final(run, other)
+    assert (rc, seconds["base_built_ahead"]) == (0, False), output
+    assert files_of(run / "final") == written
+
+
 def test_set_is_recorded_in_the_run_copy(done):
     *_, run = done
     assert tomllib.loads((run / "schedule.toml").read_text())["optimizer"]["lr"] == 2e-3
