@@ -1,9 +1,10 @@
 """RUN_DIR/final: the finished run as a Hugging Face model folder, written by ``shard-tools export`` in
 a subprocess (composing weights needs torch, which the orchestrator never imports).
 
-The subprocess (an ``Exporter``) starts while the last phase trains: it imports torch and
-transformers and builds the base model then (7B: 13.5 GB read, seconds), and waits for its go
-until the last checkpoint is committed. Without a go it exits having written nothing.
+The subprocess (an ``Exporter``) starts before the last checkpoint exists (with the last phase's
+pre-warmed group, else at its go): it imports torch and transformers and builds the base model
+then (7B: 13.5 GB read, seconds), and waits for its go until the last checkpoint is committed.
+Without a go it exits having written nothing.
 """
 
 from __future__ import annotations
@@ -81,14 +82,14 @@ class Exporter:
         self.log.close()
         return rc, output + late
 
-    def cancel(self, grace: float = 10.0) -> None:
-        """No go: it exits without writing (killed where it does not within ``grace`` seconds)."""
-        try:
-            self.proc.stdin.close()
-            self.proc.wait(grace)
-        except (OSError, subprocess.TimeoutExpired):
+    def cancel(self) -> None:
+        """No go: killed at once (before its go it has written nothing, and a fault or a stop must not
+        wait for its imports); an exporter whose orchestrator died sees EOF instead and exits."""
+        if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait()
+        self.proc.wait()
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
         self.log.close()
 
 

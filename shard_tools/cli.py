@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -129,11 +130,14 @@ def export(source: Path, out: Path, dtype: str | None, force: bool, max_shard_si
     """A Hugging Face model directory from a run (its newest whole checkpoint) or a checkpoint."""
     from shard_tools.export import build_ahead, export as export_model
 
+    started = time.perf_counter()
     _quiet_transformers()
     prebuilt = build_ahead(base_spec) if wait_for_go else None
+    ready = time.perf_counter()
     if wait_for_go and sys.stdin.readline().strip() != "go":
         return  # the run stopped or failed, or the orchestrator is gone (EOF): nothing is written
-    times: dict = {}
+    # Ahead: the imports and the base model (before ``export`` itself); waiting: the go that came after them.
+    times: dict = {"ahead": round(ready - started, 3), "waiting": round(time.perf_counter() - ready, 3)}
     ckpt = export_model(source, out, dtype=dtype, force=force, max_shard_size=max_shard_size, warn=_warn,
                         prebuilt=prebuilt, times=times)
     click.echo(f"exported {ckpt} to {out}")

@@ -78,13 +78,13 @@ def files_of(folder: Path) -> dict[str, bytes]:
 
 
 def test_the_final_model_was_prepared_ahead_and_is_what_export_writes(done, tmp_path):
-    """The exporter started while the last phase trained built the base model then and used it; its
+    """The exporter started with the last phase's pre-warmed group built the base model then and used it; its
     final/ is byte for byte what ``shard-tools export`` of the run writes on its own."""
     *_, run = done
     ev = events(run)
     assert [e["base_model"] for e in ev if e["event"] == "final_model_prewarm"] == [True]
-    order = [e["event"] if e["event"] != "phase_started" else f"phase {e['phase']}" for e in ev]
-    assert order.index("phase 0") < order.index("final_model_prewarm"), "started while the first phase trained"
+    order = [f"{e['event']} {e.get('phase', '')}".strip() for e in ev]
+    assert order.index("prewarm_started 1") + 1 == order.index("final_model_prewarm"), "not with the last phase's"
     seconds = next(e for e in ev if e["event"] == "final_model_written")["seconds"]
     assert seconds["base_built_ahead"] is True and seconds.keys() >= {"verify", "compose", "write", "files"}
     r = cli("shard-tools", "export", str(run), "--out", str(tmp_path / "plain"))
