@@ -168,7 +168,7 @@ def table(result: dict) -> str:
     stages = next((e.get("seconds") for e in result["ways"]["relayer"]["journal"] if e["event"] == "final_model_written"),
                   None)
     if stages:  # the export's own account (orchestrator.final): the final model's stages
-        lines += [f"The final model's export (relayer): " + ", ".join(
+        lines += ["The final model's export (relayer): " + ", ".join(
             f"{k} {v:.1f} s" if isinstance(v, float) else f"{k} {v}" for k, v in stages.items())]
     lines += _phase_rows(result)
     return "\n".join(lines) + "\n"

@@ -20,18 +20,17 @@ import psutil
 
 from orchestrator.errors import RelayerError
 from orchestrator.estimate import DTYPE_BYTES, EstimateError, model_config, param_count
+from orchestrator.phasespec import recorded_base
 from orchestrator.rundir import entry_fault
 from orchestrator.schedule import LoadedSchedule
 from shard_tools.digest import folder_digests
 from shard_tools.files import read_regular
-from shard_tools.manifest import EXPORT_MARKER, FINAL
+from shard_tools.manifest import EXPORT_MARKER, EXPORT_TIMINGS, FINAL
 from shard_tools.store import Checkpoints
 
 EXPORTER = "from shard_tools.cli import main; main(prog_name='shard-tools')"
 OUTPUT_LINES = 5
 """The exporter's last lines that a failure names (its message; never a whole traceback)."""
-TIMINGS = "timings "
-"""The exporter's line of its stages' seconds (``shard_tools.export.Laps``), journaled."""
 HOST_SHARE = 2
 """The base model is built ahead only where the host has this many times its size available: the
 rest is for what the last phase and its pre-warmed neighbours still hold on the host."""
@@ -41,15 +40,13 @@ def base_ahead(loaded: LoadedSchedule) -> dict[str, Any] | None:
     """The base model the exporter builds ahead, as the phases record it (``extra.base_model``); None
     where its size is unknown or the host has not ``HOST_SHARE`` times it available (the exporter
     then builds it after the go)."""
-    m = loaded.schedule.model
     try:
-        need = param_count(model_config(loaded)).total * DTYPE_BYTES[m.dtype]
+        need = param_count(model_config(loaded)).total * DTYPE_BYTES[loaded.schedule.model.dtype]
     except (EstimateError, OSError, ValueError):
         return None
     if psutil.virtual_memory().available < HOST_SHARE * need:
         return None
-    return {"path": str(loaded.model_path) if loaded.model_path else None, "config": m.config, "dtype": m.dtype,
-            "seed": loaded.schedule.run.seed}
+    return recorded_base(loaded)
 
 
 class Exporter:
@@ -117,16 +114,14 @@ def write_final(run_dir: Path, ahead: Exporter | None = None,
     half), by the exporter started ahead where it is alive, else a new one; returns (folder, exit code,
     the exporter's last lines, its stages' seconds). A link there is never written through (RelayerError)."""
     out = run_dir / FINAL
-    if fault := entry_fault(out):
-        if ahead is not None:
-            ahead.cancel()
+    fault = entry_fault(out)
+    if ahead is not None and (fault or not ahead.alive()):  # not to be used, or it died waiting (a signal, OOM)
+        ahead.cancel()
+        ahead = None
+    if fault:
         raise RelayerError(f"the run is complete, but {out}: {fault}; the checkpoints are intact")
-    if ahead is None or not ahead.alive():  # none was started, or it died waiting (a signal, the OOM killer)
-        if ahead is not None:
-            ahead.cancel()
-        ahead = Exporter(run_dir, None)
-    rc, output = ahead.finish(timeout)
+    rc, output = (ahead or Exporter(run_dir, None)).finish(timeout)
     lines = output.strip().splitlines()
-    timings = next((json.loads(line[len(TIMINGS):]) for line in lines if line.startswith(TIMINGS)), {})
-    lines = [line for line in lines if not line.startswith(TIMINGS)]
+    timings = next((json.loads(line[len(EXPORT_TIMINGS):]) for line in lines if line.startswith(EXPORT_TIMINGS)), {})
+    lines = [line for line in lines if not line.startswith(EXPORT_TIMINGS)]
     return out, rc, "\n".join(lines[-OUTPUT_LINES:]), timings

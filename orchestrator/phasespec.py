@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 from launch.contract.spec import DataPart, ModelPart, OptimizerPart, PhaseSpec
 from orchestrator.datastep import data_spec
@@ -52,6 +53,13 @@ def plan_estimate(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate |
         return estimate_plan(loaded, phases)
     except EstimateError:
         return None
+
+
+def recorded_base(loaded: LoadedSchedule) -> dict[str, Any]:
+    """The base model as every phase records it (``launch.prepare.model_spec``: a manifest's
+    ``extra.base_model``), from the same model part and seed as the phases' specs."""
+    m = _model_part(loaded)
+    return {"path": m.path, "config": m.config, "dtype": m.dtype, "seed": loaded.schedule.run.seed}
 
 
 def _model_part(loaded: LoadedSchedule) -> ModelPart:

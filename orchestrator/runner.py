@@ -103,7 +103,7 @@ class Runner:
         self.pauser = Pauser(loaded.schedule.launch.pause_preparing_seconds, self._event)
         self.committer = Committer(self._phase_done)
         self.exporter: final.Exporter | None = None
-        """The final model's exporter, started while the last phase trains."""
+        """The final model's exporter, started before the last checkpoint exists (``_prewarm_final``)."""
         self.undurable: list[Group] = []
         """Phases done whose ends wrote no checkpoint (``checkpoint.every_seconds``): journaled done
         with the next one."""

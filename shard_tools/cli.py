@@ -142,4 +142,6 @@ def export(source: Path, out: Path, dtype: str | None, force: bool, max_shard_si
                         prebuilt=prebuilt, times=times)
     click.echo(f"exported {ckpt} to {out}")
     if wait_for_go:
-        click.echo(f"timings {json.dumps(times)}")
+        from shard_tools.manifest import EXPORT_TIMINGS
+
+        click.echo(EXPORT_TIMINGS + json.dumps(times))

@@ -73,7 +73,7 @@ def base_model(ckpt: Path, manifest: Manifest, dtype: str = "float32") -> nn.Mod
 
 
 def build_ahead(spec_json: str | None) -> tuple[ModelSpec, nn.Module] | None:
-    """What an export needs before its checkpoint exists, made while the run's last phase trains (the
+    """What an export needs before its checkpoint exists, made while the run's last phases train (the
     orchestrator's exporter, waiting for its go): transformers' model code imported and, given a spec
     (``extra.base_model`` as the run's phases record it, as JSON), the base model built on one thread.
     None without a spec or where it cannot be built: the export then builds what its checkpoint names
@@ -142,11 +142,12 @@ def export(source: Path, out: Path, dtype: str | None = None, force: bool = Fals
     dtype = dtype or manifest.dtype
     if dtype not in DTYPES:
         raise CheckpointError(f"{ckpt / MANIFEST}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    base_path = base_spec(ckpt, manifest).path
+    spec = base_spec(ckpt, manifest)
+    base_path = spec.path
     if base_path is not None:
         guard(out, dest, {real_path(Path(base_path)): f"the base model folder that {ckpt.name} names"},
               inside_runs=not own_final)
-    ahead = prebuilt is not None and prebuilt[0] == base_spec(ckpt, manifest)
+    ahead = prebuilt is not None and prebuilt[0] == spec
     if times is not None:
         times["base_built_ahead"] = ahead
     model = compose(run_dir, ckpt, manifest, dtype, prebuilt[1] if ahead else None)

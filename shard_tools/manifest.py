@@ -29,6 +29,8 @@ CHECKPOINTS = "checkpoints"
 FINAL = "final"
 """RUN_DIR/final: the finished run's model, the one export that lives inside its run."""
 EXPORT_MARKER = "relayer.json"
+EXPORT_TIMINGS = "timings "
+"""The line ``shard-tools export --wait-for-go`` prints its stages' seconds on (JSON after it)."""
 """Written into every export: what it was exported from, and each file's size and checksum.
 ``--force`` replaces only a folder that has one."""
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
