@@ -19,6 +19,7 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from launch import handover, procs, rendezvous
+from launch.master_adamw import MasterAdamW, detach_engine_reduction
 from launch.contract.files import DATA_CACHE
 from launch.contract.spec import PhaseSpec
 from launch.data import SampleOrder, load_examples, load_validation, micro_batch, prepare as prepare_data
@@ -222,9 +223,8 @@ def _toy_engine(ph: Phase, made: Prepared) -> tuple[object, int]:
     if spec.model.gradient_checkpointing:
         toy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     cfg = deepspeed_config(spec, ph.world, sum(p.numel() for p in toy.parameters()))
-    optimizer = adamw([{"params": list(toy.parameters())}], spec.optimizer, ph.device, lr=0.0)
-    engine = deepspeed.initialize(model=toy, optimizer=optimizer, config=cfg)[0]
-    return engine, cfg["gradient_accumulation_steps"]
+    optimizer = make_optimizer([{"params": list(toy.parameters())}], spec, ph.device, ph.world, lr=0.0)
+    return initialize(toy, optimizer, cfg), cfg["gradient_accumulation_steps"]
 
 
 def _toy_steps(ph: Phase, made: Prepared, engine, gas: int) -> None:
@@ -247,21 +247,41 @@ def build_engine(ph: Phase, made: Prepared, source: Source) -> Assembled:
     trainable = set(made.head_names) | set(made.body_names)
     for name, p in model.named_parameters():
         p.requires_grad_(name in trainable)
-    groups, roles = param_groups(model, set(made.head_names), set(made.body_names), spec.optimizer)
-    o = spec.optimizer
-    optimizer = adamw(groups, o, ph.device)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ds_config = deepspeed_config(spec, ph.world, numel)
     if made.staging is not None and spec.zero_stage < 3:
         made.staging.module_to_device(model)  # what deepspeed.initialize would do, at pinned speed
+    elif spec.zero_stage == 0:
+        model.to(ph.device)  # a MasterAdamW puts the trainable weights in its flat block where they are
     ph.timeline.mark("t_on_device")
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    groups, roles = param_groups(model, set(made.head_names), set(made.body_names), spec.optimizer)
+    engine = initialize(model, make_optimizer(groups, spec, ph.device, ph.world), ds_config)
     named = dict(engine.module.named_parameters())
     ph.timeline.add(memory_engine=memory_now())
     ph.timeline.mark("t_engine_built")
     return Assembled(engine=engine, head=[(n, named[n]) for n in made.head_names],
                      body=[(n, named[n]) for n in made.body_names], roles=roles,
                      gas=ds_config["gradient_accumulation_steps"], source=source)
+
+
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict):
+    """DeepSpeed's engine on ``model``; where relayer's ``MasterAdamW`` steps it, the engine leaves
+    the gradients' reduction to it."""
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    if isinstance(optimizer, MasterAdamW):
+        detach_engine_reduction(engine)
+    return engine
+
+
+def make_optimizer(groups: list[dict], spec: PhaseSpec, device: torch.device, world: int,
+                   lr: float | None = None) -> torch.optim.Optimizer:
+    """The optimizer DeepSpeed's engine steps: relayer's ``MasterAdamW`` without ZeRO
+    (``deepspeed.zero_stage = 0``), else torch's AdamW, which ZeRO wraps with its fp32 partitions."""
+    o = spec.optimizer
+    if spec.zero_stage == 0:
+        return MasterAdamW(groups, lr=o.lr if lr is None else lr, betas=o.betas, eps=o.eps,
+                           weight_decay=o.weight_decay, grad_clip=o.grad_clip, device=device, world=world)
+    return adamw(groups, o, device, lr)
 
 
 def adamw(groups: list[dict], o, device: torch.device, lr: float | None = None) -> torch.optim.AdamW:
@@ -323,7 +343,11 @@ def deepspeed_config(spec: PhaseSpec, world: int, trainable_numel: int) -> dict:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-    return _merge(cfg, spec.deepspeed_config)
+    merged = _merge(cfg, spec.deepspeed_config)
+    if spec.zero_stage == 0:  # MasterAdamW keeps the fp32 masters and clips; DeepSpeed wraps nothing
+        merged.update({"gradient_clipping": 0.0, "bf16": {"enabled": False}, "fp16": {"enabled": False},
+                       "zero_optimization": {"stage": 0}})
+    return merged
 
 
 def _merge(base: dict, over: dict) -> dict:

@@ -1,4 +1,6 @@
-"""Reading and writing per-parameter optimizer state of a DeepSpeed ZeRO optimizer.
+"""Reading and writing per-parameter optimizer state of a DeepSpeed ZeRO optimizer, or of
+relayer's own where DeepSpeed runs no ZeRO (``launch.master_adamw``, whose parameters carry views of
+its state: no collective, no copy).
 
 Facts this relies on (DeepSpeed 0.19.8, verified on CPU/gloo for ZeRO 1, 2 and 3 at world sizes 1
 and 2; ``tests/launch/test_equivalence.py`` holds the results to an independent PyTorch
@@ -16,11 +18,18 @@ from deepspeed.utils import (
 )
 from torch import nn
 
+from launch.master_adamw import MasterAdamW, slot_of
 from launch.staging import Staging
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # The roles of a phase's param groups (``launch.prepare.param_groups``): Adam's step is per group.
 HEAD_DECAY, HEAD_NO_DECAY, BODY_DECAY, BODY_NO_DECAY = range(4)
+
+
+def base_optimizer(engine) -> torch.optim.Optimizer:
+    """The optimizer whose param groups carry the lr (DeepSpeed's ZeRO wraps relayer's AdamW)."""
+    opt = engine.optimizer
+    return opt if isinstance(opt, MasterAdamW) else opt.optimizer
 
 
 def flat_partitions(engine) -> list[tuple[torch.Tensor, int]]:
@@ -41,6 +50,9 @@ def _base(engine) -> torch.optim.Optimizer:
 
 def materialise(engine, steps_by_group: list[int]) -> None:
     """Creates zero moments and the given step in every flat partition, as a first step would."""
+    if isinstance(engine.optimizer, MasterAdamW):
+        engine.optimizer.set_steps(steps_by_group)
+        return
     base = _base(engine)
     for flat, group in flat_partitions(engine):
         # A fused AdamW (on CUDA: launch.prepare.adamw) keeps its step beside the moments, others on the host.
@@ -56,13 +68,15 @@ def materialise(engine, steps_by_group: list[int]) -> None:
 def relink(engine) -> None:
     """Links per-parameter fragments to the optimizer state (upstream links only the first group)."""
     opt = engine.optimizer
-    if hasattr(opt, "_hp_optimizer_states_linked"):
+    if hasattr(opt, "_hp_optimizer_states_linked"):  # (a MasterAdamW's are linked from the start)
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
 
 
 def group_steps(engine) -> dict[int, int]:
     """Optimizer steps taken so far, per param group (0 where the group has not stepped)."""
+    if isinstance(engine.optimizer, MasterAdamW):
+        return engine.optimizer.group_steps()
     base, out = _base(engine), {}
     for flat, group in flat_partitions(engine):
         step = base.state.get(flat, {}).get("step", 0)
@@ -106,7 +120,7 @@ def get_state(named: list[tuple[str, nn.Parameter]], into: dict[str, dict[str, t
         "master": get_masters(named, into.get("master"), keep, staging, on_device), "exp_avg": {}, "exp_avg_sq": {}}
     for name, p in named:
         for key in MOMENTS:
-            full = safe_get_full_optimizer_state(p, key)
+            full = _full_state(p, key)
             if keep:
                 out[key][name] = _kept(full, p, into.get(key, {}).get(name), staging, on_device)
     return out if keep else {}
@@ -117,10 +131,18 @@ def get_masters(named: list[tuple[str, nn.Parameter]], into: dict[str, torch.Ten
     into = into or {}
     out = {}
     for n, p in named:
-        full = safe_get_full_fp32_param(p)
+        full = _full_state(p, "master")
         if keep:
             out[n] = _kept(full, p, into.get(n), staging, on_device)
     return out
+
+
+def _full_state(p: nn.Parameter, key: str) -> torch.Tensor:
+    """The full fp32 master ("master") or moment of ``p``: a view of a MasterAdamW's own, else
+    gathered by DeepSpeed (a collective)."""
+    if (slot := slot_of(p)) is not None:
+        return getattr(slot, key)
+    return safe_get_full_fp32_param(p) if key == "master" else safe_get_full_optimizer_state(p, key)
 
 
 def _kept(full: torch.Tensor, p: nn.Parameter, out: torch.Tensor | None, staging: Staging | None,
@@ -137,16 +159,23 @@ def set_state(named: list[tuple[str, nn.Parameter]], state: dict[str, dict[str, 
                 return t
             return staging.to_device(t) if staging is not None and p.device.type == "cuda" else t.to(p.device)
 
+        keys = ("master", *MOMENTS) if with_moments else ("master",)
+        if (slot := slot_of(p)) is not None:
+            with torch.no_grad():
+                for key in keys:
+                    getattr(slot, key).copy_(put(state[key][name]).view(p.shape))
+            continue
         safe_set_full_fp32_param(p, put(state["master"][name]))
-        if with_moments:
-            for key in MOMENTS:
-                safe_set_full_optimizer_state(p, put(state[key][name]), key)
+        for key in keys[1:]:
+            safe_set_full_optimizer_state(p, put(state[key][name]), key)
 
 
 def refresh_lp(engine) -> None:
     """Copies the fp32 masters into the low-precision weights the forward pass uses."""
     opt = engine.optimizer
-    if hasattr(opt, "fp32_partitioned_groups_flat"):
+    if isinstance(opt, MasterAdamW):
+        opt.refresh_lp()
+    elif hasattr(opt, "fp32_partitioned_groups_flat"):
         for i in range(len(opt.fp32_partitioned_groups_flat)):
             opt._reassign_or_swap_out_partitioned_parameters(i)
     elif hasattr(opt, "update_lp_params"):

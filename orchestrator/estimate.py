@@ -6,7 +6,8 @@ Per process, for one phase of a model with P parameters of which T train (head +
 
     weights      P x dtype bytes; partitioned over the processes under ZeRO-3
     optimizer    T x 12 bytes (fp32 master weights, Adam exp_avg, exp_avg_sq); partitioned under ZeRO >= 1
-    gradients    T x dtype bytes; partitioned under ZeRO >= 2
+    gradients    T x dtype bytes; partitioned under ZeRO >= 2; under ZeRO 0 (relayer's MasterAdamW)
+                 T x (dtype + 4) bytes: its fp32 gradient buffer beside the gradients as they come
     activations  micro_batch x seq_len x hidden x layers x ACTIVATION_VALUES x dtype bytes
 
 At a switch that hands the state over on the device (``launch.handover``, orchestrator/handover.py),
@@ -16,7 +17,8 @@ phases that wait pre-warmed. The overlap's peak on one device, as NVML sees it:
     on_device(P) + offered + offered + on_device(S) + waiting x PROCESS_BYTES
     on_device    a phase's total x RESERVE + PROCESS_BYTES
     offered      head x 12 bytes (fp32 masters, exp_avg, exp_avg_sq of the whole head, gathered: not
-                 ZeRO's partition) + P's layers x per_layer x 4 bytes (their fp32 masters)
+                 ZeRO's partition) + P's layers x per_layer x 4 bytes (their fp32 masters); under
+                 ZeRO 0 P offers its optimizer's own memory, so only S's copy counts
     waiting      the phases pre-warmed beyond S (launch.prewarm_depth, as many as are left)
 
 P holds its whole phase's memory and, beside it, the copies it gathered to offer; S has copied the
@@ -175,8 +177,9 @@ def phase_memory(count: ParamCount, trainable: int, *, dtype: str, zero_stage: i
     width = DTYPE_BYTES[dtype]
     return PhaseMemory(
         weights=math.ceil(count.total * width / (world if zero_stage >= 3 else 1)),
-        optimizer=math.ceil(trainable * ADAM_BYTES / world),
-        gradients=math.ceil(trainable * width / (world if zero_stage >= 2 else 1)),
+        optimizer=math.ceil(trainable * ADAM_BYTES / (world if zero_stage >= 1 else 1)),
+        gradients=(math.ceil(trainable * width / (world if zero_stage >= 2 else 1)) if zero_stage
+                   else trainable * (width + MASTER_BYTES)),
         activations=micro_batch * seq_len * count.hidden * count.num_layers * ACTIVATION_VALUES * width,
     )
 
@@ -192,10 +195,11 @@ def on_device(memory: PhaseMemory) -> int:
     return math.ceil(memory.total * RESERVE) + PROCESS_BYTES
 
 
-def overlap_peak(before: PhaseMemory, after: PhaseMemory, offered: int, waiting: int) -> int:
-    """Bytes on one device while a phase hands over to its successor: both phases, the offer and
-    its copy, and ``waiting`` pre-warmed phases beside them."""
-    return on_device(before) + offered + offered + on_device(after) + waiting * PROCESS_BYTES
+def overlap_peak(before: PhaseMemory, after: PhaseMemory, offered: int, waiting: int, gathered: bool = True) -> int:
+    """Bytes on one device while a phase hands over to its successor: both phases, the offer
+    (where ``gathered``: ZeRO's; relayer's MasterAdamW offers its own memory) and its copy, and
+    ``waiting`` pre-warmed phases beside them."""
+    return on_device(before) + (offered if gathered else 0) + offered + on_device(after) + waiting * PROCESS_BYTES
 
 
 def waiting_beside(loaded: LoadedSchedule, phases: list[Phase], successor: int) -> int:
@@ -243,7 +247,8 @@ def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
                         zero_stage=s.deepspeed.zero_stage, world=ph.nproc * s.launch.nnodes,
                         micro_batch=s.data.micro_batch_size, seq_len=s.data.seq_len) for ph in phases]
     overlaps = [overlap_peak(out[i], out[i + 1], offered_bytes(count, head, len(phases[i].layers)),
-                             waiting_beside(loaded, phases, i + 1)) for i in range(len(phases) - 1)]
+                             waiting_beside(loaded, phases, i + 1), gathered=s.deepspeed.zero_stage > 0)
+                for i in range(len(phases) - 1)]
     return PlanEstimate(phases=out, count=count, unsized=[p for p in persistent if p not in count.head],
                         overlaps=overlaps)
 

@@ -161,8 +161,10 @@ class ScheduleSection(Section):
 
 
 class DeepSpeedSection(Section):
-    zero_stage: Literal[1, 2, 3] = 2
-    """DeepSpeed ZeRO stage; checkpoints are the same for every stage."""
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    """DeepSpeed ZeRO stage; checkpoints are the same for every stage. 0: no ZeRO, relayer's own
+    AdamW over fp32 masters (``launch.master_adamw``), the fastest step on one GPU (bfloat16 or
+    float32 models)."""
     config: dict[str, Any] | str = Field(default_factory=dict)
     """Merged into the generated DeepSpeed config: a table, or a DeepSpeed JSON file (relative to
     the schedule file) such as LMFlow, axolotl and LLaMA-Factory use. A key relayer derives from
@@ -254,6 +256,13 @@ class Schedule(Section):
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
     launch: LaunchSection = Field(default_factory=LaunchSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+
+    @model_validator(mode="after")
+    def _stage_zero(self) -> Schedule:
+        if self.deepspeed.zero_stage == 0 and self.model.dtype == "float16":
+            raise KeyProblem("deepspeed.zero_stage", "0 (relayer's fp32-master AdamW, no ZeRO) takes model.dtype "
+                             "bfloat16 or float32: float16 needs DeepSpeed's loss scaler, under ZeRO 1-3")
+        return self
 
 
 class Phase(BaseModel):

@@ -79,7 +79,7 @@ class PhaseSpec(_Spec):
     model: ModelPart
     data: DataPart
     optimizer: OptimizerPart
-    zero_stage: Literal[1, 2, 3]
+    zero_stage: Literal[0, 1, 2, 3]
     deepspeed_config: dict[str, Any]
     every_steps: int
     launcher: Literal["local", "deepspeed", "torchrun", "slurm"]

@@ -111,6 +111,22 @@ def test_two_processes_match_reference(tmp_path, tiny_model, tiny_data, referenc
     assert ports and not left
 
 
+def test_stage_0_two_processes_handing_over_match_reference(tmp_path, tiny_model, tiny_data, reference):
+    """relayer's own AdamW without ZeRO (``deepspeed.zero_stage = 0``, ``launch.master_adamw``):
+    its reduction over two ranks, and its state handed from phase to phase (through the host
+    here), as the reference; the checkpoints say stage 0."""
+    sched = write_schedule(tmp_path / "s.toml", schedule_dict(
+        tiny_model, tiny_data, deepspeed={"zero_stage": 0}, launch={"nproc": 2, "handover": "on"}))
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / "run"
+    taken = [json.loads((run / "phases" / f"phase-{i:04d}" / "records.json").read_text()).get("handover")
+             for i in (1, 2)]
+    assert taken == ["device", "device"]
+    assert {read_manifest(c).zero_stage for c in Checkpoints(run).all()} == {0}
+    assert max_abs_diff(reference, composed(tiny_model, run)) <= TOL
+
+
 MASKED_PHASES = [(5, [0]), (5, [1])]
 
 

@@ -92,7 +92,7 @@ def run_in_two_parts(tmp_path: Path, model: Path, data: Path, first: dict, secon
     return run
 
 
-@pytest.mark.parametrize("stage", [1, 3])  # stage 2: test_equivalence
+@pytest.mark.parametrize("stage", [0, 1, 3])  # stage 2: test_equivalence
 def test_zero_stage_matches_reference(tmp_path, tiny_model, tiny_data, reference, stage):
     sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data, deepspeed={"zero_stage": stage}))
     r = cli("orchestrator", "run", str(sched))

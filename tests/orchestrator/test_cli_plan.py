@@ -52,6 +52,13 @@ def setting(section: str, **values):
     return edit
 
 
+def both(*edits):
+    def edit(sched: dict, tmp: Path) -> None:
+        for e in edits:
+            e(sched, tmp)
+    return edit
+
+
 def missing(key: str, value: str, expected: str, **also) -> tuple:
     """(the edit, the message) for ``key`` (``also`` set beside it) naming ``value``, a file that is
     not there: every such key's message says what it expects and the path that does not exist."""
@@ -95,7 +102,10 @@ BAD = [
     ("total-steps-zero", setting("schedule", **strategy(strategy="lisa", total_steps=0, interval=5,
                                                         layers_per_phase=1)),
      "schedule.total_steps: expected a positive integer, got 0"),
-    ("zero-stage-4", setting("deepspeed", zero_stage=4), "deepspeed.zero_stage: expected 1, 2 or 3, got 4"),
+    ("zero-stage-4", setting("deepspeed", zero_stage=4), "deepspeed.zero_stage: expected 0, 1, 2 or 3, got 4"),
+    ("zero-stage-0-fp16", both(setting("deepspeed", zero_stage=0), setting("model", dtype="float16")),
+     "deepspeed.zero_stage: 0 (relayer's fp32-master AdamW, no ZeRO) takes model.dtype bfloat16 or float32: "
+     "float16 needs DeepSpeed's loss scaler, under ZeRO 1-3"),
     ("batch-not-divisible", setting("data", batch_size=10, micro_batch_size=4),
      "data.batch_size: expected a multiple of micro_batch_size x processes = 4 x 1 = 4, got 10 (phase 0)"),
     ("batch-not-divisible-by-processes", setting("launch", nproc=3),

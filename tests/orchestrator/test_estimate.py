@@ -92,6 +92,7 @@ COUNT = ParamCount(head={"embed": 1000, "lm_head": 1000, "norm": 10}, per_layer=
 
 @pytest.mark.parametrize("stage,weights,optimizer,gradients", [
     # 4010 parameters, 2510 trainable (head + 1 layer), bf16 (2 bytes), 4 processes.
+    (0, 4010 * 2, 2510 * 12, 2510 * (2 + 4)),  # relayer's MasterAdamW: every rank all of it, an fp32 gradient buffer
     (1, 4010 * 2, 2510 * 12 / 4, 2510 * 2),
     (2, 4010 * 2, 2510 * 12 / 4, 2510 * 2 / 4),
     (3, 4010 * 2 / 4, 2510 * 12 / 4, 2510 * 2 / 4),

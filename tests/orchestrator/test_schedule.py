@@ -188,13 +188,13 @@ def test_no_coercion_between_types(tmp_path, tiny_model, tiny_data):
 
 
 def test_every_fault_is_reported(tmp_path, tiny_model, tiny_data):
-    raw = schedule_dict(tiny_model, tiny_data, deepspeed={"zero_stage": 0})
+    raw = schedule_dict(tiny_model, tiny_data, deepspeed={"zero_stage": 5})
     raw["data"]["seq_len"] = "64"
     with pytest.raises(ScheduleError) as e:
         validate_schedule(raw, tmp_path / "s.toml")
     assert str(e.value).splitlines() == [
         f"{tmp_path / 's.toml'}: data.seq_len: expected an integer, got '64'",
-        f"{tmp_path / 's.toml'}: deepspeed.zero_stage: expected 1, 2 or 3, got 0",
+        f"{tmp_path / 's.toml'}: deepspeed.zero_stage: expected 0, 1, 2 or 3, got 5",
     ]
 
 

@@ -1,0 +1,115 @@
+"""relayer's optimizer without ZeRO (``launch.master_adamw``) against torch's AdamW and
+``clip_grad_norm_`` on fp32 weights, in one process: the same steps bitwise where nothing rounds
+differently, and its state where ``launch.zero_state`` reads and writes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from launch import zero_state
+from launch.master_adamw import ALIGN, MasterAdamW, slot_of
+
+
+def _net(dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.Linear(4, 4))
+    return net.to(dtype)
+
+
+def _groups(net: nn.Sequential, wd: float) -> list[dict]:
+    # net[3] is never used by the forward pass below: it steps with a zero gradient, as an element
+    # of ZeRO's flat partitions does (weight decay applies).
+    return [{"params": [net[0].weight, net[2].weight, net[3].weight], "weight_decay": wd},
+            {"params": [net[0].bias, net[2].bias], "weight_decay": 0.0}]
+
+
+def _train(net, opt, steps: int, micro: int, clip_tail: bool) -> list[float]:
+    gen = torch.Generator().manual_seed(1)
+    norms = []
+    for step in range(steps):
+        x, y = torch.randn(8 * micro, 8, generator=gen), torch.randn(8 * micro, 4, generator=gen)
+        if clip_tail and step >= steps - 2:
+            y = y * 1e3  # large gradients: the clip acts
+        for m in range(micro):
+            out = net[2](net[1](net[0](x[8 * m:8 * (m + 1)].to(net[0].weight.dtype))))
+            (((out.float() - y[8 * m:8 * (m + 1)]) ** 2).mean() / micro).backward()
+        norms.append(opt())
+    return norms
+
+
+def test_steps_as_torch_adamw_with_clipping_and_accumulation():
+    mine, ref = _net(), _net()
+    opt = MasterAdamW(_groups(mine, 0.1), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, grad_clip=1.0,
+                      device=torch.device("cpu"))
+    torch_opt = torch.optim.AdamW(_groups(ref, 0.1), lr=1e-2, betas=(0.9, 0.99), eps=1e-8)
+
+    def mine_step() -> float:
+        opt.step()
+        return float(opt._global_grad_norm)
+
+    def ref_step() -> float:
+        trained = [p for g in torch_opt.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in trained]))
+        scale = max(1.0, (float(norm) + 1e-6) / 1.0)  # DeepSpeed's clip: divide by (norm + 1e-6) / clip
+        for p in trained:
+            p.grad.div_(scale)
+        torch_opt.step()
+        torch_opt.zero_grad()
+        return float(norm)
+
+    mine_norms = _train(mine, mine_step, 6, 2, clip_tail=True)
+    ref_norms = _train(ref, ref_step, 6, 2, clip_tail=True)
+    assert mine_norms == pytest.approx(ref_norms, rel=1e-6)
+    assert max(ref_norms[-2:]) > 10  # the clip acted
+    for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
+        if name.startswith("3."):
+            continue
+        assert torch.allclose(p, q, rtol=0, atol=1e-6), name
+        assert torch.equal(slot_of(p).master, p.detach())  # fp32: the weights are the masters
+    decayed = _net()[3].weight.detach() * (1 - 1e-2 * 0.1) ** 6
+    assert torch.allclose(mine[3].weight, decayed, rtol=1e-6, atol=0)
+    assert opt.group_steps() == {0: 6, 1: 6}
+
+
+def test_low_precision_weights_are_the_masters_rounded_in_one_block():
+    net = _net(torch.bfloat16)
+    opt = MasterAdamW(_groups(net, 0.0), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, grad_clip=0.0,
+                      device=torch.device("cpu"))
+    _train(net, opt.step, 3, 1, clip_tail=False)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for p in params:
+        assert p.dtype == torch.bfloat16 and slot_of(p).master.dtype == torch.float32
+        assert torch.equal(p.detach(), slot_of(p).master.to(torch.bfloat16))
+        assert p.untyped_storage().data_ptr() == opt.lp.untyped_storage().data_ptr()
+        assert (p.data_ptr() - opt.lp.data_ptr()) // p.element_size() % ALIGN == 0
+    assert all(p.grad is None for p in params)  # each went into the fp32 buffer as it came
+
+
+class _Engine:
+    """What ``launch.zero_state`` sees of a DeepSpeed engine without ZeRO: its optimizer."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+
+def test_zero_state_reads_and_writes_its_views():
+    net = _net()
+    opt = MasterAdamW(_groups(net, 0.0), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, grad_clip=1.0,
+                      device=torch.device("cpu"))
+    engine = _Engine(opt)
+    _train(net, opt.step, 2, 1, clip_tail=False)
+    named = [(n, p) for n, p in net.named_parameters() if slot_of(p) is not None]
+    state = zero_state.get_state(named, on_device=True)
+    assert state["master"]["0.weight"].data_ptr() == slot_of(net[0].weight).master.data_ptr()  # no copy
+    assert float(state["exp_avg_sq"]["0.weight"].abs().sum()) > 0
+    zero_state.materialise(engine, [5, 7])
+    assert zero_state.group_steps(engine) == {0: 5, 1: 7}
+    assert float(opt.moments.abs().sum()) == 0
+    new = {k: {n: torch.full_like(t, 0.5) for n, t in by.items()} for k, by in state.items()}
+    zero_state.set_state(named, new, with_moments=True)
+    zero_state.refresh_lp(engine)
+    assert all(bool((p == 0.5).all()) for _, p in named)
+    assert bool((slot_of(net[2].bias).exp_avg == 0.5).all())
+    assert zero_state.base_optimizer(engine) is opt
