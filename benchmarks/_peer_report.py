@@ -147,7 +147,8 @@ def table(result: dict) -> str:
              f"every {s['interval']} steps; seed {s['seed']}; shape.layer_order: {s['layer_order']}",
              f"- the peer: Hugging Face Trainer, optimizer {peer['optimizer']}, LISA callback {peer['callback']['name']} "
              f"{peer['callback']['version'] or ''} ({peer['callback']['how']})",
-             f"- relayer: `orchestrator run` on the peer's {len(s['phases'])} phases (ZeRO-2, 1 process, handover "
+             f"- relayer: `orchestrator run` on the peer's {len(s['phases'])} phases (deepspeed.zero_stage "
+             f"{s.get('zero_stage', 2)}, 1 process, handover "
              "relayer's default unless given)",
              f"- model in {result['storage']['model']}; trained models and relayer's run in {result['storage']['outputs']}",
              f"- command: `{' '.join(result['command'])}`", "",

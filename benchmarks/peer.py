@@ -67,7 +67,7 @@ def make_setup(args: argparse.Namespace, shape: dict, work: Path, outputs: Path,
         "seed": args.seed, "model_config": shape["model"], "model_dir": str(args.model_dir or work / "model"),
         "data_path": str(work / "train.jsonl"), "setup_path": str(work / "setup.json"),
         "peer_dir": str(work / "peer"), "peer_model": str(outputs / "peer-model"), "relayer_dir": str(outputs / "relayer"),
-        "dtype": "bfloat16" if cuda else "float32", "zero_stage": 2, "nproc": 1, "seq_len": shape["seq_len"],
+        "dtype": "bfloat16" if cuda else "float32", "zero_stage": args.zero_stage, "nproc": 1, "seq_len": shape["seq_len"],
         "batch_size": shape["batch_size"], "micro_batch_size": args.micro_batch or shape["micro_batch_size"],
         "lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "grad_clip": 1.0,
         "total_steps": args.steps, "interval": args.interval, "layers_per_phase": LAYERS_PER_PHASE,
@@ -149,7 +149,7 @@ def new_result(name: str, date: dt.datetime, cuda: bool, hw: dict, shape_name: s
             "storage": {"model": setup["model_dir"], "outputs": str(Path(setup["relayer_dir"]).parent)},
             "shape": {"name": shape_name, "model": shape["model"], "layer_order": "lisa (the peer's callback)",
                       **{k: setup[k] for k in ("dtype", "seq_len", "batch_size", "micro_batch_size", "lr", "total_steps",
-                                               "interval", "layers_per_phase", "seed")}}, "ways": {}}
+                                               "interval", "layers_per_phase", "seed", "zero_stage")}}, "ways": {}}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -165,6 +165,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--handover", choices=("auto", "on", "off"), help="relayer's [launch] handover (default: relayer's)")
     ap.add_argument("--prewarm-depth", type=int, help="relayer's [launch] prewarm_depth (default: relayer's)")
     ap.add_argument("--keep-last", type=int, help="relayer's [checkpoint] keep_last (default: 2)")
+    ap.add_argument("--zero-stage", type=int, default=2, choices=(0, 1, 2, 3),
+                    help="relayer's deepspeed.zero_stage (0: its own AdamW over fp32 masters, no ZeRO)")
     ap.add_argument("--every-seconds", type=float,
                     help="relayer's [checkpoint] every_seconds (default: relayer's; 0: a checkpoint at every phase end)")
     ap.add_argument("--out", help="the results folder's name (default: DATE-DEVICE-SHAPE-peer)")

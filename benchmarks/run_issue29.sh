@@ -22,6 +22,10 @@
 #                     offer, the go, the successor's read of it and its answer, the journal lines, the
 #                     page cache under writeback and the main threads' kernel waits around each go
 #                     (benchmarks/_switch_gaps.py), py-spy stacks of late ones; breakdown.md.
+#   diag0   ~6 min    step7b's step at deepspeed.zero_stage = 0 beside ZeRO-2's and the peer's, lisa7b0, and 5
+#                     phases of it with the switch and the first two steps of each phase profiled.
+#   lisa7b0 ~3 min    lisa7b at deepspeed.zero_stage = 0 (relayer's own AdamW over fp32 masters, no ZeRO).
+#   peer7b0 ~5 min    peer7be with relayer at deepspeed.zero_stage = 0.
 #   step7b  ~2 min    benchmarks/step_cost.py at 7B: one steady step way by way in one process
 #                     (relayer's engine, fused AdamW, ZeRO-1, the peer's bf16 step, forward and backward
 #                     alone), with each way's top operators by device time; the model made on the GPU.
@@ -48,7 +52,7 @@
 # On a CPU, for trying the script itself (tiny shapes, a few minutes each):
 #     OUT=/tmp/o DS_ACCELERATOR=cpu I29_TINY=1 bash benchmarks/run_issue29.sh peer7b
 set -uo pipefail
-STEP=${1:?usage: run_issue29.sh peer7b|peer7be|lisa7b|step7b|lisa13|big|big13|big30|long11|long11s|long11e|long7|long7c}
+STEP=${1:?usage: run_issue29.sh peer7b|peer7be|peer7b0|lisa7b|lisa7b0|step7b|diag0|lisa13|big|big13|big30|long11|long11s|long11e|long7|long7c}
 : "${OUT:?set OUT to the folder the results go to}"
 T0=$(date +%s)
 S=${I29_SCRATCH:-/tmp/i29}
@@ -142,6 +146,32 @@ step7b() {
     say "step_cost.py: rc $?"
 }
 
+# The step of deepspeed.zero_stage = 0 (relayer's MasterAdamW) beside the peer's and ZeRO-2's, then 7B
+# switches at stage 0: 13 phases as lisa7b, and 5 more with the switch and the first steps profiled
+# (RELAYER_PROFILE_SWITCH, RELAYER_PROFILE_STEPS: the phases' *-profile-rank0.txt; slower, not timed).
+diag0() {
+    $PY benchmarks/step_cost.py --shape "$(shape 7b)" --out "$S/results/step7b-zero0" --profile \
+        --ways fwd-bwd,torch-bf16-fused,ds-zero2-fused,ds-zero0-relayer
+    say "step_cost.py: rc $?"
+    lisa7b0
+    space 7b --layers lisa --phases 5 --handover || exit 3
+    RELAYER_PROFILE_SWITCH=1 RELAYER_PROFILE_STEPS=1 switch lisa7b-zero0-profiled 7b --phases 5 --steps 20 \
+        --zero-stage 0 --timeout 200
+    mkdir -p "$S/results/lisa7b-zero0-profiled/profiles"
+    (cd "$WORK_DIR/lisa7b-zero0-profiled/relayer/run/phases" && for f in */*-profile-rank0.txt; do
+        cp "$f" "$S/results/lisa7b-zero0-profiled/profiles/${f%%/*}-${f##*/}"; done) 2>/dev/null
+    rm -rf "$WORK_DIR/lisa7b-zero0-profiled"
+}
+
+lisa7b0() {
+    space 7b --layers lisa --phases 13 --handover || exit 3
+    switch lisa7b-zero0 7b --phases 13 --steps 20 --zero-stage 0 --timeout 400
+    rm -rf "$WORK_DIR/lisa7b-zero0"
+}
+
+# peer7be with relayer at deepspeed.zero_stage = 0 (its own AdamW over fp32 masters, no ZeRO).
+peer7b0() { peer 7b peer7b-zero0 --every-seconds 0 --zero-stage 0; }
+
 lisa7b() {
     space 7b --layers lisa --phases 13 --handover || exit 3
     switch lisa7b 7b --phases 13 --steps 20 --timeout 400
@@ -219,6 +249,9 @@ case "$STEP" in
     peer7be) peer7be ;;
     lisa7b) lisa7b ;;
     step7b) step7b ;;
+    diag0) diag0 ;;
+    lisa7b0) lisa7b0 ;;
+    peer7b0) peer7b0 ;;
     big13) big13 ;;
     big30) big30 ;;
     big) big13; big30 ;;
@@ -228,5 +261,5 @@ case "$STEP" in
     long11e) long11e ;;
     long7) long7 ;;
     long7c) long7c ;;  # the cadence run alone
-    *) say "unknown step $STEP (peer7b, peer7be, lisa7b, step7b, lisa13, big, big13, big30, long11, long11s, long11e, long7, long7c)"; exit 2 ;;
+    *) say "unknown step $STEP (peer7b, peer7be, peer7b0, lisa7b, lisa7b0, step7b, diag0, lisa13, big, big13, big30, long11, long11s, long11e, long7, long7c)"; exit 2 ;;
 esac

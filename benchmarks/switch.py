@@ -385,7 +385,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="where that folder goes (default: benchmarks/results)")
     ap.add_argument("--work", type=Path, help="scratch folder (default: a new temporary one, removed at the end)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds any one process may run")
-    ap.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3))
+    ap.add_argument("--zero-stage", type=int, default=2, choices=(0, 1, 2, 3),
+                    help="relayer's deepspeed.zero_stage (0: its own AdamW, no ZeRO); b and c run ZeRO-1/2")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", choices=("walk", "lisa"), default="walk",
                     help="the phases' layers: walk (2 a phase in turn, the default) or lisa (sampled with --seed)")
@@ -414,7 +415,7 @@ def chosen_ways(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The ways to run, and a note for each one left out."""
     letters, notes = args.ways.split(","), []
     for letter in ("b", "c"):
-        why = ("one process only" if args.nproc > 1 else "ZeRO-1/2 only" if args.zero_stage == 3 else None)
+        why = ("one process only" if args.nproc > 1 else "ZeRO-1/2 only" if args.zero_stage in (0, 3) else None)
         if letter in letters and why:
             letters.remove(letter)
             notes.append(f"way {letter} ({WAYS[letter]}) left out: {why} (--nproc {args.nproc}, "

@@ -5,13 +5,12 @@ record (``launch.record``). See ``launch.worker``."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 from pathlib import Path
 
 from torch import nn
 
 from launch import handover, prepare, save, switch, train
+from launch.profiling import switch_profile
 from launch.contract.spec import PhaseSpec
 from launch.record import Phase
 
@@ -27,7 +26,7 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict,
         phase.made = prepare.prepare(phase)
         restore = Path(spec.restore) if spec.restore else None
         go, delta = switch.await_go(phase) if spec.prewarm else (switch.Go(restore), None)
-        with _profiled(Path(spec.phase_dir) / f"switch-profile-rank{rank}.txt"):
+        with switch_profile(Path(spec.phase_dir) / f"switch-profile-rank{rank}.txt"):
             phase.built = switch.assemble(phase, go, delta)
             switch.restore(phase)
         done = train.train(phase, stop)
@@ -41,25 +40,3 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict,
         raise
     phase.write_records()
     return 0 if done else PREEMPTED
-
-
-@contextlib.contextmanager
-def _profiled(report: Path):
-    """For the benchmarks (``RELAYER_PROFILE_SWITCH=1``): where the engine build and the restore
-    spend their time, as cProfile sees it, written to ``report``; otherwise nothing."""
-    if not os.environ.get("RELAYER_PROFILE_SWITCH"):
-        yield
-        return
-    import cProfile
-    import io
-    import pstats
-
-    profile = cProfile.Profile()
-    profile.enable()
-    try:
-        yield
-    finally:
-        profile.disable()
-        out = io.StringIO()
-        pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(60)
-        report.write_text(out.getvalue())

@@ -344,10 +344,14 @@ def deepspeed_config(spec: PhaseSpec, world: int, trainable_numel: int) -> dict:
         "wall_clock_breakdown": False,
     }
     merged = _merge(cfg, spec.deepspeed_config)
-    if spec.zero_stage == 0:  # MasterAdamW keeps the fp32 masters and clips; DeepSpeed wraps nothing
-        merged.update({"gradient_clipping": 0.0, "bf16": {"enabled": False}, "fp16": {"enabled": False},
-                       "zero_optimization": {"stage": 0}})
-    return merged
+    return without_zero(merged) if spec.zero_stage == 0 else merged
+
+
+def without_zero(cfg: dict) -> dict:
+    """``cfg`` for relayer's ``MasterAdamW``, which keeps the fp32 masters and clips: DeepSpeed wraps
+    nothing around it (no ZeRO, no bf16 or fp16 optimizer, no clipping of its own)."""
+    return {**cfg, "gradient_clipping": 0.0, "bf16": {"enabled": False}, "fp16": {"enabled": False},
+            "zero_optimization": {"stage": 0}}
 
 
 def _merge(base: dict, over: dict) -> dict:

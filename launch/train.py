@@ -19,6 +19,7 @@ from launch.contract.data import DataPart
 from launch.contract.files import RunDir
 from launch.contract.spec import lr_at
 from launch.data import micro_batch, rows, step_targets
+from launch.profiling import step_profile
 from launch.record import Phase
 from launch.save import prepare_files, save
 from shard_tools.files import open_append
@@ -46,7 +47,8 @@ def train(ph: Phase, stop: dict) -> bool:
     faults.point("phase.first_step", prewarm=spec.prewarm, phase=spec.phase)
     ph.stage("first step")
     while ph.step < spec.end_step:
-        stop_asked = _step(ph, stop, metrics, step_times)
+        with step_profile(Path(spec.phase_dir) / f"steps-profile-rank{ph.rank}.txt", ph.step - spec.start_step):
+            stop_asked = _step(ph, stop, metrics, step_times)
         if d.eval_every and ph.step % d.eval_every == 0:
             evaluate(ph, metrics)
         if stop_asked and ph.step < spec.end_step:
