@@ -2,6 +2,8 @@
 forks every phase's ranks from there, so a phase process starts in milliseconds, not seconds.
 
     python -m launch.zygote SPEC.json REQUESTS_FIFO      # started by the orchestrator
+    python -m launch.zygote --early                      # started before the run has a spec: the
+                                                         # imports first, then the start on stdin
 
 Each phase is still a fresh process (its device memory dies with it); what the fork inherits is
 host-side only: imported modules and the base weights, copy-on-write. CUDA is never initialised
@@ -24,7 +26,7 @@ import traceback
 import psutil
 
 from launch import procs
-from launch.contract.channels import FORK_REQUESTS
+from launch.contract.channels import EARLY, FORK_REQUESTS, FORK_SERVER_START
 from launch.contract.files import DUMP_STACKS, UNRECORDED, PhaseDir, RunDir, rank_name, write_reason
 from launch.contract.spec import PhaseSpec
 from shard_tools.files import open_append
@@ -43,24 +45,31 @@ WARM_IMPORTS = (
 )
 
 
-class Zygote:
-    def __init__(self, spec: PhaseSpec):
-        import torch
+def import_all() -> int:
+    """What every phase imports (torch, deepspeed, transformers, ``WARM_IMPORTS``, the comm op): paid
+    once, here; torch's thread count before it runs single-threaded until the fork."""
+    import torch
 
-        self.threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        from launch import phase  # noqa: F401 - the heavy imports: torch, deepspeed, transformers
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    from launch import phase  # noqa: F401 - the heavy imports: torch, deepspeed, transformers
+
+    for name in WARM_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue
+    from launch.ops import load_comm_ops
+
+    load_comm_ops()  # cached in every forked phase: none of them takes the build lock
+    return threads
+
+
+class Zygote:
+    def __init__(self, spec: PhaseSpec, threads: int | None = None):
+        self.threads = import_all() if threads is None else threads
         from launch.prepare import model_key, model_spec
         from shard_tools.model import build_base_model
-
-        for name in WARM_IMPORTS:
-            try:
-                importlib.import_module(name)
-            except ImportError:
-                continue
-        from launch.ops import load_comm_ops
-
-        load_comm_ops()  # cached in every forked phase: none of them takes the build lock
 
         base = model_spec(spec)
         self.model = build_base_model(base)
@@ -134,23 +143,36 @@ class Zygote:
 
 
 def main(argv: list[str]) -> None:
+    threads = None
+    if argv[1:] == [EARLY]:
+        # Started while the orchestrator still checks the schedule and prepares the data: the
+        # imports meanwhile (seconds), then the start; its output goes nowhere until the log is named.
+        procs.set_parent_death_signal()
+        threads = import_all()
+        start = FORK_SERVER_START.read(sys.stdin.fileno())
+        if start is None:  # the run needs no fork server after all (or its orchestrator is gone)
+            return
+        log = open_append(start["log"])  # never through a link
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        argv = [argv[0], start["spec"], start["fifo"]]
     spec = PhaseSpec.read(argv[1])
     try:
-        serve(spec, argv[2])
+        serve(spec, argv[2], threads)
     except Exception as e:
         # The orchestrator names this reason (and zygote.log's last lines) in the phase's failure.
         write_reason(RunDir(spec.run_dir).zygote_error, e)
         raise
 
 
-def serve(spec: PhaseSpec, requests: str) -> None:
+def serve(spec: PhaseSpec, requests: str, threads: int | None = None) -> None:
     procs.set_parent_death_signal()
     if spec.orchestrator_pid is not None:
         procs.watch_orchestrator(spec.orchestrator_pid)
     # Its ranks are recorded as soon as forked: a stack dump asked for before one registered for it
     # (launch.procs.guard_process) must not end it, as the signal's default would.
     signal.signal(DUMP_STACKS, signal.SIG_IGN)
-    zygote = Zygote(spec)
+    zygote = Zygote(spec, threads)
     threading.Thread(target=zygote.reap_forever, daemon=True, name="reaper").start()
     fd = os.open(requests, os.O_RDONLY)
     while (request := FORK_REQUESTS.read(fd)) is not None:  # None: the orchestrator is gone

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from launch.contract.channels import FORK_REQUESTS, FORK_SERVER, GO, PHASE_LAUNCHER, python_m
+from launch.contract.channels import EARLY, FORK_REQUESTS, FORK_SERVER, FORK_SERVER_START, GO, PHASE_LAUNCHER, python_m
 from launch.contract.files import RANK, UNRECORDED, Answer, PhaseDir, RunDir, read_reasons
 from launch.contract.spec import PhaseSpec
 from orchestrator import procs
@@ -111,6 +111,8 @@ class PhaseProcesses:
         self.run_dir, self.launch, self.event, self.spec_of = run_dir, launch, event, spec_of
         self.files = RunDir(run_dir)
         self.zygote: subprocess.Popen | None = None
+        self.early: subprocess.Popen | None = None
+        """A fork server started before the run's first spec (``start_early``), importing meanwhile."""
         self.zygote_fd = -1
         self.stopped: set[int] = set()
         """Fork servers this process ended (their end is no failure of theirs)."""
@@ -156,11 +158,24 @@ class PhaseProcesses:
                      preload=work.restore if prewarm else None, offers=spec.handover.offer,
                      takes=spec.handover.take)
 
-    def fork_server(self, spec_path: Path) -> subprocess.Popen | None:
-        """The run's fork server (``launch.zygote``), started on first use, for one-node local runs
-        with prewarm on; None where phases start as launcher processes instead."""
+    def forks(self) -> bool:
+        """Whether this run's phases are forked by a fork server: one-node local runs with prewarm on."""
         launch = self.launch
-        if not (launch.prewarm and launch.launcher == "local" and launch.nnodes == 1):
+        return launch.prewarm and launch.launcher == "local" and launch.nnodes == 1
+
+    def start_early(self) -> None:
+        """Starts the fork server before the run's first spec exists (``launch.zygote --early``): it
+        imports torch, DeepSpeed and transformers (seconds) while the schedule's data is prepared
+        and the run directory made. Unused, it goes with ``stop_fork_server``."""
+        if self.forks() and self.early is None and self.zygote is None:
+            self.early = subprocess.Popen(python_m(FORK_SERVER, EARLY), stdin=subprocess.PIPE,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+
+    def fork_server(self, spec_path: Path) -> subprocess.Popen | None:
+        """The run's fork server (``launch.zygote``), started on first use (the early one, where it
+        lives), for one-node local runs with prewarm on; None where phases start as launcher processes."""
+        if not self.forks():
             return None
         if self.zygote is None:
             fifo = self.files.zygote_fifo
@@ -168,23 +183,48 @@ class PhaseProcesses:
             os.mkfifo(fifo, 0o600)
             self.zygote_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
             self.files.zygote_error.unlink(missing_ok=True)  # an earlier orchestrator's
-            log = open(open_append(self.files.zygote_log), "ab")
-            self.zygote = subprocess.Popen(python_m(FORK_SERVER, str(spec_path), str(fifo)),
-                                           stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-            log.close()
-            self.event("zygote_started", pid=self.zygote.pid)
+            self.zygote = self._started_early(spec_path, fifo) or self._spawn_fork_server(spec_path, fifo)
+            self.event("zygote_started", pid=self.zygote.pid, early=self.zygote is self.early)
+            self.early = None
         return self.zygote
 
+    def _started_early(self, spec_path: Path, fifo: Path) -> subprocess.Popen | None:
+        """The early fork server, told where to serve; None where there is none or it died."""
+        early = self.early
+        if early is None or early.poll() is not None:
+            return None
+        try:
+            early.stdin.write(FORK_SERVER_START.encode(spec=str(spec_path), fifo=str(fifo), log=str(self.files.zygote_log)))
+            early.stdin.close()
+        except OSError:  # it died meanwhile
+            self._end(early)
+            return None
+        return early
+
+    def _spawn_fork_server(self, spec_path: Path, fifo: Path) -> subprocess.Popen:
+        self._end(self.early)
+        with open(open_append(self.files.zygote_log), "ab") as log:
+            return subprocess.Popen(python_m(FORK_SERVER, str(spec_path), str(fifo)),
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+
+    @staticmethod
+    def _end(proc: subprocess.Popen | None) -> None:
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
     def stop_fork_server(self) -> None:
+        self._end(self.early)  # never used: the run ended before its first phase
+        self.early = None
         if self.zygote is None:
             return
         self.stopped.add(self.zygote.pid)
-        try:
-            os.killpg(self.zygote.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.zygote.wait()
+        self._end(self.zygote)
         os.close(self.zygote_fd)
         self.files.zygote_fifo.unlink(missing_ok=True)
         self.zygote = None

@@ -120,8 +120,11 @@ class Runner:
         # keeps them to the owner unless the group may read.
         umask = os.umask(0o027 if self.loaded.schedule.run.group_readable else 0o077)
         try:
+            # The fork server imports (seconds) while the data is prepared and the run directory made.
+            self.groups.start_early()
             self._run(chosen)
         finally:
+            self.groups.stop_fork_server()  # one started early goes on every way out, bad input too
             os.umask(umask)
 
     def _run(self, chosen: Path | None) -> None:

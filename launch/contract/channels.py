@@ -15,7 +15,10 @@ PHASE_LAUNCHER = "launch"
 """``python -m launch SPEC``: a phase's launcher (``launch/__main__.py``), which execs the command
 that starts its ranks."""
 FORK_SERVER = "launch.zygote"
-"""``python -m launch.zygote SPEC FIFO``: the run's fork server, forking ranks on ``FORK_REQUESTS``."""
+"""``python -m launch.zygote SPEC FIFO``: the run's fork server, forking ranks on ``FORK_REQUESTS``;
+``python -m launch.zygote --early``: one started before the run has a spec, which imports what every
+phase imports meanwhile and then reads ``FORK_SERVER_START`` on stdin (EOF: not needed, it exits)."""
+EARLY = "--early"
 DATA_TOOL = "launch.datatool"
 """``python -m launch.datatool``: prepares and checks the data; the request on stdin, the answer on
 stdout, both JSON."""
@@ -76,5 +79,8 @@ GO = Channel(4096, frozenset({"restore", "handover", "defer"}))
 per rank, written once its predecessor's processes are gone; or, with ``handover`` (the
 predecessor's phase directory), once every rank of the predecessor has made its offer: the
 checkpoint is then the one the predecessor commits after the answers."""
+FORK_SERVER_START = Channel(4096, frozenset({"spec", "fifo", "log"}))
+"""An early fork server's stdin: serve with the spec.json at ``spec`` (its model, its run) on the
+requests FIFO ``fifo``, writing to the log ``log``."""
 FORK_REQUESTS = Channel(4096, frozenset({"spec", "nproc"}))
 """RUN_DIR/zygote.fifo: fork the ranks of the phase whose spec.json is at ``spec``."""
