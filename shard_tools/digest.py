@@ -88,17 +88,22 @@ def write_and_digest(fd: int, buffers: list[memoryview], pool: ThreadPoolExecuto
     return _combine([j.result() for j in jobs])
 
 
-def folder_digests(folder: Path, skip: str = "") -> dict[str, dict[str, int | str]]:
+def folder_digests(folder: Path, skip: str = "",
+                   known: dict[str, dict[str, int | str]] | None = None) -> dict[str, dict[str, int | str]]:
     """Each entry of ``folder`` but ``skip`` by name, with its size and digest; OSError where one is
     not a regular file of its own (a link is not followed). What an export's relayer.json records,
-    so that a run tells its own final/ from a changed or another run's one."""
+    so that a run tells its own final/ from a changed or another run's one. ``known``: digests of
+    files hashed as they were written, taken where the size is still the same."""
     out: dict[str, dict[str, int | str]] = {}
+    known = known or {}
     for f in sorted(Path(folder).iterdir()):
         if f.name == skip:
             continue
         fd = open_regular(f, follow_symlinks=False)
         try:
-            out[f.name] = {"size": os.fstat(fd).st_size, "sha256_chunked": digest_fd(fd)}
+            size = os.fstat(fd).st_size
+            was = known.get(f.name)
+            out[f.name] = dict(was) if was and was["size"] == size else {"size": size, "sha256_chunked": digest_fd(fd)}
         finally:
             os.close(fd)
     return out

@@ -29,6 +29,7 @@ from shard_tools.files import TMP_PREFIX, read_regular, regular_fault
 from shard_tools.history import JOURNAL
 from shard_tools.manifest import CHECKPOINTS, EXPORT_MARKER, FINAL, MANIFEST, Manifest, path_kind, step_of
 from shard_tools.model import DTYPES, ModelSpec, build_base_model
+from shard_tools.shards import parallel_shards
 from shard_tools.sizes import parse_size
 from shard_tools.state import run_weights
 from shard_tools.store import Checkpoints
@@ -156,9 +157,10 @@ def export(source: Path, out: Path, dtype: str | None = None, force: bool = Fals
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f"{TMP_PREFIX}{dest.name}.{os.getpid()}"
     try:
-        model.save_pretrained(tmp, max_shard_size=shard_bytes)
+        with parallel_shards() as digests:
+            model.save_pretrained(tmp, max_shard_size=shard_bytes)
         lap("write")
-        _add_files(tmp, run_dir, ckpt, manifest, dtype, base_path)
+        _add_files(tmp, run_dir, ckpt, manifest, dtype, base_path, digests)
         _one_mode(tmp)
         _replace_dir(tmp, dest)
         lap("files")
@@ -197,9 +199,11 @@ def _one_mode(folder: Path) -> None:
             os.chmod(f, 0o666 & ~umask)
 
 
-def _add_files(tmp: Path, run_dir: Path, ckpt: Path, manifest: Manifest, dtype: str, base_path: str | None) -> None:
+def _add_files(tmp: Path, run_dir: Path, ckpt: Path, manifest: Manifest, dtype: str, base_path: str | None,
+               known: dict[str, dict[str, int | str]]) -> None:
     """Beside the weights: the run's tokenizer (model.tokenizer, recorded since it may live apart
-    from the base model) and relayer.json, which lists every file with its checksum."""
+    from the base model) and relayer.json, which lists every file with its checksum (``known``:
+    those of the weight files, hashed as they were written)."""
     tokenizer = manifest.extra.get("tokenizer")
     tokenizer = tokenizer if isinstance(tokenizer, str) and tokenizer else base_path
     for name in COPIED_FILES if tokenizer else ():
@@ -209,7 +213,7 @@ def _add_files(tmp: Path, run_dir: Path, ckpt: Path, manifest: Manifest, dtype: 
     (tmp / EXPORT_MARKER).write_text(json.dumps({
         "export": "relayer", "run": str(run_dir.resolve()), "checkpoint": str(ckpt.resolve()),
         "global_step": manifest.global_step, "phase": manifest.phase, "dtype": dtype,
-        "versions": manifest.versions, "files": folder_digests(tmp, skip=EXPORT_MARKER)}, indent=2) + "\n")
+        "versions": manifest.versions, "files": folder_digests(tmp, skip=EXPORT_MARKER, known=known)}, indent=2) + "\n")
 
 
 def shard_size(value: str | int) -> int:

@@ -61,6 +61,33 @@ def test_a_checkpoint_sharded(tiny_run, tiny_model, tmp_path):
     assert torch.equal(_logits(exported), _logits(_reference(tiny_run, 20, tiny_model)))
 
 
+def test_shards_hold_what_save_pretrained_writes(tiny_run, tmp_path, monkeypatch):
+    """The shards are written by relayer's parallel writer (``shard_tools.shards``), tensor for
+    tensor and name for name what transformers' own writer puts in them, and relayer.json's
+    digests (taken as they were written) are the files'."""
+    from safetensors import safe_open
+
+    from shard_tools import shards
+    from shard_tools.digest import folder_digests
+
+    calls = []
+    write = shards._write
+    monkeypatch.setattr(shards, "_write", lambda path, *a: calls.append(path.name) or write(path, *a))
+    out, plain = tmp_path / "export", tmp_path / "plain"
+    export(ckpt(tiny_run, 20), out, max_shard_size="50KB")
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 1 and sorted(calls) == files
+    AutoModelForCausalLM.from_pretrained(out).save_pretrained(plain, max_shard_size="50KB")
+    assert files == sorted(p.name for p in plain.glob("*.safetensors"))
+    for name in files:
+        with safe_open(out / name, "pt") as a, safe_open(plain / name, "pt") as b:
+            assert sorted(a.keys()) == sorted(b.keys()) and a.metadata() == b.metadata() == {"format": "pt"}
+            assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
+    index = "model.safetensors.index.json"
+    assert json.loads((out / index).read_text())["weight_map"] == json.loads((plain / index).read_text())["weight_map"]
+    assert json.loads((out / "relayer.json").read_text())["files"] == folder_digests(out, skip="relayer.json")
+
+
 def test_dtype(tiny_run, tiny_model, tmp_path):
     """Composed in the export's dtype (never through a whole fp32 copy), each weight is the fp32
     composition rounded once."""
