@@ -54,8 +54,8 @@ def prepare(ph: Phase) -> Prepared:
     ph.timeline.mark("t_model_ready")
     if spec.prewarm:
         _warm(ph, made)
-    else:
-        ph.files = Later.now(prepare_files(ph, made))
+    else:  # made while the weights go to the device, the engine is built and the first steps run
+        ph.files = Later(prepare_files, ph, made)
     torch.manual_seed(hash_seed(spec.seed, spec.phase, ph.rank))
     ph.timeline.mark("t_prepared")
     return made
@@ -108,20 +108,34 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
     persistent, layers_attr = detect_parts(model, m.persistent, m.layers)
     origin = Origin(base_model=model_spec(spec), tokenizer=m.tokenizer, persistent=persistent,
                     layers_attr=layers_attr, world_size=ph.world, zero_stage=spec.zero_stage)
+    preload = spec.preload or spec.restore
+    moving = _to_device_early(ph, model, staging) if not (preload or spec.prewarm) else None
     ph.stage("preparing data")
     examples, validation = _load_data(ph)
-    preload = spec.preload or spec.restore
     made = Prepared(
         staging=staging, refusal=refusal, model=model, skeleton=skeleton, origin=origin,
         head_names=head_param_names(model, persistent),
         body_names=[n for i in spec.layers for n in layer_param_names(model, layers_attr, i)],
         examples=examples, validation=validation, order=SampleOrder(len(examples), spec.seed, spec.data.shuffle),
-        preloaded=ph.checkpoints.layer_sources(Path(preload)) if preload else {}, trained={})
+        preloaded=ph.checkpoints.layer_sources(Path(preload)) if preload else {}, trained={}, moving=moving)
     if skeleton:
         handover.preload_layers(ph, made)
     else:
         overlay(made, layer_weights(made.preloaded, mapped=True))
     return made
+
+
+def _to_device_early(ph: Phase, model: nn.Module, staging: Staging | None) -> Later[None] | None:
+    """A phase started cold from the base model (the run's first): its host weights are final, so
+    they go to the device in a thread while the data is prepared (1.65 s at 7B on the H200)."""
+    if staging is None or ph.spec.zero_stage == 3:
+        return None
+
+    def move() -> None:
+        torch.cuda.set_device(ph.device)  # per thread
+        staging.module_to_device(model)
+
+    return Later(move)
 
 
 def model_spec(spec: PhaseSpec) -> ModelSpec:
@@ -249,7 +263,9 @@ def build_engine(ph: Phase, made: Prepared, source: Source) -> Assembled:
         p.requires_grad_(name in trainable)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ds_config = deepspeed_config(spec, ph.world, numel)
-    if made.staging is not None and spec.zero_stage < 3:
+    if made.moving is not None:
+        made.moving.result()
+    elif made.staging is not None and spec.zero_stage < 3:
         made.staging.module_to_device(model)  # what deepspeed.initialize would do, at pinned speed
     elif spec.zero_stage == 0:
         model.to(ph.device)  # a MasterAdamW puts the trainable weights in its flat block where they are

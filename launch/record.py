@@ -53,6 +53,8 @@ class Prepared:
     trained: dict[str, torch.Tensor]
     """fp32 weights of the trainable parameters, for their fp32 masters (the module may be bf16);
     emptied once they are in the engine."""
+    moving: Later[None] | None = None
+    """A phase started cold from the base model: its weights going to the device meanwhile (``launch.prepare``)."""
     carried: dict[str, torch.Tensor] = field(default_factory=dict)
     """fp32 masters of other layers than this phase's, trained by phases since the last checkpoint
     whose ends wrote none (``checkpoint.every_seconds``), taken over from the predecessor: its
