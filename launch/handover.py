@@ -29,6 +29,7 @@ from launch.contract import faults
 from launch.contract.files import Answer, Offer, PhaseDir, TensorRef
 from launch.record import Phase, Prepared
 from launch.save import carried_layer, snapshot
+from launch.staging import one_block
 from shard_tools.errors import CheckpointError
 from shard_tools.state import PhaseState, RunState, layer_weights
 
@@ -309,9 +310,14 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool = False) -> Phase
     parts = _unpack(_map(offered, blob, ph.device))
     faults.point("handover.copying", phase=ph.spec.phase, rank=ph.rank)
     with torch.no_grad():
-        # New parameters in place of the skeleton's (on the meta device), tied ones tied still.
-        new = {id(p): torch.nn.Parameter(parts[WEIGHTS][n].clone(), requires_grad=p.requires_grad)
-               for n, p in made.model.named_parameters()}
+        # New parameters in place of the skeleton's (on the meta device), tied ones tied still; the
+        # frozen ones in one block (one allocation, and one IPC handle when this phase offers them).
+        named = list(made.model.named_parameters())
+        trainable = {*made.head_names, *made.body_names}
+        frozen = [n for n, _ in named if n not in trainable]
+        copies = dict(zip(frozen, _in_one_block({n: parts[WEIGHTS][n] for n in frozen}).values()))
+        new = {id(p): torch.nn.Parameter(copies[n] if n in copies else parts[WEIGHTS][n].clone(),
+                                         requires_grad=p.requires_grad) for n, p in named}
         for module in made.model.modules():
             for leaf, p in module._parameters.items():
                 if p is not None and id(p) in new:
@@ -339,17 +345,13 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool = False) -> Phase
 
 def _in_one_block(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Copies of ``tensors``, views into one block of memory: offered on, they are one CUDA IPC
-    handle to open rather than one each (hundreds, with every layer carried)."""
-    dtypes = {t.dtype for t in tensors.values()}
-    if len(dtypes) != 1:  # none, or (never so far) masters of several dtypes: a copy each
-        return {n: t.clone() for n, t in tensors.items()}
+    handle to open rather than one each (hundreds: the frozen weights, every layer carried)."""
+    if not tensors:
+        return {}
     first = next(iter(tensors.values()))
-    block = torch.empty(sum(t.numel() for t in tensors.values()), dtype=first.dtype, device=first.device)
-    out, at = {}, 0
+    out = dict(zip(tensors, one_block(list(tensors.values()), first.device)))
     for name, t in tensors.items():
-        out[name] = block[at:at + t.numel()].view(t.shape)
         out[name].copy_(t)
-        at += t.numel()
     return out
 
 

@@ -108,15 +108,15 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
     persistent, layers_attr = detect_parts(model, m.persistent, m.layers)
     origin = Origin(base_model=model_spec(spec), tokenizer=m.tokenizer, persistent=persistent,
                     layers_attr=layers_attr, world_size=ph.world, zero_stage=spec.zero_stage)
+    head_names = head_param_names(model, persistent)
+    body_names = [n for i in spec.layers for n in layer_param_names(model, layers_attr, i)]
     preload = spec.preload or spec.restore
-    moving = _to_device_early(ph, model, staging) if not (preload or spec.prewarm) else None
+    moving = None if preload or spec.prewarm else _to_device_early(ph, model, staging, {*head_names, *body_names})
     ph.stage("preparing data")
     examples, validation = _load_data(ph)
     made = Prepared(
         staging=staging, refusal=refusal, model=model, skeleton=skeleton, origin=origin,
-        head_names=head_param_names(model, persistent),
-        body_names=[n for i in spec.layers for n in layer_param_names(model, layers_attr, i)],
-        examples=examples, validation=validation, order=SampleOrder(len(examples), spec.seed, spec.data.shuffle),
+        head_names=head_names, body_names=body_names, examples=examples, validation=validation, order=SampleOrder(len(examples), spec.seed, spec.data.shuffle),
         preloaded=ph.checkpoints.layer_sources(Path(preload)) if preload else {}, trained={}, moving=moving)
     if skeleton:
         handover.preload_layers(ph, made)
@@ -125,7 +125,7 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
     return made
 
 
-def _to_device_early(ph: Phase, model: nn.Module, staging: Staging | None) -> Later[None] | None:
+def _to_device_early(ph: Phase, model: nn.Module, staging: Staging | None, trainable: set[str]) -> Later[None] | None:
     """A phase started cold from the base model (the run's first): its host weights are final, so
     they go to the device in a thread while the data is prepared (1.65 s at 7B on the H200)."""
     if staging is None or ph.spec.zero_stage == 3:
@@ -133,7 +133,7 @@ def _to_device_early(ph: Phase, model: nn.Module, staging: Staging | None) -> La
 
     def move() -> None:
         torch.cuda.set_device(ph.device)  # per thread
-        staging.module_to_device(model)
+        staging.module_to_device(model, frozenset(trainable))
 
     return Later(move)
 
@@ -266,7 +266,7 @@ def build_engine(ph: Phase, made: Prepared, source: Source) -> Assembled:
     if made.moving is not None:
         made.moving.result()
     elif made.staging is not None and spec.zero_stage < 3:
-        made.staging.module_to_device(model)  # what deepspeed.initialize would do, at pinned speed
+        made.staging.module_to_device(model, frozenset(trainable))  # what deepspeed.initialize would do, pinned
     elif spec.zero_stage == 0:
         model.to(ph.device)  # a MasterAdamW puts the trainable weights in its flat block where they are
     ph.timeline.mark("t_on_device")
