@@ -5,6 +5,7 @@ record (``launch.record``). See ``launch.worker``."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 from torch import nn
@@ -24,6 +25,10 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict,
     phase = Phase(spec, rank, world, prebuilt)
     try:
         phase.made = prepare.prepare(phase)
+        # What preparing made lives as long as the phase: collections scan only what comes after,
+        # and none pauses the switch (back on after the first step, ``train._first_step_done``).
+        gc.freeze()
+        gc.disable()
         restore = Path(spec.restore) if spec.restore else None
         go, delta = switch.await_go(phase) if spec.prewarm else (switch.Go(restore), None)
         with switch_profile(Path(spec.phase_dir) / f"switch-profile-rank{rank}.txt"):

@@ -3,6 +3,7 @@ logs, and the check that stops a run whose loss or gradients went non-finite."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -121,6 +122,7 @@ def _accumulate(ph: Phase, lr: float) -> tuple[float, int]:
 
 def _first_step_done(ph: Phase, seconds: float) -> None:
     ph.timeline.mark("t_first_step_end")  # before the orchestrator can see the step
+    gc.enable()  # off since the phase was prepared (``launch.phase``): the switch is over
     ph.timeline.add(first_step_seconds=seconds)  # for the switch's overhead (shard_tools.history)
     ph.timeline.add(nice=os.getpriority(os.PRIO_PROCESS, 0))  # the priority it trains at
     if ph.made.staging is not None:

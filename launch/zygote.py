@@ -15,6 +15,7 @@ its phase directory gets its exit code (``PhaseDir.write_exit``).
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import signal
@@ -73,6 +74,10 @@ class Zygote:
 
         base = model_spec(spec)
         self.model = build_base_model(base)
+        # Everything here lives as long as the run: no collection in a forked phase scans it (nor
+        # writes its pages, shared copy-on-write).
+        gc.collect()
+        gc.freeze()
         self.key = model_key(base)
         self.children: dict[int, tuple[PhaseDir, int]] = {}
         self.lock = threading.Lock()
