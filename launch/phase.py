@@ -29,6 +29,7 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict,
         # and none pauses the switch (back on after the first step, ``train._first_step_done``).
         gc.freeze()
         gc.disable()
+        phase.timeline.add(gc_collections_before_switch=_collections())
         restore = Path(spec.restore) if spec.restore else None
         go, delta = switch.await_go(phase) if spec.prewarm else (switch.Go(restore), None)
         with switch_profile(Path(spec.phase_dir) / f"switch-profile-rank{rank}.txt"):
@@ -45,3 +46,8 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict,
         raise
     phase.write_records()
     return 0 if done else PREEMPTED
+
+
+def _collections() -> int:
+    """Garbage collections of this process so far, every generation."""
+    return sum(g["collections"] for g in gc.get_stats())

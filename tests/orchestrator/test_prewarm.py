@@ -59,6 +59,13 @@ def test_prewarm_changes_nothing_in_the_result(cold, warm, tiny_model):
     assert [e["prewarmed"] for e in events(warm) if e["event"] == "phase_started"] == [False] + [True] * 5
 
 
+def test_no_garbage_collection_in_a_switch(warm):
+    """From a phase's preparation to its first step's end, nothing is collected (``launch.phase``)."""
+    records = [json.loads((warm / "phases" / f"phase-{i:04d}" / "records.json").read_text()) for i in range(6)]
+    assert [r["gc_collections_in_switch"] for r in records] == [0] * 6
+    assert all(r["gc_collections_before_switch"] > 0 for r in records)  # there were some before: it counts
+
+
 def test_successor_trains_only_after_its_predecessor_is_gone(warm):
     done = [e["records"] for e in events(warm) if e["event"] == "phase_done"]
     for before, after in zip(done, done[1:]):
