@@ -24,6 +24,7 @@
 #                     (benchmarks/_switch_gaps.py), py-spy stacks of late ones; breakdown.md.
 #   diag0   ~6 min    step7b's step at deepspeed.zero_stage = 0 beside ZeRO-2's and the peer's, lisa7b0, and 5
 #                     phases of it with the switch and the first two steps of each phase profiled.
+#   stage0  ~8 min    the kernel's test on the GPU, step7b's step at stage 0 (kernel and torch), lisa7b0, peer7b0.
 #   lisa7b0 ~3 min    lisa7b at deepspeed.zero_stage = 0 (relayer's own AdamW over fp32 masters, no ZeRO).
 #   peer7b0 ~5 min    peer7be with relayer at deepspeed.zero_stage = 0.
 #   step7b  ~2 min    benchmarks/step_cost.py at 7B: one steady step way by way in one process
@@ -52,7 +53,7 @@
 # On a CPU, for trying the script itself (tiny shapes, a few minutes each):
 #     OUT=/tmp/o DS_ACCELERATOR=cpu I29_TINY=1 bash benchmarks/run_issue29.sh peer7b
 set -uo pipefail
-STEP=${1:?usage: run_issue29.sh peer7b|peer7be|peer7b0|lisa7b|lisa7b0|step7b|diag0|lisa13|big|big13|big30|long11|long11s|long11e|long7|long7c}
+STEP=${1:?usage: run_issue29.sh peer7b|peer7be|peer7b0|lisa7b|lisa7b0|step7b|diag0|stage0|lisa13|big|big13|big30|long11|long11s|long11e|long7|long7c}
 : "${OUT:?set OUT to the folder the results go to}"
 T0=$(date +%s)
 S=${I29_SCRATCH:-/tmp/i29}
@@ -163,10 +164,20 @@ diag0() {
     rm -rf "$WORK_DIR/lisa7b-zero0-profiled"
 }
 
-lisa7b0() {
+lisa7b0() {  # keep_last 1: with 2 the plan's peak (every layer trained, twice) is more than the 64 GB disk
     space 7b --layers lisa --phases 13 --handover || exit 3
-    switch lisa7b-zero0 7b --phases 13 --steps 20 --zero-stage 0 --timeout 400
+    switch lisa7b-zero0 7b --phases 13 --steps 20 --zero-stage 0 --keep-last 1 --timeout 400
     rm -rf "$WORK_DIR/lisa7b-zero0"
+}
+
+# Stage 0 whole: its kernel's test on the GPU, the step way by way, lisa7b0, peer7b0 (one machine start).
+stage0() {
+    $PY -m pytest -q -p no:cacheprovider tests/launch/test_master_adamw.py 2>&1 | tail -3
+    $PY benchmarks/step_cost.py --shape "$(shape 7b)" --out "$S/results/step7b-zero0" \
+        --ways fwd-bwd,torch-bf16-fused,ds-zero0-relayer-torch,ds-zero0-relayer
+    say "step_cost.py: rc $?"
+    lisa7b0
+    peer7b0
 }
 
 # peer7be with relayer at deepspeed.zero_stage = 0 (its own AdamW over fp32 masters, no ZeRO).
@@ -250,6 +261,7 @@ case "$STEP" in
     lisa7b) lisa7b ;;
     step7b) step7b ;;
     diag0) diag0 ;;
+    stage0) stage0 ;;
     lisa7b0) lisa7b0 ;;
     peer7b0) peer7b0 ;;
     big13) big13 ;;
@@ -261,5 +273,5 @@ case "$STEP" in
     long11e) long11e ;;
     long7) long7 ;;
     long7c) long7c ;;  # the cadence run alone
-    *) say "unknown step $STEP (peer7b, peer7be, peer7b0, lisa7b, lisa7b0, step7b, diag0, lisa13, big, big13, big30, long11, long11s, long11e, long7, long7c)"; exit 2 ;;
+    *) say "unknown step $STEP (peer7b, peer7be, peer7b0, lisa7b, lisa7b0, step7b, diag0, stage0, lisa13, big, big13, big30, long11, long11s, long11e, long7, long7c)"; exit 2 ;;
 esac

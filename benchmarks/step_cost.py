@@ -13,7 +13,8 @@ layers), on the same fixed batch, from one model made on the device:
 - ``ds-zero2-fused``, ``ds-zero1-fused``, ``ds-zero0-fused``: the same with ``AdamW(fused=True)``, and
   ZeRO-1 and 0 (DeepSpeed's bf16 optimizer, fp32 masters still);
 - ``ds-zero0-relayer``: relayer's ``deepspeed.zero_stage = 0``: its own AdamW over fp32 masters
-  (``launch.master_adamw``) under DeepSpeed's engine without ZeRO;
+  (``launch.master_adamw``, one pass of ``launch.adamw_kernel`` a parameter) under DeepSpeed's engine
+  without ZeRO; ``ds-zero0-relayer-torch``: the same stepping with torch's fused AdamW instead;
 - ``torch-bf16-fused``: the peer's step (bf16 weights and moments, no masters, fused AdamW,
   ``clip_grad_norm_``): less exact, and what relayer is measured against;
 - ``fwd-bwd``: forward and backward alone, no optimizer (the floor every way pays).
@@ -43,8 +44,8 @@ from _baselines import deepspeed_config, head_and_layers  # noqa: E402
 from _shapes import LAYERS_PER_PHASE, SHAPES, chosen_shape, refuse_two_shapes, shape_arguments  # noqa: E402
 
 WAYS = ("fwd-bwd", "torch-bf16-fused", "ds-zero2", "ds-zero2-fused", "ds-zero1-fused", "ds-zero0-fused",
-        "ds-zero0-relayer")
-"""The last re-points the trainable weights into its optimizer's flat block: it runs after the others."""
+        "ds-zero0-relayer-torch", "ds-zero0-relayer")
+"""The last two re-point the trainable weights into their optimizer's flat block: they run after the others."""
 PEER = "torch-bf16-fused"
 WARM_STEPS = 3
 
@@ -100,7 +101,7 @@ def ds_config(setup: Setup, stage: int, numel: int) -> dict:
                              "zero_stage": stage, "dtype": "bfloat16"}, numel)
 
 
-def engine_way(setup: Setup, stage: int, fused: bool, relayer: bool = False):
+def engine_way(setup: Setup, stage: int, fused: bool, relayer: bool = False, torch_path: bool = False):
     """A DeepSpeed engine as relayer builds one, and its step as ``launch.train._step`` runs it."""
     import torch
 
@@ -109,9 +110,10 @@ def engine_way(setup: Setup, stage: int, fused: bool, relayer: bool = False):
 
     trainable = setup.freeze()
     config = ds_config(setup, stage, sum(p.numel() for p in trainable))
-    if relayer:
+    if relayer:  # accumulating as launch.prepare.make_optimizer decides; the kernel where it runs, or not ("-torch")
         optimizer = MasterAdamW(setup.groups(), lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                                grad_clip=1.0, device=setup.device)
+                                grad_clip=1.0, device=setup.device, accumulate=setup.gas > 1,
+                                kernel=False if torch_path else None)
         config = without_zero(config)
     else:
         optimizer = torch.optim.AdamW(setup.groups(), lr=1e-5, fused=fused or None)
@@ -160,7 +162,8 @@ def build(setup: Setup, way: str):
     if way == PEER:
         return torch_way(setup, True)
     stage = int(way.split("-")[1].removeprefix("zero"))
-    return engine_way(setup, stage, fused=way.endswith("-fused"), relayer=way.endswith("-relayer"))
+    return engine_way(setup, stage, fused=way.endswith("-fused"), relayer="-relayer" in way,
+                      torch_path=way.endswith("-torch"))
 
 
 def sync(setup: Setup) -> None:

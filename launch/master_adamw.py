@@ -1,24 +1,28 @@
 """relayer's optimizer where DeepSpeed runs no ZeRO (``deepspeed.zero_stage = 0``): AdamW over fp32
-master weights of the trainable parameters, as DeepSpeed's ZeRO-1/2 keep them, in a handful of
-kernels a step.
+master weights of the trainable parameters, as DeepSpeed's ZeRO-1/2 keep them, in few kernels a step.
 
 A LISA phase trains a small part of the model (at 7B the head and two layers: 0.67 B of 6.7 B
 parameters), so on one GPU ZeRO partitions nothing and its bookkeeping is what the step pays for:
-gradients copied into buckets, then into fp32 partitions, per-parameter hooks and their host
-work, the masters copied back through an all-gather (a steady 7B step 1.116 x the Hugging Face
-Trainer's with fused bf16 AdamW, ``benchmarks/results/2026-12-03-step-cost-h200``). Here each
-trainable parameter's gradient is copied, as it is ready, into one flat fp32 buffer (in its
-post-accumulate hook, which frees the low-precision gradient at once); the step is one norm over
-that buffer, torch's fused AdamW over the flat fp32 masters (a kernel a param group; the clip
-factor goes in as its ``grad_scale``, on the device, with no synchronisation) and one copy of the
-masters into the flat low-precision weights the forward pass uses. Data parallel: one
-``all_reduce`` of the fp32 buffer at the step (DeepSpeed's own reduction is turned off,
-``detach_engine_reduction``).
+gradients copied into buckets, then into fp32 partitions, per-parameter hooks and their host work,
+the masters copied back through an all-gather (a steady 7B step 1.116 x the Hugging Face Trainer's
+with fused bf16 AdamW, ``benchmarks/results/2026-12-03-step-cost-h200``).
 
-The state is DeepSpeed's (fp32 master, ``exp_avg``, ``exp_avg_sq``, a step per param group), in
-flat buffers: every trainable parameter has a ``Slot`` of views (``slot_of``), which
-``launch.zero_state`` reads and writes; the optimizer's state is there from the start (no lazy
-first step), and a handover offers three blocks of device memory instead of a tensor each.
+Here the step is a global gradient norm, then for each parameter one pass of ``launch.adamw_kernel``
+(on CUDA, with Triton): the gradient divided by the clip factor (computed on the device: no
+synchronisation), the fp32 master and moments updated, the bf16 weight written from the new
+master. With one micro-batch a step and one rank the gradients are read where autograd left them.
+Otherwise (accumulation, several ranks, or no kernel: the CPU) each gradient is copied, as it is
+ready, into one flat fp32 buffer (its post-accumulate hook, which frees the low-precision one), the
+ranks all-reduce that buffer at the step (DeepSpeed's own reduction is turned off,
+``detach_engine_reduction``), and without the kernel torch's AdamW (fused on CUDA) steps the flat
+masters a param group at a time and the weights are copied from them. A parameter that got no
+gradient in a step steps with a zero one, as an element of ZeRO's flat partitions does (weight
+decay applies).
+
+The state is DeepSpeed's (fp32 master, ``exp_avg``, ``exp_avg_sq``, a step per param group) in flat
+buffers, there from the start (no lazy first step): every trainable parameter has a ``Slot`` of
+views (``slot_of``) that ``launch.zero_state`` reads and writes, and a handover offers three blocks
+of device memory instead of a tensor each.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from launch import adamw_kernel
 
 ALIGN = 64
 """Each parameter's place in the flat buffers starts at a multiple of this many elements (256 bytes of
@@ -52,56 +58,75 @@ def slot_of(p: nn.Parameter) -> Slot | None:
 
 class MasterAdamW(torch.optim.Optimizer):
     """AdamW with fp32 masters for ``groups`` (``launch.prepare.param_groups``' groups of the
-    model's parameters, on ``device`` already). Its ``param_groups`` are the model's parameters,
-    as DeepSpeed and the lr schedule expect; the fp32 work goes through ``inner``, a torch AdamW
-    (fused on CUDA) over each group's slice of the flat masters."""
+    model's parameters, on ``device`` already). Its ``param_groups`` are the model's parameters, as
+    DeepSpeed and the lr schedule expect. ``accumulate``: gradients of several micro-batches or
+    ranks make a step (they are summed in fp32). ``kernel``: step with ``launch.adamw_kernel``
+    (None: where it runs)."""
 
     def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, grad_clip: float, device: torch.device, world: int = 1):
+                 weight_decay: float, grad_clip: float, device: torch.device, world: int = 1,
+                 accumulate: bool = True, kernel: bool | None = None):
         super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.grad_clip, self.world = grad_clip, world
-        params = [p for g in self.param_groups for p in g["params"]]
-        lp_dtype = params[0].dtype
-        places, at = [], 0
-        for p in params:
-            places.append(at)
-            at += -(-p.numel() // ALIGN) * ALIGN
-        total = at
-        self.master = torch.zeros(total, dtype=torch.float32, device=device)
-        self.lp = self.master if lp_dtype == torch.float32 else torch.zeros(total, dtype=lp_dtype, device=device)
-        self.grads = torch.zeros(total, dtype=torch.float32, device=device)
-        moments = torch.zeros(2, total, dtype=torch.float32, device=device)
-        with torch.no_grad():
-            for p, start in zip(params, places):
-                view = self.lp[start:start + p.numel()].view(p.shape)
-                view.copy_(p.data)
-                p.data = view  # the weights the forward pass uses, in one flat block
-        self.master.copy_(self.lp)
-        self._grad_of = {id(p): self.grads[s:s + p.numel()].view(p.shape) for p, s in zip(params, places)}
+        self.kernel = adamw_kernel.available(device) if kernel is None else kernel
+        self.direct = self.kernel and not accumulate and world == 1
+        """The gradients are read where autograd left them (no fp32 buffer, no hooks)."""
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        places = self._flatten(device)
+        self.steps = [0] * len(self.param_groups)
+        """Adam's step of each param group."""
+        self.moments = torch.zeros(2, self.master.numel(), dtype=torch.float32, device=device)
+        spans = []
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                s = places[id(p)]
+                p._relayer_slot = Slot(*(t[s:s + p.numel()].view(p.shape) for t in (self.master, *self.moments)), gi)
+            first, last = places[id(group["params"][0])], places[id(group["params"][-1])] + group["params"][-1].numel()
+            spans.append((first, last))
+        self.grads = None if self.direct else torch.zeros_like(self.master)
+        self._grad_of = {} if self.direct else {id(p): self.grads[s:s + p.numel()].view(p.shape)
+                                                for p in self.params for s in (places[id(p)],)}
         self._seen: set[int] = set()
         """The parameters whose gradient is in ``grads`` this step (copied; later ones are added)."""
-        fused = device.type == "cuda"
-        inner_groups, bounds, index = [], [], 0
-        for gi, group in enumerate(self.param_groups):
-            n = len(group["params"])
-            first = places[index]
-            last = places[index + n - 1] + group["params"][-1].numel()
-            for p, s in zip(group["params"], places[index:index + n]):
-                p._relayer_slot = Slot(*(t[s:s + p.numel()].view(p.shape) for t in (self.master, *moments)), gi)
-            index += n
-            bounds.append((first, last))
-            inner_groups.append({"params": [self.master[first:last]], "weight_decay": group["weight_decay"]})
-        self.inner = torch.optim.AdamW(inner_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                       fused=True if fused else None)
-        self.moments = moments
-        for ig, (first, last) in zip(self.inner.param_groups, bounds):
-            flat = ig["params"][0]
-            flat.grad = self.grads[first:last]
-            step = torch.zeros((), dtype=torch.float32, device=device if fused else "cpu")
-            self.inner.state[flat] = {"step": step, "exp_avg": moments[0, first:last], "exp_avg_sq": moments[1, first:last]}
+        self.inner = None if self.kernel else self._torch_adamw(spans, device)
         self._global_grad_norm: torch.Tensor | None = None
         """This step's gradient norm, before clipping (DeepSpeed's engine reads it from here)."""
-        self._hooks = [p.register_post_accumulate_grad_hook(self._take_grad) for p in params]
+        self._hooks = [] if self.direct else [p.register_post_accumulate_grad_hook(self._take_grad)
+                                              for p in self.params]
+
+    def _flatten(self, device: torch.device) -> dict[int, int]:
+        """The fp32 masters and the weights in flat buffers (the weights' own where they are fp32);
+        each parameter's weights re-pointed there. Returns each parameter's place (by id)."""
+        places, at = {}, 0
+        for p in self.params:
+            places[id(p)] = at
+            at += -(-p.numel() // ALIGN) * ALIGN
+        self.master = torch.zeros(at, dtype=torch.float32, device=device)
+        lp_dtype = self.params[0].dtype
+        self.lp = self.master if lp_dtype == torch.float32 else torch.zeros(at, dtype=lp_dtype, device=device)
+        with torch.no_grad():
+            for p in self.params:
+                view = self.lp[places[id(p)]:places[id(p)] + p.numel()].view(p.shape)
+                view.copy_(p.data)
+                p.data = view  # the weights the forward pass uses, in one flat block
+            if self.lp is not self.master:
+                self.master.copy_(self.lp)
+        return places
+
+    def _torch_adamw(self, spans: list[tuple[int, int]], device: torch.device) -> torch.optim.AdamW:
+        """Without the kernel: torch's AdamW over each group's slice of the flat masters, its
+        gradient the same slice of the flat buffer, its moments those of the flat moments."""
+        fused = device.type == "cuda"
+        inner = torch.optim.AdamW([{"params": [self.master[a:b]], "weight_decay": g["weight_decay"]}
+                                   for g, (a, b) in zip(self.param_groups, spans)],
+                                  lr=self.defaults["lr"], betas=self.defaults["betas"], eps=self.defaults["eps"],
+                                  fused=True if fused else None)
+        for group, (a, b) in zip(inner.param_groups, spans):
+            flat = group["params"][0]
+            flat.grad = self.grads[a:b]
+            step = torch.zeros((), dtype=torch.float32, device=device if fused else "cpu")
+            inner.state[flat] = {"step": step, "exp_avg": self.moments[0, a:b], "exp_avg_sq": self.moments[1, a:b]}
+        return inner
 
     @torch.no_grad()
     def _take_grad(self, p: nn.Parameter) -> None:
@@ -115,44 +140,61 @@ class MasterAdamW(torch.optim.Optimizer):
         p.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Gradients live in ``grads`` and are replaced at the next step's first micro-batch."""
-        for g in self.param_groups:
-            for p in g["params"]:
-                p.grad = None
+        for p in self.params:
+            p.grad = None
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Reduces (data parallel), clips by the global norm and steps every group; then the
+        """Reduces (data parallel), clips by the global norm and steps every group; the
         low-precision weights take the new masters."""
         if closure is not None:
             raise NotImplementedError("MasterAdamW takes no closure")
-        self._zero_unseen()
+        grads = self._gradients()
+        norm = (torch.linalg.vector_norm(self.grads) if grads is None else torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])))
+        self._global_grad_norm = norm
+        scale = torch.clamp((norm + CLIP_EPS) / self.grad_clip, min=1.0) if self.grad_clip > 0 else None
+        self.steps = [s + 1 for s in self.steps]
+        if self.kernel:
+            self._kernel_step(grads, scale if scale is not None else torch.ones((), device=norm.device))
+        else:
+            self._torch_step(scale)
+        self._seen.clear()
+
+    def _gradients(self) -> list[torch.Tensor] | None:
+        """This step's gradients: autograd's (``direct``), or None where they are in ``grads``,
+        summed over the ranks by now."""
+        if self.direct:
+            return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if len(self._seen) != len(self._grad_of):  # a parameter that got no gradient steps with a zero one
+            for key, view in self._grad_of.items():
+                if key not in self._seen:
+                    view.zero_()
         if self.world > 1:
             torch.distributed.all_reduce(self.grads)
             self.grads.div_(self.world)
-        norm = torch.linalg.vector_norm(self.grads)
-        self._global_grad_norm = norm
+        return None
+
+    def _kernel_step(self, grads: list[torch.Tensor] | None, scale: torch.Tensor) -> None:
+        write = self.lp is not self.master
+        for i, p in enumerate(self.params):
+            slot = slot_of(p)
+            group = self.param_groups[slot.group]
+            grad = grads[i] if grads is not None else self._grad_of[id(p)]
+            adamw_kernel.adamw_step(grad.contiguous(), slot.master, slot.exp_avg, slot.exp_avg_sq,
+                                    p.data if write else None, scale, step=self.steps[slot.group], lr=group["lr"],
+                                    betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+            p.grad = None
+
+    def _torch_step(self, scale: torch.Tensor | None) -> None:
         for outer, inner in zip(self.param_groups, self.inner.param_groups):
             inner["lr"] = outer["lr"]
-        scale = None
-        if self.grad_clip > 0:
-            scale = torch.clamp((norm + CLIP_EPS) / self.grad_clip, min=1.0)
-            if self.master.device.type != "cuda":  # torch's unfused AdamW takes no grad_scale
-                self.grads.div_(scale)
-                scale = None
+        if scale is not None and self.master.device.type != "cuda":  # torch's unfused AdamW takes no grad_scale
+            self.grads.div_(scale)
+            scale = None
         self.inner.grad_scale = scale  # fused AdamW divides each gradient by it, in its kernel
         self.inner.step()
-        self._seen.clear()
         self.refresh_lp()
-
-    def _zero_unseen(self) -> None:
-        """A parameter that got no gradient this step (not used by the forward pass) steps with a
-        zero one, as an element of ZeRO's flat partitions does (weight decay applies)."""
-        if len(self._seen) == len(self._grad_of):
-            return
-        for key, view in self._grad_of.items():
-            if key not in self._seen:
-                view.zero_()
 
     @torch.no_grad()
     def refresh_lp(self) -> None:
@@ -163,11 +205,13 @@ class MasterAdamW(torch.optim.Optimizer):
     def set_steps(self, steps_by_group: list[int]) -> None:
         """Zero moments and the given Adam step in every group, as a fresh phase starts them."""
         self.moments.zero_()
-        for group, inner in enumerate(self.inner.param_groups):
-            self.inner.state[inner["params"][0]]["step"].fill_(float(steps_by_group[group]))
+        self.steps = list(steps_by_group)
+        if self.inner is not None:
+            for group, inner in enumerate(self.inner.param_groups):
+                self.inner.state[inner["params"][0]]["step"].fill_(float(steps_by_group[group]))
 
     def group_steps(self) -> dict[int, int]:
-        return {g: int(self.inner.state[ig["params"][0]]["step"].item()) for g, ig in enumerate(self.inner.param_groups)}
+        return dict(enumerate(self.steps))
 
     def destroy(self) -> None:
         for hook in self._hooks:

@@ -293,10 +293,12 @@ def make_optimizer(groups: list[dict], spec: PhaseSpec, device: torch.device, wo
                    lr: float | None = None) -> torch.optim.Optimizer:
     """The optimizer DeepSpeed's engine steps: relayer's ``MasterAdamW`` without ZeRO
     (``deepspeed.zero_stage = 0``), else torch's AdamW, which ZeRO wraps with its fp32 partitions."""
-    o = spec.optimizer
+    o, d = spec.optimizer, spec.data
     if spec.zero_stage == 0:
+        gas = d.batch_size // (d.micro_batch_size * world)
         return MasterAdamW(groups, lr=o.lr if lr is None else lr, betas=o.betas, eps=o.eps,
-                           weight_decay=o.weight_decay, grad_clip=o.grad_clip, device=device, world=world)
+                           weight_decay=o.weight_decay, grad_clip=o.grad_clip, device=device, world=world,
+                           accumulate=gas > 1 or world > 1)
     return adamw(groups, o, device, lr)
 
 

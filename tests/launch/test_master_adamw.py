@@ -113,3 +113,45 @@ def test_zero_state_reads_and_writes_its_views():
     assert all(bool((p == 0.5).all()) for _, p in named)
     assert bool((slot_of(net[2].bias).exp_avg == 0.5).all())
     assert zero_state.base_optimizer(engine) is opt
+
+
+def _kernel_device() -> torch.device:
+    """CUDA with Triton (the lent GPU), or the CPU under Triton's interpreter (TRITON_INTERPRET=1
+    before the process imported Triton)."""
+    from launch import adamw_kernel
+
+    for device in (torch.device("cuda"), torch.device("cpu")):
+        if (device.type == "cpu" or torch.cuda.is_available()) and adamw_kernel.available(device):
+            return device
+    pytest.skip("no Triton here: the kernel runs where torch's CUDA build brings it (or under TRITON_INTERPRET=1)")
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_the_kernel_steps_as_torch_adamw(accumulate):
+    """``launch.adamw_kernel`` (one pass a parameter, the bf16 weight written from the master) against
+    torch's AdamW over the flat masters, from the same bf16 weights and batches, the clip acting in
+    the last steps."""
+    device = _kernel_device()
+
+    def trained(kernel: bool) -> MasterAdamW:
+        net = _net(torch.bfloat16).to(device)
+        opt = MasterAdamW(_groups(net, 0.1), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, grad_clip=1.0,
+                          device=device, accumulate=accumulate, kernel=kernel)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(5):
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen) * (1e3 if step > 2 else 1)
+            for m in range(2 if accumulate else 1):
+                out = net[2](net[1](net[0](x[8 * m:8 * (m + 1)].to(device, torch.bfloat16))))
+                (((out.float() - y[8 * m:8 * (m + 1)].to(device)) ** 2).mean()).backward()
+            opt.step()
+        return opt
+
+    with_kernel, with_torch = trained(True), trained(False)
+    assert with_kernel.direct == (not accumulate) and not with_torch.direct
+    assert with_kernel.group_steps() == with_torch.group_steps() == {0: 5, 1: 5}
+    assert float(with_torch._global_grad_norm) > 10  # the clip acted
+    assert torch.allclose(with_kernel.master, with_torch.master, rtol=0, atol=1e-5)
+    assert torch.allclose(with_kernel.moments, with_torch.moments, rtol=1e-4, atol=1e-7)
+    for p in with_kernel.params:  # the weights are the masters rounded to nearest even, as torch rounds
+        assert torch.equal(p.detach(), slot_of(p).master.to(torch.bfloat16))
+        assert p.grad is None

@@ -1,0 +1,72 @@
+"""One AdamW step of one parameter in one pass over its memory, for ``launch.master_adamw`` on CUDA:
+the gradient read as it is (bf16 from autograd, or fp32 from the optimizer's buffer) and divided by
+the clip factor (read from the device: no synchronisation), the fp32 master and both moments
+updated in place, and the low-precision weight the forward pass uses written from the new master.
+
+Torch's fused AdamW does the same arithmetic (``aten/src/ATen/native/cuda/fused_adam_utils.cuh``,
+ADAMW mode) but over fp32 gradients and without the low-precision copy: it needs the gradients
+cast into an fp32 buffer before (6 bytes a parameter read and written) and the masters copied
+into the weights after (6 more), 28 + 12 bytes a trainable parameter a step where this kernel
+moves 28 (a 7B LISA step on an H100: 12.7 ms of device time over forward and backward became
+..., ``benchmarks/results/2026-12-05-issue29``). Written in Triton, which torch's CUDA builds
+bring; where it is missing, ``MasterAdamW`` steps with torch's fused AdamW.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU build of torch: no Triton
+    triton = None
+
+BLOCK = 4096
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel runs on ``device``: CUDA with Triton (or Triton's interpreter, for its tests)."""
+    import os
+
+    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+if triton is not None:
+    @triton.jit
+    def _step(grad, master, exp_avg, exp_avg_sq, weight, scale, n, lr, beta1, beta2, eps, decay, step_size,
+              bias2_sqrt, WRITE_WEIGHT: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        mask = offsets < n
+        g = tl.load(grad + offsets, mask=mask, other=0.0).to(tl.float32) / tl.load(scale)
+        w = tl.load(master + offsets, mask=mask, other=0.0)
+        m = tl.load(exp_avg + offsets, mask=mask, other=0.0)
+        v = tl.load(exp_avg_sq + offsets, mask=mask, other=0.0)
+        w = w - lr * decay * w
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        w = w - step_size * m / (tl.sqrt(v) / bias2_sqrt + eps)
+        tl.store(master + offsets, w, mask=mask)
+        tl.store(exp_avg + offsets, m, mask=mask)
+        tl.store(exp_avg_sq + offsets, v, mask=mask)
+        if WRITE_WEIGHT:  # bf16, rounded to nearest even as torch's .to rounds (bit by bit: any Triton)
+            bits = w.to(tl.uint32, bitcast=True)
+            half = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+            half = tl.where(w != w, 0x7FC0, half)  # NaN stays NaN
+            tl.store(weight + offsets, half.to(tl.bfloat16, bitcast=True), mask=mask)
+
+
+def adamw_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               weight: torch.Tensor | None, scale: torch.Tensor, *, step: int, lr: float, betas: tuple[float, float],
+               eps: float, weight_decay: float) -> None:
+    """AdamW's ``step``-th update of one parameter (every tensor contiguous, of ``master``'s numel):
+    ``grad / scale`` (``scale`` a one-element fp32 tensor on the device), the fp32 ``master`` and
+    moments in place, and ``weight`` (bf16; None: ``master`` is the weight) = the new master, rounded."""
+    n = master.numel()
+    beta1, beta2 = betas
+    _step[(triton.cdiv(n, BLOCK),)](
+        grad, master, exp_avg, exp_avg_sq, weight if weight is not None else master, scale, n, lr, beta1, beta2, eps,
+        weight_decay, lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step),
+        WRITE_WEIGHT=weight is not None, BLOCK_SIZE=BLOCK)
