@@ -70,3 +70,17 @@ def adamw_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, 
         grad, master, exp_avg, exp_avg_sq, weight if weight is not None else master, scale, n, lr, beta1, beta2, eps,
         weight_decay, lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step),
         WRITE_WEIGHT=weight is not None, BLOCK_SIZE=BLOCK)
+
+
+def compile_ahead(device: torch.device, weight_dtype: torch.dtype, grad_dtype: torch.dtype) -> None:
+    """Compiles the kernel for these dtypes now, by a step of zeros: a phase's first step would
+    otherwise (seconds, the first time on a machine: Triton caches it on disk). Called in a
+    thread by a phase started cold; a pre-warmed one's warm-up steps with it."""
+    if not available(device):
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # per thread
+    zeros = [torch.zeros(BLOCK, dtype=torch.float32, device=device) for _ in range(3)]
+    weight = None if weight_dtype == torch.float32 else torch.zeros(BLOCK, dtype=weight_dtype, device=device)
+    adamw_step(torch.zeros(BLOCK, dtype=grad_dtype, device=device), *zeros, weight,
+               torch.ones((), device=device), step=1, lr=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)

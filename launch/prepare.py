@@ -18,7 +18,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from launch import handover, procs, rendezvous
+from launch import adamw_kernel, handover, procs, rendezvous
 from launch.master_adamw import MasterAdamW, detach_engine_reduction
 from launch.contract.files import DATA_CACHE
 from launch.contract.spec import PhaseSpec
@@ -56,6 +56,7 @@ def prepare(ph: Phase) -> Prepared:
         _warm(ph, made)
     else:  # made while the weights go to the device, the engine is built and the first steps run
         ph.files = Later(prepare_files, ph, made)
+        _compile_ahead(ph)
     torch.manual_seed(hash_seed(spec.seed, spec.phase, ph.rank))
     ph.timeline.mark("t_prepared")
     return made
@@ -123,6 +124,16 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
     else:
         overlay(made, layer_weights(made.preloaded, mapped=True))
     return made
+
+
+def _compile_ahead(ph: Phase) -> None:
+    """A phase started cold under ``deepspeed.zero_stage = 0`` compiles its optimizer's kernel in a
+    thread meanwhile (``launch.adamw_kernel``), not at its first step."""
+    spec = ph.spec
+    if spec.zero_stage != 0 or ph.device.type != "cuda":
+        return
+    dtype = DTYPES[spec.model.dtype]
+    Later(adamw_kernel.compile_ahead, ph.device, dtype, torch.float32 if _accumulates(spec, ph.world) else dtype)
 
 
 def _to_device_early(ph: Phase, model: nn.Module, staging: Staging | None, trainable: set[str]) -> Later[None] | None:
@@ -293,13 +304,18 @@ def make_optimizer(groups: list[dict], spec: PhaseSpec, device: torch.device, wo
                    lr: float | None = None) -> torch.optim.Optimizer:
     """The optimizer DeepSpeed's engine steps: relayer's ``MasterAdamW`` without ZeRO
     (``deepspeed.zero_stage = 0``), else torch's AdamW, which ZeRO wraps with its fp32 partitions."""
-    o, d = spec.optimizer, spec.data
+    o = spec.optimizer
     if spec.zero_stage == 0:
-        gas = d.batch_size // (d.micro_batch_size * world)
         return MasterAdamW(groups, lr=o.lr if lr is None else lr, betas=o.betas, eps=o.eps,
                            weight_decay=o.weight_decay, grad_clip=o.grad_clip, device=device, world=world,
-                           accumulate=gas > 1 or world > 1)
+                           accumulate=_accumulates(spec, world))
     return adamw(groups, o, device, lr)
+
+
+def _accumulates(spec: PhaseSpec, world: int) -> bool:
+    """Whether a step sums the gradients of several micro-batches or ranks (in fp32, ``MasterAdamW``)."""
+    d = spec.data
+    return d.batch_size // (d.micro_batch_size * world) > 1 or world > 1
 
 
 def adamw(groups: list[dict], o, device: torch.device, lr: float | None = None) -> torch.optim.AdamW:

@@ -163,8 +163,8 @@ class ScheduleSection(Section):
 class DeepSpeedSection(Section):
     zero_stage: Literal[0, 1, 2, 3] = 2
     """DeepSpeed ZeRO stage; checkpoints are the same for every stage. 0: no ZeRO, relayer's own
-    AdamW over fp32 masters (``launch.master_adamw``), the fastest step on one GPU (bfloat16 or
-    float32 models)."""
+    AdamW over the same fp32 masters, one pass over each parameter's memory a step on CUDA: the
+    fastest step on one GPU (bfloat16 or float32 models; every rank holds the whole optimizer state)."""
     config: dict[str, Any] | str = Field(default_factory=dict)
     """Merged into the generated DeepSpeed config: a table, or a DeepSpeed JSON file (relative to
     the schedule file) such as LMFlow, axolotl and LLaMA-Factory use. A key relayer derives from
