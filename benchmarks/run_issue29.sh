@@ -53,7 +53,7 @@
 # On a CPU, for trying the script itself (tiny shapes, a few minutes each):
 #     OUT=/tmp/o DS_ACCELERATOR=cpu I29_TINY=1 bash benchmarks/run_issue29.sh peer7b
 set -uo pipefail
-STEP=${1:?usage: run_issue29.sh peer7b|peer7be|peer7b0|lisa7b|lisa7b0|step7b|diag0|stage0|lisa13|big|big13|big30|long11|long11s|long11e|long7|long7c}
+STEP=${1:?usage: run_issue29.sh peer7b|peer7be|peer7b0|lisa7b|lisa7b0|step7b|diag0|stage0|step0|lisa13|big|big13|big30|long11|long11s|long11e|long7|long7c}
 : "${OUT:?set OUT to the folder the results go to}"
 T0=$(date +%s)
 S=${I29_SCRATCH:-/tmp/i29}
@@ -172,12 +172,16 @@ lisa7b0() {  # keep_last 1: with 2 the plan's peak (every layer trained, twice) 
 
 # Stage 0 whole: its kernel's test on the GPU, the step way by way, lisa7b0, peer7b0 (one machine start).
 stage0() {
-    $PY -m pytest -q -p no:cacheprovider tests/launch/test_master_adamw.py 2>&1 | tail -3
-    $PY benchmarks/step_cost.py --shape "$(shape 7b)" --out "$S/results/step7b-zero0" \
-        --ways fwd-bwd,torch-bf16-fused,ds-zero0-relayer-torch,ds-zero0-relayer
-    say "step_cost.py: rc $?"
+    step0
     lisa7b0
     peer7b0
+}
+
+step0() {  # the kernel's test on the GPU, and one steady step at stage 0 (kernel and torch) beside the peer's
+    $PY -m pytest -q -p no:cacheprovider tests/launch/test_master_adamw.py 2>&1 | tail -3
+    $PY benchmarks/step_cost.py --shape "$(shape 7b)" --out "$S/results/step7b-zero0" --profile \
+        --ways fwd-bwd,torch-bf16-fused,ds-zero0-relayer-torch,ds-zero0-relayer
+    say "step_cost.py: rc $?"
 }
 
 # peer7be with relayer at deepspeed.zero_stage = 0 (its own AdamW over fp32 masters, no ZeRO).
@@ -262,6 +266,7 @@ case "$STEP" in
     step7b) step7b ;;
     diag0) diag0 ;;
     stage0) stage0 ;;
+    step0) step0 ;;
     lisa7b0) lisa7b0 ;;
     peer7b0) peer7b0 ;;
     big13) big13 ;;
@@ -273,5 +278,5 @@ case "$STEP" in
     long11e) long11e ;;
     long7) long7 ;;
     long7c) long7c ;;  # the cadence run alone
-    *) say "unknown step $STEP (peer7b, peer7be, peer7b0, lisa7b, lisa7b0, step7b, diag0, stage0, lisa13, big, big13, big30, long11, long11s, long11e, long7, long7c)"; exit 2 ;;
+    *) say "unknown step $STEP (peer7b, peer7be, peer7b0, lisa7b, lisa7b0, step7b, diag0, stage0, step0, lisa13, big, big13, big30, long11, long11s, long11e, long7, long7c)"; exit 2 ;;
 esac
