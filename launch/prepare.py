@@ -117,7 +117,8 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
     examples, validation = _load_data(ph)
     made = Prepared(
         staging=staging, refusal=refusal, model=model, skeleton=skeleton, origin=origin,
-        head_names=head_names, body_names=body_names, examples=examples, validation=validation, order=SampleOrder(len(examples), spec.seed, spec.data.shuffle),
+        head_names=head_names, body_names=body_names, examples=examples, validation=validation,
+        order=SampleOrder(len(examples), spec.seed, spec.data.shuffle),
         preloaded=ph.checkpoints.layer_sources(Path(preload)) if preload else {}, trained={}, moving=moving)
     if skeleton:
         handover.preload_layers(ph, made)
