@@ -76,13 +76,7 @@ class MasterAdamW(torch.optim.Optimizer):
         self.steps = [0] * len(self.param_groups)
         """Adam's step of each param group."""
         self.moments = torch.zeros(2, self.master.numel(), dtype=torch.float32, device=device)
-        spans = []
-        for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                s = places[id(p)]
-                p._relayer_slot = Slot(*(t[s:s + p.numel()].view(p.shape) for t in (self.master, *self.moments)), gi)
-            first, last = places[id(group["params"][0])], places[id(group["params"][-1])] + group["params"][-1].numel()
-            spans.append((first, last))
+        spans = self._slots(places)
         self.grads = None if self.direct else torch.zeros_like(self.master)
         self._grad_of = {} if self.direct else {id(p): self.grads[s:s + p.numel()].view(p.shape)
                                                 for p in self.params for s in (places[id(p)],)}
@@ -112,6 +106,17 @@ class MasterAdamW(torch.optim.Optimizer):
             if self.lp is not self.master:
                 self.master.copy_(self.lp)
         return places
+
+    def _slots(self, places: dict[int, int]) -> list[tuple[int, int]]:
+        """Each parameter's ``Slot``; each param group's [first, last) in the flat buffers."""
+        spans = []
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                s = places[id(p)]
+                p._relayer_slot = Slot(*(t[s:s + p.numel()].view(p.shape) for t in (self.master, *self.moments)), gi)
+            last = group["params"][-1]
+            spans.append((places[id(group["params"][0])], places[id(last)] + last.numel()))
+        return spans
 
     def _torch_adamw(self, spans: list[tuple[int, int]], device: torch.device) -> torch.optim.AdamW:
         """Without the kernel: torch's AdamW over each group's slice of the flat masters, its
