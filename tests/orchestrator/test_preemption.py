@@ -197,6 +197,27 @@ def test_two_processes_preempt_and_resume(tmp_path, tiny_model, tiny_data, final
     assert max_abs_diff(composed(tiny_model, run), final) <= 1e-6
 
 
+def test_stage_0_stopped_mid_phase_resumes_bitwise(tmp_path, tiny_model, tiny_data):
+    """relayer's own optimizer (``deepspeed.zero_stage = 0``): a stop mid-phase writes the body's
+    moments and step beside the head's; the resume restores them and ends bitwise as one run."""
+    sections = {"deepspeed": {"zero_stage": 0}}
+    whole = schedule(tmp_path, tiny_model, tiny_data, "whole.toml", run={"output_dir": "whole", "seed": 0,
+                                                                          "final_model": False}, **sections)
+    r = cli("orchestrator", "run", str(whole))
+    assert r.returncode == 0, r.stderr
+    sched = schedule(tmp_path, tiny_model, tiny_data, **sections)
+    run = tmp_path / "run"
+    orch = start(sched)
+    wait_for(lambda: metrics_steps(run) >= 14, what="step 14")
+    orch.terminate()
+    assert orch.wait(timeout=120) == 75, orch.communicate()[1]
+    mid = [read_manifest(c) for c in Checkpoints(run).all() if not read_manifest(c).phase_complete]
+    assert mid and mid[-1].phase == 1 and mid[-1].body_step == mid[-1].global_step - 10
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, tmp_path / "whole"))
+
+
 def truncated_copy(src: Path, dst: Path, keep_upto: int) -> Path:
     """A copy of a run as it was at step ``keep_upto``: later checkpoints removed."""
     shutil.copytree(src, dst)
