@@ -170,11 +170,12 @@ lisa7b0() {  # keep_last 1: with 2 the plan's peak (every layer trained, twice) 
     rm -rf "$WORK_DIR/lisa7b-zero0"
 }
 
-# Stage 0 whole: its kernel's test on the GPU, the step way by way, lisa7b0, peer7b0 (one machine start).
+# Stage 0 whole (one machine start), the whole job first: peer7b0, the kernel's test on the GPU and the
+# step way by way (step0), lisa7b0 (the model peer7b0 made in /dev/shm reused).
 stage0() {
+    peer7b0
     step0
     lisa7b0
-    peer7b0
 }
 
 step0() {  # the kernel's test on the GPU, and one steady step at stage 0 (kernel and torch) beside the peer's
