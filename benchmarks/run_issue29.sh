@@ -151,7 +151,7 @@ step7b() {
 # switches at stage 0: 13 phases as lisa7b, and 5 more with the switch and the first steps profiled
 # (RELAYER_PROFILE_SWITCH, RELAYER_PROFILE_STEPS: the phases' *-profile-rank0.txt; slower, not timed).
 diag0() {
-    $PY benchmarks/step_cost.py --shape "$(shape 7b)" --out "$S/results/step7b-zero0" --profile \
+    $PY benchmarks/step_cost.py --shape "$(shape 7b)" --out "$S/results/step7b-zero0" \
         --ways fwd-bwd,torch-bf16-fused,ds-zero2-fused,ds-zero0-relayer
     say "step_cost.py: rc $?"
     lisa7b0
@@ -180,7 +180,7 @@ stage0() {
 
 step0() {  # the kernel's test on the GPU, and one steady step at stage 0 (kernel and torch) beside the peer's
     $PY -m pytest -q -p no:cacheprovider tests/launch/test_master_adamw.py 2>&1 | tail -3
-    $PY benchmarks/step_cost.py --shape "$(shape 7b)" --out "$S/results/step7b-zero0" --profile \
+    $PY benchmarks/step_cost.py --shape "$(shape 7b)" --out "$S/results/step7b-zero0" \
         --ways fwd-bwd,torch-bf16-fused,ds-zero0-relayer-torch,ds-zero0-relayer
     say "step_cost.py: rc $?"
 }
