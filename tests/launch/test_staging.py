@@ -30,10 +30,16 @@ def test_module_to_device_keeps_ties_and_buffers():
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=16))
     before = {n: t.clone() for n, t in model.state_dict().items()}
-    Staging(torch.device("cuda", 0), slots=2, slot_bytes=4096).module_to_device(model)
+    apart = "transformer.h.0.attn.c_attn.weight"  # a trainable one: memory of its own
+    Staging(torch.device("cuda", 0), slots=2, slot_bytes=4096).module_to_device(model, frozenset({apart}))
     assert model.lm_head.weight is model.transformer.wte.weight
     assert all(t.device.type == "cuda" for t in model.state_dict().values())
     assert all(torch.equal(model.state_dict()[n].cpu(), t) for n, t in before.items())
+    # The rest in one block of device memory, each at a multiple of 256 bytes.
+    storages = {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()}
+    assert len({ptr for n, ptr in storages.items() if n != apart}) == 1 and storages[apart] not in set(
+        ptr for n, ptr in storages.items() if n != apart)
+    assert all(p.data_ptr() % 256 == 0 for p in model.parameters())
 
 
 def test_registered_module_goes_to_the_device_by_dma_and_is_unpinned_after():
