@@ -179,7 +179,7 @@ stage0() {
 }
 
 step0() {  # the kernel's test on the GPU, and one steady step at stage 0 (kernel and torch) beside the peer's
-    $PY -m pytest -q -p no:cacheprovider tests/launch/test_master_adamw.py 2>&1 | tail -3
+    $PY -m pytest -q -p no:cacheprovider tests/launch/test_master_adamw.py tests/launch/test_staging.py 2>&1 | tail -3
     $PY benchmarks/step_cost.py --shape "$(shape 7b)" --out "$S/results/step7b-zero0" \
         --ways fwd-bwd,torch-bf16-fused,ds-zero0-relayer-torch,ds-zero0-relayer
     say "step_cost.py: rc $?"
