@@ -15,6 +15,7 @@ bring; where it is missing, ``MasterAdamW`` steps with torch's fused AdamW.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -72,15 +73,36 @@ def adamw_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, 
         WRITE_WEIGHT=weight is not None, BLOCK_SIZE=BLOCK)
 
 
-def compile_ahead(device: torch.device, weight_dtype: torch.dtype, grad_dtype: torch.dtype) -> None:
-    """Compiles the kernel for these dtypes now, by a step of zeros: a phase's first step would
-    otherwise (seconds, the first time on a machine: Triton caches it on disk). Called in a
-    thread by a phase started cold; a pre-warmed one's warm-up steps with it."""
+def works(device: torch.device, weight_dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
+    """Whether the kernel runs here, for these dtypes, and steps as AdamW does: one step of a
+    known block, checked against the formula on the host (the first call on a machine compiles it,
+    seconds; Triton caches it on disk). False, saying why on stderr, where Triton is missing, fails
+    or computes otherwise: ``MasterAdamW`` then steps with torch's fused AdamW."""
     if not available(device):
-        return
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # per thread
-    zeros = [torch.zeros(BLOCK, dtype=torch.float32, device=device) for _ in range(3)]
-    weight = None if weight_dtype == torch.float32 else torch.zeros(BLOCK, dtype=weight_dtype, device=device)
-    adamw_step(torch.zeros(BLOCK, dtype=grad_dtype, device=device), *zeros, weight,
-               torch.ones((), device=device), step=1, lr=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        return False
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # per thread
+        n = BLOCK + 3  # two blocks, the second masked
+        master, exp_avg, exp_avg_sq = (torch.full((n,), v, device=device) for v in (1.0, 0.0, 0.0))
+        weight = None if weight_dtype == torch.float32 else torch.zeros(n, dtype=weight_dtype, device=device)
+        adamw_step(torch.full((n,), 2.0, dtype=grad_dtype, device=device), master, exp_avg, exp_avg_sq, weight,
+                   torch.full((), 2.0, device=device), step=1, lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.5)
+        # grad 2 / scale 2 = 1; decay: 1 - 0.1 * 0.5 = 0.95; m = 0.1, v = 0.001; the update is lr * 1 / (1 + eps).
+        want = 0.95 - 0.1 / (1.0 + 1e-8)
+        ok = bool(torch.allclose(master, torch.full_like(master, want), rtol=1e-6, atol=0)) and (
+            weight is None or torch.equal(weight, master.to(weight_dtype)))
+        if not ok:
+            print(f"relayer: the AdamW kernel stepped otherwise than AdamW on {device}; torch's AdamW steps instead",
+                  file=sys.stderr, flush=True)
+        return ok
+    except Exception as e:  # noqa: BLE001 - any failure of Triton here: the optimizer steps without it
+        print(f"relayer: the AdamW kernel does not run on {device} ({type(e).__name__}: {e}); torch's AdamW steps "
+              "instead", file=sys.stderr, flush=True)
+        return False
+
+
+def compile_ahead(device: torch.device, weight_dtype: torch.dtype, grad_dtype: torch.dtype) -> None:
+    """Compiles the kernel for these dtypes now (``works``): a phase's first step would otherwise.
+    Called in a thread by a phase started cold; a pre-warmed one's warm-up steps with it."""
+    works(device, weight_dtype, grad_dtype)

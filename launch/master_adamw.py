@@ -61,14 +61,16 @@ class MasterAdamW(torch.optim.Optimizer):
     model's parameters, on ``device`` already). Its ``param_groups`` are the model's parameters, as
     DeepSpeed and the lr schedule expect. ``accumulate``: gradients of several micro-batches or
     ranks make a step (they are summed in fp32). ``kernel``: step with ``launch.adamw_kernel``
-    (None: where it runs)."""
+    (None: where it runs and steps as AdamW does, ``adamw_kernel.works``)."""
 
     def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, grad_clip: float, device: torch.device, world: int = 1,
                  accumulate: bool = True, kernel: bool | None = None):
         super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.grad_clip, self.world = grad_clip, world
-        self.kernel = adamw_kernel.available(device) if kernel is None else kernel
+        lp_dtype = self.param_groups[0]["params"][0].dtype
+        direct_dtype = lp_dtype if not accumulate and world == 1 else torch.float32
+        self.kernel = adamw_kernel.works(device, lp_dtype, direct_dtype) if kernel is None else kernel
         self.direct = self.kernel and not accumulate and world == 1
         """The gradients are read where autograd left them (no fp32 buffer, no hooks)."""
         self.params = [p for g in self.param_groups for p in g["params"]]

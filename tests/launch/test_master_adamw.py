@@ -131,7 +131,10 @@ def test_the_kernel_steps_as_torch_adamw(accumulate):
     """``launch.adamw_kernel`` (one pass a parameter, the bf16 weight written from the master) against
     torch's AdamW over the flat masters, from the same bf16 weights and batches, the clip acting in
     the last steps."""
+    from launch import adamw_kernel
+
     device = _kernel_device()
+    assert adamw_kernel.works(device, torch.bfloat16, torch.float32 if accumulate else torch.bfloat16)
 
     def trained(kernel: bool) -> MasterAdamW:
         net = _net(torch.bfloat16).to(device)
