@@ -8,6 +8,7 @@ Per process, for one phase of a model with P parameters of which T train (head +
     optimizer    T x 12 bytes (fp32 master weights, Adam exp_avg, exp_avg_sq); partitioned under ZeRO >= 1
     gradients    T x dtype bytes; partitioned under ZeRO >= 2; under ZeRO 0 (relayer's MasterAdamW)
                  T x (dtype + 4) bytes: its fp32 gradient buffer beside the gradients as they come
+                 (a bound: with one micro-batch a step on one GPU its kernel needs no buffer)
     activations  micro_batch x seq_len x hidden x layers x ACTIVATION_VALUES x dtype bytes
 
 At a switch that hands the state over on the device (``launch.handover``, orchestrator/handover.py),
