@@ -6,10 +6,11 @@ updated in place, and the low-precision weight the forward pass uses written fro
 Torch's fused AdamW does the same arithmetic (``aten/src/ATen/native/cuda/fused_adam_utils.cuh``,
 ADAMW mode) but over fp32 gradients and without the low-precision copy: it needs the gradients
 cast into an fp32 buffer before (6 bytes a parameter read and written) and the masters copied
-into the weights after (6 more), 28 + 12 bytes a trainable parameter a step where this kernel
-moves 28 (a 7B LISA step on an H100: 12.7 ms of device time over forward and backward became
-..., ``benchmarks/results/2026-12-05-issue29``). Written in Triton, which torch's CUDA builds
-bring; where it is missing, ``MasterAdamW`` steps with torch's fused AdamW.
+into the weights after (6 more), 40 bytes a trainable parameter a step where this kernel moves 28.
+With torch's fused AdamW, a 7B LISA step spent 12.7 ms of device time beyond forward and backward
+on an H100, the Hugging Face Trainer's bf16 step 6.1 ms (``benchmarks/results/2026-12-05-stage0-h100``);
+this kernel's own time there is not measured yet. Written in Triton, which torch's CUDA builds
+bring; where it is missing or fails its check (``works``), ``MasterAdamW`` steps with torch's.
 """
 
 from __future__ import annotations
