@@ -15,7 +15,9 @@ bring; where it is missing or fails its check (``works``), ``MasterAdamW`` steps
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import sys
 
 import torch
@@ -31,8 +33,6 @@ BLOCK = 4096
 
 def available(device: torch.device) -> bool:
     """Whether the kernel runs on ``device``: CUDA with Triton (or Triton's interpreter, for its tests)."""
-    import os
-
     return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
@@ -78,9 +78,15 @@ def works(device: torch.device, weight_dtype: torch.dtype, grad_dtype: torch.dty
     """Whether the kernel runs here, for these dtypes, and steps as AdamW does: one step of a
     known block, checked against the formula on the host (the first call on a machine compiles it,
     seconds; Triton caches it on disk). False, saying why on stderr, where Triton is missing, fails
-    or computes otherwise: ``MasterAdamW`` then steps with torch's fused AdamW."""
-    if not available(device):
-        return False
+    or computes otherwise: ``MasterAdamW`` then steps with torch's fused AdamW. Checked once a
+    process: the warm-up's (or a cold phase's compile ahead) answers the engine build at the go,
+    which then neither launches nor waits for the device."""
+    return available(device) and _checked(str(device), weight_dtype, grad_dtype)
+
+
+@functools.cache
+def _checked(device_name: str, weight_dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
+    device = torch.device(device_name)
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)  # per thread
@@ -104,6 +110,7 @@ def works(device: torch.device, weight_dtype: torch.dtype, grad_dtype: torch.dty
 
 
 def compile_ahead(device: torch.device, weight_dtype: torch.dtype, grad_dtype: torch.dtype) -> None:
-    """Compiles the kernel for these dtypes now (``works``): a phase's first step would otherwise.
-    Called in a thread by a phase started cold; a pre-warmed one's warm-up steps with it."""
+    """Compiles and checks the kernel for these dtypes now (``works``), so that the engine build
+    does not. Called in a thread by a phase started cold; a pre-warmed one's warm-up builds a
+    ``MasterAdamW``, which checks it."""
     works(device, weight_dtype, grad_dtype)

@@ -51,6 +51,17 @@ class Slot:
     group: int
 
 
+def reads_autograds(accumulate: bool, world: int) -> bool:
+    """Whether the kernel reads each gradient where autograd left it (one micro-batch a step, one
+    rank), rather than from the fp32 buffer the micro-batches and ranks are summed in."""
+    return not accumulate and world == 1
+
+
+def kernel_grad_dtype(lp_dtype: torch.dtype, accumulate: bool, world: int) -> torch.dtype:
+    """The dtype of the gradients the kernel reads: autograd's (the weights'), else the fp32 buffer's."""
+    return lp_dtype if reads_autograds(accumulate, world) else torch.float32
+
+
 def slot_of(p: nn.Parameter) -> Slot | None:
     """The parameter's ``Slot`` where a ``MasterAdamW`` steps it; None elsewhere (a ZeRO optimizer's)."""
     return getattr(p, "_relayer_slot", None)
@@ -69,9 +80,9 @@ class MasterAdamW(torch.optim.Optimizer):
         super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.grad_clip, self.world = grad_clip, world
         lp_dtype = self.param_groups[0]["params"][0].dtype
-        direct_dtype = lp_dtype if not accumulate and world == 1 else torch.float32
-        self.kernel = adamw_kernel.works(device, lp_dtype, direct_dtype) if kernel is None else kernel
-        self.direct = self.kernel and not accumulate and world == 1
+        self.kernel = (adamw_kernel.works(device, lp_dtype, kernel_grad_dtype(lp_dtype, accumulate, world))
+                       if kernel is None else kernel)
+        self.direct = self.kernel and reads_autograds(accumulate, world)
         """The gradients are read where autograd left them (no fp32 buffer, no hooks)."""
         self.params = [p for g in self.param_groups for p in g["params"]]
         places = self._flatten(device)

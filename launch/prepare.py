@@ -20,7 +20,7 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from launch import adamw_kernel, handover, procs, rendezvous
-from launch.master_adamw import MasterAdamW, detach_engine_reduction
+from launch.master_adamw import MasterAdamW, detach_engine_reduction, kernel_grad_dtype
 from launch.contract.files import DATA_CACHE
 from launch.contract.spec import PhaseSpec
 from launch.data import SampleOrder, load_examples, load_validation, micro_batch, prepare as prepare_data
@@ -135,7 +135,7 @@ def _compile_ahead(ph: Phase) -> None:
     if spec.zero_stage != 0 or ph.device.type != "cuda":
         return
     dtype = DTYPES[spec.model.dtype]
-    Later(adamw_kernel.compile_ahead, ph.device, dtype, torch.float32 if _accumulates(spec, ph.world) else dtype)
+    Later(adamw_kernel.compile_ahead, ph.device, dtype, kernel_grad_dtype(dtype, _accumulates(spec, ph.world), ph.world))
 
 
 def _to_device_early(ph: Phase, model: nn.Module, staging: Staging | None, trainable: set[str]) -> Later[None] | None:
