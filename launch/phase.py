@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torch import nn
 
-from launch import handover, prepare, save, switch, train
+from launch import handover, prepare, procs, save, switch, train
 from launch.profiling import switch_profile
 from launch.contract.spec import PhaseSpec
 from launch.record import Phase
@@ -29,7 +29,7 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict,
         # and none pauses the switch (back on after the first step, ``train._first_step_done``).
         gc.freeze()
         gc.disable()
-        phase.timeline.add(gc_collections_before_switch=_collections())
+        phase.timeline.add(gc_collections_before_switch=procs.gc_collections())
         restore = Path(spec.restore) if spec.restore else None
         go, delta = switch.await_go(phase) if spec.prewarm else (switch.Go(restore), None)
         with switch_profile(Path(spec.phase_dir) / f"switch-profile-rank{rank}.txt"):
@@ -47,7 +47,3 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict,
     phase.write_records()
     return 0 if done else PREEMPTED
 
-
-def _collections() -> int:
-    """Garbage collections of this process so far, every generation."""
-    return sum(g["collections"] for g in gc.get_stats())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import gc
 import os
 import signal
 import socket
@@ -20,6 +21,11 @@ from launch.contract.channels import GO
 from launch.contract.files import DUMP_STACKS, PhaseDir, rank_name
 
 PR_SET_PDEATHSIG = 1
+
+
+def gc_collections() -> int:
+    """Garbage collections of this process so far, every generation."""
+    return sum(g["collections"] for g in gc.get_stats())
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:

@@ -122,8 +122,8 @@ def _accumulate(ph: Phase, lr: float) -> tuple[float, int]:
 
 def _first_step_done(ph: Phase, seconds: float) -> None:
     ph.timeline.mark("t_first_step_end")  # before the orchestrator can see the step
-    ph.timeline.add(gc_collections_in_switch=sum(g["collections"] for g in gc.get_stats())
-                    - ph.timeline.get("gc_collections_before_switch", 0))
+    before = ph.timeline.get("gc_collections_before_switch", 0)
+    ph.timeline.add(gc_collections_in_switch=procs.gc_collections() - before)
     gc.enable()  # off since the phase was prepared (``launch.phase``): the switch is over
     ph.timeline.add(first_step_seconds=seconds)  # for the switch's overhead (shard_tools.history)
     ph.timeline.add(nice=os.getpriority(os.PRIO_PROCESS, 0))  # the priority it trains at

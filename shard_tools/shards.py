@@ -31,7 +31,7 @@ SHARDS_AT_ONCE = 4
 def _write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None,
            chunks: ThreadPoolExecutor) -> tuple[int, str]:
     """One safetensors file from the tensors' own bytes: (its size, its digest)."""
-    stream = _safetensors_stream({k: t.contiguous() for k, t in tensors.items()}, metadata)
+    stream = _safetensors_stream(tensors, metadata)  # each tensor's bytes, made contiguous where they are not
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     try:
         checksum = digest.write_and_digest(fd, stream, chunks)
