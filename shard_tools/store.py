@@ -132,7 +132,9 @@ class Checkpoints:
 
         Judged by manifests alone, damaged checkpoints included: skipping a damaged source would
         silently compose an older layer (or the base) instead. Callers verify the sources they get;
-        an unreadable manifest at or before ``upto`` raises, since it may have held a layer.
+        an unreadable manifest at or before ``upto`` raises, since it may have held a layer. A folder
+        gone since it was listed is skipped: retention (``purge``, in the orchestrator, while a phase
+        reads) renames away only checkpoints that no kept or protected one composes from.
         """
         limit = step_of(upto)
         assert limit is not None, upto
@@ -141,6 +143,8 @@ class Checkpoints:
             try:
                 m = read_manifest(ckpt)
             except CheckpointError as e:
+                if not os.path.lexists(ckpt):
+                    continue
                 raise CheckpointError(f"{e}; {upto.name} may compose layers from it") from None
             sources.update(dict.fromkeys(m.stored_layers, ckpt))
         return sources

@@ -128,6 +128,23 @@ def test_layer_sources_and_retention_keep_what_the_kept_need(tmp_path):
     assert list(store.purge(1, {store.at(6)})) == [] and store.at(6).exists()
 
 
+def test_layer_sources_skip_a_checkpoint_retention_removed_after_the_listing(tmp_path, monkeypatch):
+    """A phase composing its layers lists the checkpoints, then reads their manifests, while the
+    orchestrator's retention may remove one in between (found by CI: the 60-phase LISA run failed
+    at phase 30 with "step-00000020/manifest.json: missing"). Retention removes none that a kept
+    checkpoint composes from, so the sources are the same; a folder still there whose manifest is
+    missing is another thing (it may have held a layer) and still raises."""
+    store = run_of(tmp_path, (2, [0]), (4, [1]), (6, [0]), (8, [2]))
+    listed = store.all()
+    assert list(store.purge(2, set())) == [Purged(store.at(2), removed=True), Purged(store.at(4), removed=False)]
+    monkeypatch.setattr(store, "all", lambda: listed)
+    assert not store.at(2).exists()
+    assert store.layer_sources(store.at(8)) == {0: store.at(6), 1: store.at(4), 2: store.at(8)}
+    (store.at(4) / MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match="step-00000004/manifest.json: missing.*step-00000008 may compose"):
+        store.layer_sources(store.at(8))
+
+
 def test_retention_keeps_an_older_checkpoint_for_its_layers_alone(tmp_path):
     """Its head, state and body optimizer state go (never kept for its layers' sake); its layers file
     stays, vouched for by its manifest; the kept checkpoints compose the same weights; it is no
