@@ -96,7 +96,7 @@ def verify(path: Path) -> None:
     if report.faults:
         raise CheckpointError(f"{path}: {len(report.faults)} fault(s) in {n} checkpoint(s)")
     click.echo(f"ok: {path}: {n} checkpoint(s), {report.files} files, {human_bytes(report.bytes)}; "
-               f"sizes and sha256 match their manifests")
+               f"sizes and sha256 match their manifests" + report.in_training())
 
 
 @main.command()

@@ -11,6 +11,7 @@ once however big the run:
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -44,12 +45,15 @@ def inspect_checkpoint(ckpt: Path) -> dict[str, Any]:
             "bytes": sum(e.size for e in manifest.files.values()), "metadata": metadata, "tensors": tensors}
 
 
-def _checkpoint_summary(ckpt: Path) -> dict[str, Any]:
+def _checkpoint_summary(ckpt: Path) -> dict[str, Any] | None:
+    """None where it is gone since it was listed: removed by the retention of a run in training."""
     entry: dict[str, Any] = {"name": ckpt.name, "step": step_of(ckpt)}
     faults = verify_checkpoint(ckpt, checksums=False)
     try:
         m = read_manifest(ckpt)
     except CheckpointError:
+        if not os.path.lexists(ckpt):
+            return None
         return {**entry, "phase": None, "layers": [], "complete": False, "bytes": None, "faults": faults}
     return {**entry, "phase": m.phase, "layers": m.layers, "carried_layers": m.carried_layers,
             "phase_complete": m.phase_complete,
@@ -75,7 +79,8 @@ def inspect_run(run_dir: Path) -> dict[str, Any]:
     history = read_history(run_dir) if (Path(run_dir) / JOURNAL).exists() else None
     phases = {p.index: {**asdict(p), "records": _records(p.records)} for p in (history.phases if history else [])}
     store = Checkpoints(run_dir)
-    checkpoints = [_checkpoint_summary(c) for c in store.all()]
+    checkpoints = [s for c in store.all() if (s := _checkpoint_summary(c)) is not None]
+    writing, stray = store.being_written()
     for c in checkpoints:
         if c["phase"] is not None and c["phase"] not in phases:
             # Journal lost or cut short: the manifests still say which phase wrote what.
@@ -85,7 +90,8 @@ def inspect_run(run_dir: Path) -> dict[str, Any]:
         p["checkpoints"] = [c for c in checkpoints if c["phase"] == p["index"]]
     return {"kind": "run", "path": str(run_dir), "events": history.events if history else 0,
             "last_event": history.last_event if history else None, "phases": ordered,
-            "checkpoints": checkpoints, "stray_temporaries": [str(p) for p in store.stray_temporaries()]}
+            "checkpoints": checkpoints, "stray_temporaries": [str(p) for p in stray],
+            "being_written": [str(p) for p in writing]}
 
 
 def inspect_path(path: Path) -> dict[str, Any]:
@@ -155,3 +161,5 @@ def _render_run(r: dict[str, Any], console) -> None:
             console.print(f"incomplete checkpoint: {fault}", markup=False, highlight=False)
     for stray in r["stray_temporaries"]:
         console.print(f"stray temporary: {stray}", markup=False, highlight=False)
+    for writing in r["being_written"]:
+        console.print(f"being written or removed by a running process: {writing}", markup=False, highlight=False)

@@ -21,6 +21,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
+import psutil
+
 from shard_tools.errors import CheckpointError, InputError
 from shard_tools.files import TMP_PREFIX, fsync_path, write_atomic
 from shard_tools.manifest import (
@@ -220,7 +222,7 @@ class Checkpoints:
                 if _drop_all_but_layers(ckpt, manifests[ckpt]):
                     yield Purged(ckpt, removed=False)
                 continue
-            trash = ckpt.with_name(f"{TMP_PREFIX}removing-{ckpt.name}")
+            trash = ckpt.with_name(f"{TMP_PREFIX}removing-{ckpt.name}.{os.getpid()}")
             os.replace(ckpt, trash)
             shutil.rmtree(trash)
             yield Purged(ckpt, removed=True)
@@ -247,6 +249,16 @@ class Checkpoints:
         if not self.root.is_dir():
             return []
         return sorted(p for p in self.root.iterdir() if p.name.startswith(TMP_PREFIX))
+
+    def being_written(self) -> tuple[list[Path], list[Path]]:
+        """The temporaries split in two: those of a process running on this machine (a live run's
+        checkpoint being written, or one retention is removing), and the rest, left by writers that
+        are gone (or, on a file system several nodes share, written from another node)."""
+        live, left = [], []
+        for p in self.stray_temporaries():
+            pid = _pid_of(p.name)
+            (live if pid is not None and pid > 0 and psutil.pid_exists(pid) else left).append(p)
+        return live, left
 
     def remove_stray_temporaries(self) -> list[Path]:
         """Removes what killed writers left behind, once none can still write; returns what it removed."""

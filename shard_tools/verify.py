@@ -9,12 +9,13 @@ No torch here: checksums are over the files' bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from shard_tools.errors import CheckpointError, InputError
-from shard_tools.manifest import CHECKPOINTS, STEP_DIR_SHAPE, Manifest, path_kind, read_manifest, step_of, verify_checkpoint
+from shard_tools.manifest import CHECKPOINTS, MANIFEST, STEP_DIR_SHAPE, Manifest, path_kind, read_manifest, step_of, verify_checkpoint
 from shard_tools.store import Checkpoints
 
 
@@ -24,24 +25,56 @@ class Report:
     faults: list[str]
     files: int
     bytes: int
+    removed: list[Path] = field(default_factory=list)
+    """Checkpoints of a run in training that its retention removed while they were read."""
+    writing: list[Path] = field(default_factory=list)
+    """Temporaries of processes running on this machine: checkpoints being written or removed."""
+
+    def in_training(self) -> str:
+        """What a run in training did meanwhile, for the summary line; empty where nothing."""
+        said = [f"{len(self.removed)} removed by retention while read"] if self.removed else []
+        said += [f"{len(self.writing)} being written or removed ({', '.join(p.name for p in self.writing)})"] \
+            if self.writing else []
+        return "".join(f"; {s}" for s in said)
 
 
 def verify_path(path: Path) -> Report:
+    """Every checkpoint of a run, or the one named. A run may be training meanwhile: a checkpoint its
+    retention removes, or makes layers-only, while it is read is not a fault (read again where its
+    manifest was replaced), nor is a temporary of a process running here."""
     path = Path(path)
     is_run = path_kind(path) == "run"
-    checkpoints = Checkpoints(path).all() if is_run else [path]
-    report = Report(checkpoints, [], 0, 0)
+    store = Checkpoints(path)
+    checkpoints = store.all() if is_run else [path]
+    report = Report([], [], 0, 0)
     for ckpt in checkpoints:
+        before = _identity(ckpt / MANIFEST)
         faults = verify_checkpoint(ckpt)
+        if faults and is_run and not os.path.lexists(ckpt):
+            report.removed.append(ckpt)
+            continue
+        if faults and is_run and _identity(ckpt / MANIFEST) != before:
+            faults = verify_checkpoint(ckpt)
+        report.checkpoints.append(ckpt)
         report.faults += faults
         if not faults:
             sizes = [e.size for e in read_manifest(ckpt).files.values()]
             report.files += len(sizes)
             report.bytes += sum(sizes)
     if is_run:
+        report.writing, left = store.being_written()
         report.faults += [f"{p}: stray temporary left by an interrupted writer (the orchestrator removes it on its "
-                          f"next run)" for p in Checkpoints(path).stray_temporaries()]
+                          f"next run)" for p in left]
     return report
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The file at ``path`` (inode, mtime): a manifest replaced by an atomic rename is another."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 def trusted_checkpoint(path: Path, warn: Callable[[str], None] | None = None) -> tuple[Path, Path, Manifest]:
