@@ -11,7 +11,6 @@ once however big the run:
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from shard_tools.header import tensor_headers
 from shard_tools.history import JOURNAL, read_history
 from shard_tools.manifest import BODY_OPTIM, HEAD, LAYERS, STATE, path_kind, read_manifest, step_of, verify_checkpoint
 from shard_tools.sizes import format_bytes
-from shard_tools.store import Checkpoints
+from shard_tools.store import Checkpoints, gone_since_listed
 
 # File name -> tensor group, in display order.
 GROUPS = {HEAD: "head", LAYERS: "body", BODY_OPTIM: "body_optim", STATE: "state"}
@@ -46,13 +45,13 @@ def inspect_checkpoint(ckpt: Path) -> dict[str, Any]:
 
 
 def _checkpoint_summary(ckpt: Path) -> dict[str, Any] | None:
-    """None where it is gone since it was listed: removed by the retention of a run in training."""
+    """None where it is gone since it was listed (``gone_since_listed``)."""
     entry: dict[str, Any] = {"name": ckpt.name, "step": step_of(ckpt)}
     faults = verify_checkpoint(ckpt, checksums=False)
     try:
         m = read_manifest(ckpt)
     except CheckpointError:
-        if not os.path.lexists(ckpt):
+        if gone_since_listed(ckpt):
             return None
         return {**entry, "phase": None, "layers": [], "complete": False, "bytes": None, "faults": faults}
     return {**entry, "phase": m.phase, "layers": m.layers, "carried_layers": m.carried_layers,

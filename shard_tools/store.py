@@ -134,9 +134,8 @@ class Checkpoints:
 
         Judged by manifests alone, damaged checkpoints included: skipping a damaged source would
         silently compose an older layer (or the base) instead. Callers verify the sources they get;
-        an unreadable manifest at or before ``upto`` raises, since it may have held a layer. A folder
-        gone since it was listed is skipped: retention (``purge``, in the orchestrator, while a phase
-        reads) renames away only checkpoints that no kept or protected one composes from.
+        an unreadable manifest at or before ``upto`` raises, since it may have held a layer; one
+        ``gone_since_listed`` is skipped.
         """
         limit = step_of(upto)
         assert limit is not None, upto
@@ -145,7 +144,7 @@ class Checkpoints:
             try:
                 m = read_manifest(ckpt)
             except CheckpointError as e:
-                if not os.path.lexists(ckpt):
+                if gone_since_listed(ckpt):
                     continue
                 raise CheckpointError(f"{e}; {upto.name} may compose layers from it") from None
             sources.update(dict.fromkeys(m.stored_layers, ckpt))
@@ -273,6 +272,14 @@ class Checkpoints:
         for p in gone:
             _remove(p)
         return gone
+
+
+def gone_since_listed(ckpt: Path) -> bool:
+    """Whether a listed checkpoint folder is no longer there: a run's retention (``purge``, in the
+    orchestrator, while phases and shard-tools read) renames a checkpoint away whole, and only one
+    that no kept checkpoint, nor one a waiting phase reads, composes its layers from. A reader skips
+    it; a folder still there with a fault is a fault."""
+    return not os.path.lexists(ckpt)
 
 
 def _drop_all_but_layers(ckpt: Path, manifest: Manifest) -> bool:

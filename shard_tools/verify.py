@@ -16,7 +16,7 @@ from typing import Callable
 
 from shard_tools.errors import CheckpointError, InputError
 from shard_tools.manifest import CHECKPOINTS, MANIFEST, STEP_DIR_SHAPE, Manifest, path_kind, read_manifest, step_of, verify_checkpoint
-from shard_tools.store import Checkpoints
+from shard_tools.store import Checkpoints, gone_since_listed
 
 
 @dataclass
@@ -50,7 +50,7 @@ def verify_path(path: Path) -> Report:
     for ckpt in checkpoints:
         before = _identity(ckpt / MANIFEST)
         faults = verify_checkpoint(ckpt)
-        if faults and is_run and not os.path.lexists(ckpt):
+        if faults and is_run and gone_since_listed(ckpt):
             report.removed.append(ckpt)
             continue
         if faults and is_run and _identity(ckpt / MANIFEST) != before:
