@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-fast venv clean
 
 venv: $(STAMP)
 
@@ -19,10 +19,15 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/python examples/tiny/run_demo.py
 
-# A line per test file as it runs (the fast tests first), every failure reported at the end, and the
-# slowest tests; PYTEST_ARGS="-m 'not multiprocess'" runs the fast ones only.
+# The whole suite on every core (tests/run.py: pytest-xdist, then the tests marked alone one at a
+# time), every failure reported at the end, the slowest tests and the wall time; PYTEST_ARGS are
+# pytest's (PYTEST_ARGS="tests/shard_tools" runs one package). test-fast: the unit tests of every
+# package and one real run of each kind, about 5 minutes.
 test: $(STAMP)
-	$(BIN)/python -m pytest -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python tests/run.py $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python tests/run.py --fast $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) examples/tiny/runs examples/tiny/model examples/tiny/export \

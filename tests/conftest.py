@@ -6,21 +6,30 @@ phase is a real process with a real DeepSpeed engine on the CPU.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import tomli_w
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 96
 SEQ = 16
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# One torch thread a process, in this one and every process a test starts: the tiny model's work is
+# too small to split, and tests/run.py runs tests side by side on every core, where the default (a
+# thread per core in every rank) has threads spin against each other's (a busy 2-core machine's
+# steps 12x slower). Runs compared bitwise all run under the same setting.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def make_llama(out: Path, layers: int = 4, tie: bool = False, seed: int = 0) -> Path:
@@ -45,14 +54,31 @@ def make_tokens(out: Path, n: int = 64, seq: int = SEQ, seed: int = 0) -> Path:
     return out
 
 
+def shared(tmp_path_factory: pytest.TempPathFactory, key: str, make: Callable[[Path], None]) -> Path:
+    """A folder ``make`` fills once for the whole session, however many pytest-xdist workers ask
+    for it: the first builds it under a lock (the others wait), every later one reads it. The
+    folder is read-only by contract; a test that changes it works on a copy."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' common folder
+    folder, done = root / f"shared-{key}", root / f"shared-{key}.done"
+    with FileLock(str(root / f"shared-{key}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed build left
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    return make_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+    return shared(tmp_path_factory, "model", lambda d: make_llama(d / "tiny-llama")) / "tiny-llama"
 
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
-    return make_tokens(tmp_path_factory.mktemp("data") / "train.jsonl")
+    return shared(tmp_path_factory, "data", lambda d: make_tokens(d / "train.jsonl")) / "train.jsonl"
 
 
 def schedule_dict(model_dir: Path, data_path: Path, **sections) -> dict:
@@ -96,18 +122,52 @@ def cli(*args: str, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([str(exe), *args[1:]], capture_output=True, text=True, timeout=timeout, **kw)
 
 
+def finished_run(tmp_path_factory: pytest.TempPathFactory, schedule: dict) -> Path:
+    """The run directory of ``schedule`` run to its end, once per session for every test and
+    worker that asks for the same schedule (a reference run several modules compare with); treat
+    it as read-only."""
+    text = tomli_w.dumps(schedule)
+    key = "run-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def make(d: Path) -> None:
+        (d / "schedule.toml").write_text(text)
+        r = cli("orchestrator", "run", str(d / "schedule.toml"))
+        assert r.returncode == 0, r.stderr
+
+    return shared(tmp_path_factory, key, make) / schedule["run"]["output_dir"]
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, tiny_model, tiny_data) -> Path:
     """A completed 3-phase run (ZeRO-2, fp32, one process); treat it as read-only."""
-    d = tmp_path_factory.mktemp("tiny-run")
-    sched = write_schedule(d / "schedule.toml", schedule_dict(tiny_model, tiny_data))
-    r = cli("orchestrator", "run", str(sched))
-    assert r.returncode == 0, r.stderr
-    return d / "run"
+    return finished_run(tmp_path_factory, schedule_dict(tiny_model, tiny_data))
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The fast tests first, then those that start phase processes, each kind in file order: a
-    whole run (``make test``) shows progress from its first minute, not after the first
-    multiprocess file. The order within a file stays (module fixtures are built once)."""
-    items.sort(key=lambda item: item.get_closest_marker("multiprocess") is not None)
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--alone", choices=("any", "skip", "only"), default="any",
+                     help="tests marked alone (they need the machine to themselves): run them with the "
+                          "others (any), leave them out (skip) or run only them (only); tests/run.py "
+                          "runs the rest on every core, then these one at a time")
+
+
+COSTS = json.loads((ROOT / "tests" / "costs.json").read_text())
+"""Seconds each multiprocess test module took (``tests/costs.json``): the longest start first."""
+
+
+def order(item: pytest.Item) -> tuple:
+    """The fast tests first, in file order; then the multiprocess modules, the longest first, so
+    that the workers of ``tests/run.py`` end together. The order within a module stays (module
+    fixtures are built once)."""
+    if item.get_closest_marker("multiprocess") is None:
+        return (0, 0.0)
+    module = item.nodeid.split("::", 1)[0]
+    return (1, -COSTS.get(module, 60.0))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    alone = config.getoption("--alone")
+    if alone != "any":
+        wanted = alone == "only"
+        config.hook.pytest_deselected(items=[i for i in items if (i.get_closest_marker("alone") is not None) != wanted])
+        items[:] = [i for i in items if (i.get_closest_marker("alone") is not None) == wanted]
+    items.sort(key=order)

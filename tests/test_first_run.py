@@ -22,7 +22,8 @@ import pytest
 from tests.conftest import ROOT, schedule_dict, write_schedule
 from tests.orchestrator.test_preemption import ORCH, wait_for
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+# alone: it is itself the run beside another, in the checkout's own examples/tiny folders.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.alone]
 
 
 def first_run_block() -> str:

@@ -8,13 +8,17 @@ a silent ``pip install -q``.
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import ROOT, pytest_collection_modifyitems
+from tests import run
+from tests.conftest import COSTS, ROOT, order, shared
 
 
 def dry_run(*args: str) -> list[list[str]]:
@@ -24,11 +28,36 @@ def dry_run(*args: str) -> list[list[str]]:
     return [shlex.split(line) for line in r.stdout.splitlines() if line.strip()]
 
 
-def test_make_test_shows_progress_reports_every_failure_and_the_slowest():
-    pytest_line, = [c for c in dry_run("-o", ".venv/.installed", "test") if "pytest" in c]
-    assert "-x" not in pytest_line and "--exitfirst" not in pytest_line  # runs to the end
-    assert "-q" not in pytest_line  # a line per test file with its progress, not dots alone
-    assert any(a.startswith("--durations=") for a in pytest_line)
+@pytest.mark.parametrize("target, fast", [("test", False), ("test-fast", True)])
+def test_make_test_shows_progress_reports_every_failure_and_the_slowest(target, fast):
+    runner, = dry_run("-o", ".venv/.installed", target)
+    assert runner[1:] == ["tests/run.py", *(["--fast"] if fast else [])]
+    for pytest_line in run.passes(fast, []):
+        assert "-x" not in pytest_line and "--exitfirst" not in pytest_line  # runs to the end
+        assert "-q" not in pytest_line  # progress as it goes, not silence
+        assert any(a.startswith("--durations=") for a in pytest_line)
+
+
+def test_the_suite_runs_on_every_core_then_what_must_run_alone(monkeypatch):
+    monkeypatch.setenv("TEST_WORKERS", "2")
+    spread, alone = run.passes(False, ["-k", "x"])
+    assert spread[spread.index("-n") + 1] == "2" and spread[spread.index("--dist") + 1] == "loadscope"
+    assert "--alone=skip" in spread and "--alone=only" in alone and "-n" not in alone
+    assert spread[-2:] == alone[-2:] == ["-k", "x"]  # the caller's arguments reach both passes
+    fast = run.passes(True, [])
+    assert all(any(p[i:i + 2] == ["-m", run.FAST] for i in range(3, len(p))) for p in fast)
+    monkeypatch.setenv("TEST_WORKERS", "1")
+    assert "-n" not in run.passes(False, [])[0]
+
+
+def test_the_runner_fails_where_either_pass_fails_and_says_its_wall_time(monkeypatch, capsys):
+    statuses = iter([0, 1])
+    monkeypatch.setattr(run.subprocess, "call", lambda command: next(statuses))
+    assert run.main([]) == 1
+    assert "pass 2 exited 1" in capsys.readouterr().out
+    statuses = iter([0, run.NO_TESTS])  # no test marked alone in the selection
+    assert run.main(["--fast"]) == 0
+    assert re.search(r"make test-fast: [0-9.]+ minutes wall \([0-9]+ s\), [0-9]+ workers; passed", capsys.readouterr().out)
 
 
 def test_the_venv_is_made_in_the_open():
@@ -39,15 +68,51 @@ def test_the_venv_is_made_in_the_open():
     assert commands[0][0] == "echo" and "minutes" in commands[0][-1]
 
 
-def item(name: str, multiprocess: bool) -> SimpleNamespace:
+def item(name: str, multiprocess: bool, module: str = "tests/test_x.py") -> SimpleNamespace:
     marker = object() if multiprocess else None
-    return SimpleNamespace(name=name, get_closest_marker=lambda m: marker if m == "multiprocess" else None)
+    return SimpleNamespace(name=name, nodeid=f"{module}::{name}",
+                           get_closest_marker=lambda m: marker if m == "multiprocess" else None)
 
 
-def test_the_fast_tests_run_first_each_kind_in_file_order():
-    items = [item("a_mp", True), item("a_fast", False), item("b_mp", True), item("b_fast", False), item("c", False)]
-    pytest_collection_modifyitems(items)
-    assert [i.name for i in items] == ["a_fast", "b_fast", "c", "a_mp", "b_mp"]
+def test_the_fast_tests_run_first_in_file_order_then_the_longest_modules():
+    longest, shortest = max(COSTS, key=COSTS.get), min(COSTS, key=COSTS.get)
+    items = [item("s1", True, shortest), item("a_fast", False), item("l1", True, longest), item("b_fast", False),
+             item("s2", True, shortest), item("new", True, "tests/test_new.py"), item("l2", True, longest),
+             item("c", False)]
+    items.sort(key=order)
+    assert [i.name for i in items] == ["a_fast", "b_fast", "c", "l1", "l2", "new", "s1", "s2"]
+
+
+def test_every_module_of_multiprocess_tests_has_a_cost():
+    """tests/costs.json orders the modules; one it lacks is guessed at a minute."""
+    modules = run.multiprocess_modules()
+    assert "tests/launch/test_equivalence.py" in modules and "tests/test_make.py" not in modules
+    assert modules <= set(COSTS), sorted(modules - set(COSTS))
+    assert 60.0 < max(COSTS.values()) and min(COSTS.values()) < 60.0
+
+
+def test_a_shared_folder_is_made_once_and_again_after_a_failed_make(tmp_path_factory):
+    made = []
+
+    def failing(d: Path) -> None:
+        (d / "half").touch()
+        raise RuntimeError("make failed")
+
+    with pytest.raises(RuntimeError):
+        shared(tmp_path_factory, "test-make", failing)
+    folder = shared(tmp_path_factory, "test-make", lambda d: made.append(d))
+    assert shared(tmp_path_factory, "test-make", lambda d: made.append(d)) == folder
+    assert made == [folder] and not (folder / "half").exists()
+
+
+def test_the_fast_tier_covers_every_package():
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", "-m", run.FAST],
+                       cwd=ROOT, capture_output=True, text=True, check=True)
+    tests = [line for line in r.stdout.splitlines() if "::" in line]
+    for package in ("tests/orchestrator/", "tests/launch/", "tests/shard_tools/", "tests/benchmarks/"):
+        assert any(t.startswith(package) for t in tests), package
+    # and a real run against the plain-PyTorch reference (a module all multiprocess: marked smoke)
+    assert any(t.startswith("tests/launch/test_equivalence.py::") for t in tests)
 
 
 @pytest.mark.parametrize("target", ["demo", "test"])
@@ -56,3 +121,15 @@ def test_make_needs_no_venv_on_path(target):
     for command in dry_run("-o", ".venv/.installed", target):
         if command[0] != "echo":
             assert command[0].startswith(".venv/bin/"), command
+
+
+def test_the_costs_are_each_multiprocess_modules_seconds_from_a_junit_report(tmp_path):
+    report = tmp_path / "report.xml"
+    report.write_text("""<testsuites><testsuite>
+      <testcase classname="tests.orchestrator.test_a" name="t1" time="10.5"/>
+      <testcase classname="tests.orchestrator.test_a.TestGroup" name="t2" time="2"/>
+      <testcase classname="tests.launch.test_b" name="t3" time="4"/>
+      <testcase classname="tests.test_fast" name="t4" time="1"/>
+    </testsuite></testsuites>""")
+    multiprocess = {"tests/orchestrator/test_a.py", "tests/launch/test_b.py"}
+    assert run.costs(report, multiprocess) == {"tests/launch/test_b.py": 4.0, "tests/orchestrator/test_a.py": 12.5}

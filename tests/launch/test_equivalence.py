@@ -46,10 +46,12 @@ def test_wrong_semantics_would_fail(tiny_model, tiny_data, reference):
     assert max_abs_diff(reference, reset) > 10 * TOL
 
 
+@pytest.mark.smoke  # make test-fast: the shared tiny run against the reference
 def test_one_process_matches_reference(tiny_run, tiny_model, reference):
     assert max_abs_diff(reference, composed(tiny_model, tiny_run)) <= TOL
 
 
+@pytest.mark.smoke  # make test-fast: the shared tiny run against the reference
 def test_step_counters_and_layer_history(tiny_run, tiny_model):
     ckpts = {read_manifest(c).global_step: c for c in Checkpoints(tiny_run).all()}
     assert sorted(ckpts) == [10, 20, 30]
@@ -77,6 +79,7 @@ def test_step_counters_and_layer_history(tiny_run, tiny_model):
     assert same(layer(at[30], 2), layer(base, 2)) and same(layer(at[30], 3), layer(base, 3))
 
 
+@pytest.mark.smoke  # make test-fast: the shared tiny run against the reference
 def test_each_phase_its_own_process_and_none_survives(tiny_run):
     events = [json.loads(line) for line in (tiny_run / "journal.jsonl").read_text().splitlines()]
     started = [e for e in events if e["event"] == "phase_started"]
