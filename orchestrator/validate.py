@@ -24,7 +24,7 @@ from orchestrator.modelcheck import (
     resolve_path, tokenizer_of,
 )
 from orchestrator.nodes import check_launch
-from orchestrator.plan import MAX_PHASES, check_batch, plan_phases
+from orchestrator.plan import MAX_PHASES, check_batch, check_warmup, plan_phases
 from orchestrator.schedule import DataSection, LoadedSchedule, Schedule, format_validation
 from shard_tools.tokenizer import MAIN_FILES, TOKENIZER_FILES
 
@@ -98,6 +98,7 @@ def validate_schedule(
 
         loaded = loaded.model_copy(update={"data_check": check_data(loaded)})
     phases = plan_phases(loaded)
+    check_warmup(loaded, phases)
     for ph in phases:
         for layer in ph.layers:
             if layer >= n_layers:

@@ -48,3 +48,45 @@ def test_plan_bounds_an_inline_model_config(tmp_path, tiny_data):
     sched["model"] = {"config": config, "dtype": "float32"}
     r = plan(tmp_path, sched)
     assert r.exit_code == 2 and "model.config: vocab_size: expected an integer from 1 to 16,777,216" in r.stderr, r.output
+
+
+def two_sources(sched: dict, weight: float) -> None:
+    path = sched["data"].pop("path")
+    del sched["data"]["format"]
+    sched["data"]["sources"] = [{"path": path}, {"path": path, "weight": weight}]
+
+
+def strategy(**keys) -> dict:
+    return {"strategy": "ascending", "interval": 5, "layers_per_phase": 1, **keys}
+
+
+@pytest.mark.parametrize("edit,says", [
+    # What sizes the data: a weight that would draw 10^9 copies, a batch beyond the data or int64.
+    (lambda s: two_sources(s, 2e6),
+     "data.sources[1].weight: expected a number <= 1e+06, got 2000000.0"),
+    (lambda s: s["data"].update(batch_size=2 ** 40), "data.batch_size: expected an integer <= 2.14748e+09"),
+    (lambda s: s["data"].update(batch_size=128, micro_batch_size=4), "data.batch_size: expected at most the 64 "
+                                                                     "training rows the data makes, got 128"),
+    (lambda s: s["data"].update(seq_len=2 ** 63), "data.seq_len: expected an integer <= 2.14748e+09"),
+    # Steps: eight digits of a checkpoint's name, epochs that round to no step, a warm-up past the end.
+    (lambda s: s.update(schedule={"phases": [{"steps": 2 ** 63 - 1, "layers": [0]}]}),
+     "schedule.phases[0].steps: expected an integer <= 1e+08"),
+    (lambda s: s.update(schedule={"phases": [{"steps": 6 * 10 ** 7, "layers": [0]}, {"steps": 6 * 10 ** 7, "layers": [1]}]}),
+     "schedule.phases: expected at most 99,999,999 steps in all"),
+    (lambda s: s.update(schedule=strategy(epochs=1e-9)), "schedule.epochs: 1e-09 epochs of 64 rows at data.batch_size "
+                                                         "8 make 0 steps; expected 1 to 99,999,999"),
+    (lambda s: s.update(schedule=strategy(epochs=1e7)), "schedule.epochs: expected a number <= 1e+06"),
+    (lambda s: s.update(lr_schedule={"warmup_steps": 31}),
+     "lr_schedule.warmup_steps: expected at most the run's 30 steps, got 31"),
+    # Durations: past any timer's range, which switched the backstop off.
+    (lambda s: s["launch"].update(grace_seconds=1e10), "launch.grace_seconds: expected a number <= 1e+08"),
+    (lambda s: s["launch"].update(stall_seconds=1e19), "launch.stall_seconds: expected a number <= 1e+08"),
+    (lambda s: s["checkpoint"].update(every_seconds=1e12), "checkpoint.every_seconds: expected a number <= 1e+08"),
+    (lambda s: s["checkpoint"].update(every_steps=2 ** 62), "checkpoint.every_steps: expected an integer <= 1e+08"),
+    (lambda s: s["run"].update(seed=2 ** 64), "run.seed: expected an integer <= 9.22337e+18"),
+])
+def test_plan_bounds_every_number_that_sizes_work(edit, says, tmp_path, tiny_model, tiny_data):
+    sched = schedule_dict(tiny_model, tiny_data)
+    edit(sched)
+    r = plan(tmp_path, sched)
+    assert r.exit_code == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.output
