@@ -54,3 +54,23 @@ def _show(v: Any) -> str:
         return "a table"
     text = repr(v)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+MAX_NESTING = 32
+"""Tables and lists within each other in a schedule (or a deepspeed.config file): real ones nest a
+few levels; deeper input is refused before anything recurses through it."""
+
+
+def too_deep(value: Any, prefix: str = "") -> str | None:
+    """The dotted key where ``value`` nests deeper than ``MAX_NESTING``, or None; without recursion."""
+    todo = [(value, prefix, 0)]
+    while todo:
+        v, key, depth = todo.pop()
+        if not isinstance(v, (dict, list)):
+            continue
+        if depth >= MAX_NESTING:
+            return key or "(top level)"
+        items = v.items() if isinstance(v, dict) else enumerate(v)
+        todo += [(x, f"{key}[{k}]" if isinstance(k, int) else f"{key}{'.' if key else ''}{k}", depth + 1)
+                 for k, x in items]
+    return None

@@ -26,6 +26,7 @@ from orchestrator.modelcheck import (
 from orchestrator.nodes import check_launch
 from orchestrator.plan import MAX_PHASES, check_batch, check_warmup, plan_phases
 from orchestrator.schedule import DataSection, LoadedSchedule, Schedule, format_validation
+from orchestrator.sections import MAX_NESTING, too_deep
 from shard_tools.tokenizer import MAIN_FILES, TOKENIZER_FILES
 
 
@@ -113,6 +114,8 @@ def validate_schedule(
 def _parse(raw: dict[str, Any], source: Path, nproc: int | None) -> Schedule:
     if nproc is not None and nproc < 1:
         raise ScheduleError(f"--nproc: expected a positive integer, got {nproc}")
+    if deep := too_deep(raw):
+        raise ScheduleError(f"{source}: {deep}: nested deeper than {MAX_NESTING} levels of tables and lists")
     non_finite = _non_finite(raw)
     if non_finite:
         raise ScheduleError("\n".join(f"{source}: {key}: expected a finite number, got {v}" for key, v in non_finite))

@@ -90,3 +90,34 @@ def test_plan_bounds_every_number_that_sizes_work(edit, says, tmp_path, tiny_mod
     edit(sched)
     r = plan(tmp_path, sched)
     assert r.exit_code == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.output
+
+
+def test_nesting_is_bounded_before_anything_recurses(tmp_path, tiny_model, tiny_data):
+    """A 5000-deep deepspeed.config file, a 3000-deep --set value (RecursionError tracebacks), and
+    one 100 deep, which parses but is no schedule: exit 2 naming where."""
+    (tmp_path / "ds.json").write_text('{"a":' * 5000 + "1" + "}" * 5000)
+    sched = schedule_dict(tiny_model, tiny_data, deepspeed={"config": str(tmp_path / "ds.json")})
+    r = plan(tmp_path, sched)
+    assert r.exit_code == 2 and "ds.json: expected a DeepSpeed JSON config (deepspeed.config): nested deeper" \
+        in r.stderr, r.output
+    path = write_schedule(tmp_path / "schedule.toml", schedule_dict(tiny_model, tiny_data))
+    for depth, says in ((3000, "--set: '{a={a="), (100, "deepspeed.config.a.a.a")):
+        r = invoke("plan", str(path), "--set", "deepspeed.config=" + "{a=" * depth + "1" + "}" * depth)
+        assert r.exit_code == 2 and says in r.stderr and "nested deeper than 32 levels" in r.stderr, r.output
+
+
+def test_names_longer_than_the_file_system_allows(tmp_path, tiny_model, tiny_data):
+    """[Errno 36] tracebacks: exit 2 naming the name, for a schedule's paths and a command's argument."""
+    from click.testing import CliRunner
+
+    from shard_tools.cli import main as shard_tools
+
+    long = "x" * 300
+    for edit in ({"data": {"path": long}}, {"model": {"path": str(tiny_model), "tokenizer": long}},
+                 {"run": {"output_dir": f"{long}/run"}}):
+        r = plan(tmp_path, schedule_dict(tiny_model, tiny_data, **edit))
+        assert r.exit_code == 2 and long in r.stderr and "File name too long" in r.stderr, r.output
+    r = invoke("status", str(tmp_path / long))
+    assert r.exit_code == 2 and long in r.stderr, r.output
+    r = CliRunner().invoke(shard_tools, ["inspect", str(tmp_path / long)])
+    assert r.exit_code == 2 and long in r.output and "Traceback" not in r.output, r.output
