@@ -175,6 +175,20 @@ class DeepSpeedSection(Section):
     may appear only as "auto" or as relayer sets it; any other "auto" is dropped (relayer's or
     DeepSpeed's default stands)."""
 
+    @field_validator("zero_stage", mode="before")
+    @classmethod
+    def _stage(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # true == 1 to Python: read as stage 1
+            raise KeyProblem("deepspeed.zero_stage", f"expected 0, 1, 2 or 3, got {_show(v)}")
+        return v
+
+    @field_validator("config", mode="before")
+    @classmethod
+    def _table_or_file(cls, v: Any) -> Any:
+        if not isinstance(v, (dict, str)):  # not "dict[str,any]: expected a table" and "str: expected a string"
+            raise KeyProblem("deepspeed.config", f"expected a table, or a DeepSpeed JSON file's path, got {_show(v)}")
+        return v
+
     @model_validator(mode="after")
     def _engine_takes(self) -> DeepSpeedSection:
         """What DeepSpeed would refuse (or quietly ignore) once the first phase builds its engine."""

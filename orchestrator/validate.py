@@ -23,7 +23,7 @@ from orchestrator.modelcheck import (
     check_weights, need_file, need_files, num_layers_of, path_is, path_kind, position_limit, read_model_config,
     resolve_path, tokenizer_of,
 )
-from orchestrator.nodes import check_launch
+from orchestrator.nodes import check_hostfile, check_launch
 from orchestrator.plan import MAX_PHASES, check_batch, check_warmup, plan_phases
 from orchestrator.schedule import DataSection, LoadedSchedule, Schedule, format_validation
 from orchestrator.sections import MAX_NESTING, too_deep
@@ -175,6 +175,8 @@ def _check_inputs(sched: Schedule, base: Path, source: Path) -> Path:
                             "which are missing")
     if sched.launch.hostfile is not None:
         need_file(resolve_path(base, sched.launch.hostfile), "launch.hostfile", "a hostfile", source)
+        if sched.launch.launcher == "deepspeed":
+            check_hostfile(resolve_path(base, sched.launch.hostfile), sched.launch, source)
     return resolve_path(base, d.resolved_sources()[0][1].path)
 
 

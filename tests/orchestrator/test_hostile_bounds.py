@@ -121,3 +121,27 @@ def test_names_longer_than_the_file_system_allows(tmp_path, tiny_model, tiny_dat
     assert r.exit_code == 2 and long in r.stderr, r.output
     r = CliRunner().invoke(shard_tools, ["inspect", str(tmp_path / long)])
     assert r.exit_code == 2 and long in r.output and "Traceback" not in r.output, r.output
+
+
+def hostfile(tmp_path: Path, text: str, **launch) -> dict:
+    (tmp_path / "hosts").write_text(text)
+    return {"launcher": "deepspeed", "nnodes": 2, "hostfile": str(tmp_path / "hosts"), "master_addr": "127.0.0.1",
+            **launch}
+
+
+@pytest.mark.parametrize("edit,says", [
+    (lambda s, t: s["deepspeed"].update(zero_stage=True), "deepspeed.zero_stage: expected 0, 1, 2 or 3, got true"),
+    (lambda s, t: s["deepspeed"].update(config=5),
+     "deepspeed.config: expected a table, or a DeepSpeed JSON file's path, got 5"),
+    (lambda s, t: s["launch"].update(hostfile(t, "node1 slots=8\n# node2 slots=8\n")),
+     "names 1 host(s), launch.nnodes = 2 needs that many"),
+    (lambda s, t: s["launch"].update(hostfile(t, "node1 slots=8\nnode2 slots=1\n", nproc=2)),
+     "node2 has slots=1, fewer than launch.nproc = 2 processes a node"),
+])
+def test_plan_refuses_what_it_read_as_something_else(edit, says, tmp_path, tiny_model, tiny_data):
+    """true taken as stage 1, 5 said to be no "dict[str,any]", a hostfile that cannot serve the
+    nodes the run asks for (the rendezvous would wait for ranks never started)."""
+    sched = schedule_dict(tiny_model, tiny_data)
+    edit(sched, tmp_path)
+    r = plan(tmp_path, sched)
+    assert r.exit_code == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.output
