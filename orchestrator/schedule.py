@@ -365,7 +365,8 @@ def _bound(err: dict[str, Any]) -> str:
     noun = "integer" if isinstance(err["input"], int) else "number"
     if limit == 0 and op in ("gt", "ge"):
         return f"expected a {'positive' if op == 'gt' else 'non-negative'} {noun}"
-    return f"expected a{'n' if noun == 'integer' else ''} {noun} {_BOUNDS[op]} {limit:g}"
+    shown = f"{limit:,}" if isinstance(limit, int) else f"{limit:g}"
+    return f"expected a{'n' if noun == 'integer' else ''} {noun} {_BOUNDS[op]} {shown}"
 
 
 _EXPECTED = {
