@@ -27,6 +27,18 @@ def check_batch(data: DataSection, nproc: int, source: Path, phase: int, *, nnod
         )
 
 
+def _check_steps(loaded: LoadedSchedule, total: int | None) -> None:
+    """The run's steps in all: at least one, and what a checkpoint's name (step-NNNNNNNN) can count."""
+    sc = loaded.schedule.schedule
+    if sc.phases is not None and total > MAX_STEPS:
+        raise ScheduleError(f"{loaded.source}: schedule.phases: expected at most {MAX_STEPS:,} steps in all (a "
+                            f"checkpoint is step-NNNNNNNN), got {total:,}")
+    if sc.phases is None and (not total or total > MAX_STEPS):  # only schedule.epochs makes either: the rest is bounded
+        rows = (loaded.data_check or {}).get("stats", {}).get("train", {}).get("rows")
+        raise ScheduleError(f"{loaded.source}: schedule.epochs: {sc.epochs:g} epochs of {rows:,} rows at data.batch_size "
+                            f"{loaded.schedule.data.batch_size:,} make {total:,} steps; expected 1 to {MAX_STEPS:,}")
+
+
 def check_warmup(loaded: LoadedSchedule, phases: list[Phase]) -> None:
     """A warm-up longer than the run would end it before its learning rate is reached."""
     warmup, total = loaded.schedule.lr_schedule.warmup_steps, phases[-1].end_step
@@ -45,16 +57,11 @@ def plan_phases(loaded: LoadedSchedule) -> list[Phase]:
             nproc = loaded.nproc_override or p.nproc or s.launch.nproc
             phases.append(Phase(index=i, start_step=step, end_step=step + p.steps, layers=tuple(p.layers), nproc=nproc))
             step += p.steps
-        if step > MAX_STEPS:
-            raise ScheduleError(f"{loaded.source}: schedule.phases: expected at most {MAX_STEPS:,} steps in all (a "
-                                f"checkpoint is step-NNNNNNNN), got {step:,}")
+        _check_steps(loaded, step)
         return phases
     sc, total = s.schedule, loaded.total_steps
     n, k = loaded.num_layers, sc.layers_per_phase
-    if not total or total > MAX_STEPS:  # only schedule.epochs can make either: the others are bounded keys
-        rows = (loaded.data_check or {}).get("stats", {}).get("train", {}).get("rows")
-        raise ScheduleError(f"{loaded.source}: schedule.epochs: {sc.epochs:g} epochs of {rows:,} rows at data.batch_size "
-                            f"{s.data.batch_size:,} make {total:,} steps; expected 1 to {MAX_STEPS:,}")
+    _check_steps(loaded, total)
     assert sc.interval and k
     if k > n:
         raise ScheduleError(f"{loaded.source}: schedule.layers_per_phase: expected at most the model's {n} layers, "
