@@ -273,7 +273,8 @@ class Checkpoints:
         """Retention: keeps the newest ``keep_last`` full checkpoints (and ``protect``, which a phase
         may still be reading) whole; of every older whole checkpoint, keeps the layers file where
         one of those composes a layer from it (dropping its head, state and body optimizer state)
-        and removes the rest; oldest first, yields each once done. CheckpointError, before
+        and removes the rest; yields each once done: the layers-only ones (oldest first), then the
+        removed ones (newest first). CheckpointError, before
         anything changes, where an older manifest cannot be read: what it holds might be needed."""
         whole = [c for c in self.all() if not verify_checkpoint(c, checksums=False)]
         manifests = {c: read_manifest(c) for c in whole}
@@ -281,13 +282,14 @@ class Checkpoints:
         sources = set()
         for ckpt in kept:
             sources |= set(self.layer_sources(ckpt).values())
-        for ckpt in whole:
-            if ckpt in kept:
-                continue
-            if ckpt in sources:
-                if _drop_all_but_layers(ckpt, manifests[ckpt]):
-                    yield Purged(ckpt, removed=False)
-                continue
+        older = [c for c in whole if c not in kept]
+        # A record (``Manifest.layer_sources``) names older checkpoints: those kept for their layers
+        # lose theirs first, and the rest go newest first, so that a reader never finds a full
+        # checkpoint whose recorded source is gone.
+        for ckpt in (c for c in older if c in sources):
+            if _drop_all_but_layers(ckpt, manifests[ckpt]):
+                yield Purged(ckpt, removed=False)
+        for ckpt in reversed([c for c in older if c not in sources]):
             trash = ckpt.with_name(f"{TMP_PREFIX}removing-{ckpt.name}.{os.getpid()}")
             os.replace(ckpt, trash)
             shutil.rmtree(trash)

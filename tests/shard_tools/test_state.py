@@ -122,7 +122,7 @@ def run_of(tmp_path, *phases: tuple[int, list[int]]) -> Checkpoints:
 def test_layer_sources_and_retention_keep_what_the_kept_need(tmp_path):
     store = run_of(tmp_path, (2, [0]), (4, [1]), (6, [0]), (8, [2]))
     assert store.layer_sources(store.at(8)) == {0: store.at(6), 1: store.at(4), 2: store.at(8)}
-    assert list(store.purge(2, set())) == [Purged(store.at(2), removed=True), Purged(store.at(4), removed=False)]
+    assert list(store.purge(2, set())) == [Purged(store.at(4), removed=False), Purged(store.at(2), removed=True)]
     assert [c.name for c in store.all()] == ["step-00000004", "step-00000006", "step-00000008"]
     assert list(store.purge(2, set())) == []  # nothing more to do
     assert list(store.purge(1, {store.at(6)})) == [] and store.at(6).exists()
@@ -136,7 +136,7 @@ def test_layer_sources_skip_a_checkpoint_retention_removed_after_the_listing(tmp
     missing is another thing (it may have held a layer) and still raises."""
     store = run_of(tmp_path, (2, [0]), (4, [1]), (6, [0]), (8, [2]))
     listed = store.all()
-    assert list(store.purge(2, set())) == [Purged(store.at(2), removed=True), Purged(store.at(4), removed=False)]
+    assert list(store.purge(2, set())) == [Purged(store.at(4), removed=False), Purged(store.at(2), removed=True)]
     monkeypatch.setattr(store, "all", lambda: listed)
     assert not store.at(2).exists()
     assert store.layer_sources(store.at(8)) == {0: store.at(6), 1: store.at(4), 2: store.at(8)}
