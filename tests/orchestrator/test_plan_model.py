@@ -167,10 +167,10 @@ BAD = [
                                                              "rms_norm_eps": float("nan")}),
      "model.config.rms_norm_eps: expected a finite number, got nan"),
     # A bounded phase table.
-    ("phases-beyond-the-bound", setting("schedule", **strategy(strategy="lisa", total_steps=10**15, interval=1,
+    ("phases-beyond-the-bound", setting("schedule", **strategy(strategy="lisa", total_steps=10**7, interval=1,
                                                                layers_per_phase=1)),
      f"schedule.interval: expected at most {MAX_PHASES:,} phases, got total_steps / interval = "
-     f"1,000,000,000,000,000 / 1 = 1,000,000,000,000,000 phases"),
+     f"10,000,000 / 1 = 10,000,000 phases"),
     ("layers-beyond-the-bound", lambda s, t: (
         s["model"].update(path=None, config={"model_type": "llama", "num_hidden_layers": 10**4}),
         s["schedule"].update(phases=None, strategy="ascending", total_steps=10**5, interval=1, layers_per_phase=10**4)),
