@@ -274,6 +274,9 @@ def _split(data: DataPart, enc: Encoded, index: int) -> tuple[np.ndarray, np.nda
     if mix.drawn_count(len(train), s.weight) == 0:
         raise DataError(f"{s.key}.weight = {s.weight} draws none of its {len(train)} training examples",
                         str(Path(s.path).resolve()))
+    if (drawn := mix.drawn_count(len(train), s.weight)) > mix.MAX_DRAWN:
+        raise DataError(f"{s.key}.weight = {s.weight:g} draws {drawn:,} examples an epoch from its {len(train):,}: "
+                        f"expected at most {mix.MAX_DRAWN:,}", str(Path(s.path).resolve()))
     return train, held
 
 

@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+MAX_DRAWN = 1 << 30
+"""Examples one source may put in an epoch: its draws are 8-byte indices held at once (8 GiB here)."""
 _SPLIT, _DRAW, _MIX = 1, 2, 3
 """What a generator is for: one stream each, so changing one option moves nothing else."""
 

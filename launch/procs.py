@@ -34,6 +34,31 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
+def fork_dying_with_parent(sig: int = signal.SIGKILL) -> int:
+    """``os.fork``, returning only once the child's parent-death signal is set (0 in the child).
+
+    Whoever forks records the child's pid next, and a recorded rank may be paused (SIGSTOP,
+    ``orchestrator.quiet``) at once: a rank paused before it set the signal itself outlived a
+    SIGKILLed orchestrator, stopped, for good. A child whose parent is gone already exits."""
+    parent = os.getpid()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        set_parent_death_signal(sig)
+        if os.getppid() != parent:
+            os._exit(1)
+        os.write(w, b"1")
+        os.close(w)
+        return 0
+    os.close(w)
+    try:
+        os.read(r, 1)  # a byte once it is set; end of file where the child died first
+    finally:
+        os.close(r)
+    return pid
+
+
 def record_pid(phase_dir: Path, name: str) -> None:
     """Records this process as ``name`` in the phase directory, so the orchestrator can reap it."""
     me = psutil.Process()

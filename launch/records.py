@@ -72,11 +72,28 @@ def read_records(source: SourcePart, path: Path, hf_cache: Path, check: Callable
     builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}[suffix]
     if builder == "json" and _json_lines(path):
         nesting_fault(path)
+    kwargs = {"features": _csv_as_text(path)} if builder == "csv" else {}
     try:
-        return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=str(hf_cache))
+        return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=str(hf_cache), **kwargs)
     except Exception as e:  # noqa: BLE001 - datasets wraps parse errors in several types
         find_bad_record(path, check)
         raise DataError(f"cannot read it as {suffix[1:]}: {_cause(e)}", str(path)) from None
+
+
+def _csv_as_text(path: Path):
+    """Every column of a CSV file as text (an empty cell: none): an instruction whose output is "3"
+    is text, which type inference made a number and the format refused; None where the header
+    cannot be read (the load names why)."""
+    import datasets
+
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            header = next(csv.reader(f), None)
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return None
+    if not header or len(set(header)) != len(header):
+        return None
+    return datasets.Features({name: datasets.Value("string") for name in header})
 
 
 def _cause(e: BaseException) -> str:

@@ -113,7 +113,7 @@ class Zygote:
         phase_dir = PhaseDir(spec.phase_dir)
         for rank in range(nproc):
             with self.lock:
-                pid = os.fork()
+                pid = procs.fork_dying_with_parent()  # so that a rank paused as soon as recorded dies with the run
                 if pid == 0:
                     self._child(spec, spec_path, rank, nproc, requests_fd)
                 self.children[pid] = (phase_dir, rank)

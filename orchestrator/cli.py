@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 from pathlib import Path
 
@@ -21,6 +22,12 @@ class _Group(click.Group):
             _fail(e, 2)
         except CheckpointError as e:
             _fail(e, 1)
+        except OSError as e:
+            if e.errno != errno.ENAMETOOLONG:
+                raise
+            # Only a name the user gave (a key, an argument, or a path made from one) is too long
+            # for the file system: bad input, found before anything is written at that name.
+            _fail(f"{e.filename}: a name longer than the file system allows ({e.strerror})", 2)
 
 
 def _fail(error: Exception, code: int) -> None:

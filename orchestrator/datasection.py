@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from launch.contract.data import FIELDS
-from orchestrator.sections import KeyProblem, NonNegInt, PositiveInt, Section, _show, int_is_float
+from orchestrator.sections import KeyProblem, NonNegSteps, Rows, Section, _show, int_is_float
 
 Format = Literal["tokens", "text", "instruction", "chat"]
 
@@ -24,7 +24,7 @@ class SourceSection(Section):
     """As data.chat_template, for this source; None: data.chat_template."""
     train_on_prompt: bool | None = None
     """As data.train_on_prompt, for this source; None: data.train_on_prompt."""
-    weight: Annotated[float, Field(gt=0)] = 1.0
+    weight: Annotated[float, Field(gt=0, le=1e6)] = 1.0
     """How many times an epoch draws each of its examples: 2 twice, 0.5 a seeded half; round(weight
     x examples) in all, the same ones every epoch."""
 
@@ -64,11 +64,11 @@ class DataSection(Section):
     """Record field names where the data names them otherwise, by their default names: text;
     instruction, input, output; messages, conversations; input_ids, labels. Example:
     {instruction = "prompt", output = "answer"}."""
-    seq_len: PositiveInt = 128
+    seq_len: Rows = 128
     """Tokens per row."""
-    batch_size: PositiveInt = 8
+    batch_size: Rows = 8
     """Rows per optimizer step over all processes; kept when the process count changes."""
-    micro_batch_size: PositiveInt = 1
+    micro_batch_size: Rows = 1
     """Rows per process per forward pass."""
     shuffle: bool = True
     """Take the rows in a seeded order, a new one every epoch (and, packing whole, the examples
@@ -79,7 +79,7 @@ class DataSection(Section):
     """Instead of validation_path: ceil(validation_split x records) of each source's records are
     held out (seeded by run.seed: the same ones on every resume and process count), not drawn for
     training, and evaluated as validation_path is."""
-    eval_every: NonNegInt = 0
+    eval_every: NonNegSteps = 0
     """Evaluate every this many global steps (and so also across phases); 0: never."""
 
     @field_validator("pack", mode="before")

@@ -94,7 +94,12 @@ def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0, reuse:
     if proc.returncode != 0:
         tail = "\n  ".join(err.strip().splitlines()[-10:])
         raise RelayerError(f"data: preparing {loaded.data_path} failed ({exit_text(proc.returncode)}):\n  {tail}")
-    return json.loads(out)
+    answer = json.loads(out)
+    rows, batch = answer["stats"]["train"]["rows"], s.data.batch_size
+    if batch > rows:  # a step would take some row twice (and at 2^40 never be drawn at all)
+        raise ScheduleError(f"{loaded.source}: data.batch_size: expected at most the {rows:,} training rows the data "
+                            f"makes, got {batch:,}")
+    return answer
 
 
 def scratch_root() -> Path:

@@ -20,6 +20,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from orchestrator.schedule import Schedule, _show
+from orchestrator.sections import MAX_INT64
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "schedule.md"
 
@@ -35,6 +36,11 @@ LMFlow's and the Hugging Face Trainer's arguments to these keys.
 """
 
 _BOUNDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+
+
+def _number(v: Any) -> str:
+    """A bound as a reader takes it in: 2,147,483,648 and 1e+08, not 2147483648 and 100000000.0."""
+    return f"{v:,}" if isinstance(v, int) else f"{v:g}"
 
 
 def _submodel(annotation: Any) -> type[BaseModel] | None:
@@ -55,8 +61,8 @@ def _type(annotation: Any, metadata: list[Any] = ()) -> str:
         # Field(gt=0) inside Annotated is a FieldInfo whose own metadata holds the bounds.
         meta = [m for x in annotation.__metadata__ for m in (x.metadata if isinstance(x, FieldInfo) else [x])]
         return _type(args[0], meta)
-    bounds = " ".join(f"{_BOUNDS[k]} {getattr(m, k)}" for m in metadata for k in _BOUNDS
-                      if getattr(m, k, None) is not None)
+    bounds = " ".join(f"{_BOUNDS[k]} {_number(getattr(m, k))}" for m in metadata for k in _BOUNDS
+                      if getattr(m, k, None) not in (None, MAX_INT64))  # int64's bound goes without saying
     if origin is Literal:
         return " \\| ".join(_show(a) if not isinstance(a, str) else f'"{a}"' for a in args)
     if origin in (typing.Union, types.UnionType):

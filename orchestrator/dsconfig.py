@@ -23,6 +23,7 @@ from orchestrator.errors import ScheduleError
 from orchestrator.libfacts import deepspeed_refusal
 from orchestrator.modelcheck import need_file, resolve_path
 from orchestrator.schedule import LoadedSchedule, Phase, Schedule, _show
+from orchestrator.sections import MAX_NESTING, too_deep
 from shard_tools.files import describe, read_regular
 
 DERIVED = {
@@ -72,8 +73,11 @@ def _read(path: Path, source: Path) -> dict[str, Any]:
         table = json.loads(read_regular(path, MAX_FILE_BYTES), parse_constant=_no_constant)
     except OSError as e:
         raise ScheduleError(f"{source}: deepspeed.config: cannot read {path}: {describe(e)}") from None
-    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError too
-        raise ScheduleError(f"{path}: expected a DeepSpeed JSON config (deepspeed.config): {e}") from None
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError too
+        raise ScheduleError(f"{path}: expected a DeepSpeed JSON config (deepspeed.config): "
+                            f"{e if isinstance(e, ValueError) else f'nested deeper than {MAX_NESTING} levels'}") from None
+    if deep := too_deep(table):
+        raise ScheduleError(f"{path}: {deep}: nested deeper than {MAX_NESTING} levels (deepspeed.config)")
     if not isinstance(table, dict):
         raise ScheduleError(f"{path}: expected a JSON object (deepspeed.config), got {type(table).__name__}")
     if null := _null_key(table):

@@ -76,6 +76,7 @@ def need_files(folder: Path, names: tuple[str, ...] | list[str], key: str, sourc
 
 def read_model_config(model: ModelSection, model_path: Path | None, source: Path) -> dict[str, Any]:
     if model.config is not None:
+        check_sizes(model.config, "model.config", source)
         return model.config
     assert model_path is not None
     cfg = model_path / CONFIG
@@ -95,7 +96,37 @@ def read_model_config(model: ModelSection, model_path: Path | None, source: Path
     if not (isinstance(config.get("model_type"), str) and config["model_type"]):
         raise ScheduleError(f"{source}: model.path: {cfg}: expected a model_type name such as \"llama\", got "
                             f"{_show(config.get('model_type'))}")
+    check_sizes(config, f"model.path: {cfg}", source)
     return config
+
+
+SIZE_LIMITS = {
+    # The largest models published have ~100-200 layers, hidden sizes up to ~30k, vocabularies up to
+    # ~260k: these bounds are far above any, and low enough that nothing sized by them runs away
+    # (a claim of 10^11 layers once made plan grow by 150 MB/s).
+    ("num_hidden_layers", "n_layer", "num_layers"): 1 << 14,
+    ("hidden_size", "n_embd", "d_model"): 1 << 20,
+    ("intermediate_size", "n_inner", "ffn_dim", "moe_intermediate_size"): 1 << 22,
+    ("num_attention_heads", "n_head", "num_key_value_heads", "head_dim"): 1 << 16,
+    ("vocab_size",): 1 << 24,
+    ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok"): 1 << 16,
+}
+
+
+def check_sizes(config: dict[str, Any], where: str, source: Path, depth: int = 0) -> None:
+    """ScheduleError naming the key where a number that sizes the model (layers, widths, heads,
+    vocabulary, experts) is not an integer from 1 to its bound (``SIZE_LIMITS``), before anything
+    is sized by it; ``text_config`` (and the like) are checked as well."""
+    for keys, bound in SIZE_LIMITS.items():
+        for key in keys:
+            v = config.get(key)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= bound:
+                raise ScheduleError(f"{source}: {where}: {key}: expected an integer from 1 to {bound:,}, got {_show(v)}")
+    for key, sub in config.items():
+        if key.endswith("_config") and isinstance(sub, dict) and depth < 4:
+            check_sizes(sub, f"{where}: {key}", source, depth + 1)
 
 
 
@@ -107,7 +138,7 @@ _LAYER_NAME = re.compile(r"(.+?)\.(\d+)\.(.+)")
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
-def _weight_names(model_path: Path, source: Path) -> tuple[str, set[str]]:
+def _weight_names(model_path: Path, source: Path) -> tuple[str, dict[str, Any]]:
     """(how to name the weight files in a message, every tensor name they hold), from the safetensors
     headers alone; raises ScheduleError for pickle-only folders and unreadable or inconsistent files."""
     single, index = model_path / "model.safetensors", model_path / "model.safetensors.index.json"
@@ -121,7 +152,7 @@ def _weight_names(model_path: Path, source: Path) -> tuple[str, set[str]]:
                 raise ScheduleError(f"{source}: model.path: {model_path / pickles[0]}: pickle weights are not "
                                     "loaded; convert to safetensors (model.safetensors)")
         need_file(single, "model.path", "the weights in model.safetensors", source)
-        return str(single), set(_headers(single, source))
+        return str(single), _headers(single, source)
     need_file(index, "model.path", "a safetensors index", source)
     try:
         weight_map = json.loads(index.read_text()).get("weight_map")
@@ -129,7 +160,7 @@ def _weight_names(model_path: Path, source: Path) -> tuple[str, set[str]]:
         raise ScheduleError(f"{source}: model.path: {index} is not a safetensors index: {e}") from None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise ScheduleError(f"{source}: model.path: {index}: expected a weight_map object of tensor name -> file name")
-    names: set[str] = set()
+    names: dict[str, Any] = {}
     for file in sorted(set(weight_map.values())):
         if Path(file).name != file or file in (".", ".."):
             raise ScheduleError(f"{source}: model.path: {index}: expected shard file names inside {model_path}, "
@@ -140,7 +171,7 @@ def _weight_names(model_path: Path, source: Path) -> tuple[str, set[str]]:
         if absent:
             raise ScheduleError(f"{source}: model.path: {index} places {absent[0]} in {file}, which does not hold "
                                 f"it{f' ({len(absent) - 1} more like it)' if len(absent) > 1 else ''}")
-        names |= held.keys()
+        names |= held
     return f"the shards of {index}", names
 
 
@@ -169,14 +200,33 @@ def check_weights(model: ModelSection, config: dict[str, Any], n_layers: int, mo
                    source: Path) -> None:
     """Every weight config.json implies is in the safetensors files, and only those: the layer list
     covers exactly layers 0..n-1, no layer lacks a tensor its siblings hold, the embedding is there."""
-    weights, names = _weight_names(model_path, source)
+    weights, headers = _weight_names(model_path, source)
+    names = set(headers)
     prefix, held = _body(model, names, n_layers, weights, model_path / CONFIG, source)
     _check_layer_kinds(prefix, held, weights, source)
     outside = [n for n in names if not n.startswith(prefix + ".")]
-    if not any(re.search(r"embed|wte", n) for n in outside):
+    embeddings = sorted(n for n in outside if re.search(r"embed|wte", n))
+    if not embeddings:
         raise ScheduleError(f"{source}: model.path: {weights} holds no token embedding (no tensor named like "
                             "embed_tokens or wte)")
+    _check_embedding(config, headers, embeddings, weights, model_path / CONFIG, source)
     _check_persistent(model, config, names, outside, prefix, weights, source)
+
+
+def _check_embedding(config: dict[str, Any], headers: dict[str, Any], embeddings: list[str], weights: str,
+                     cfg: Path, source: Path) -> None:
+    """config.json's vocab_size and hidden size are the token embedding's shape (vocabulary x hidden)."""
+    name = next((n for n in embeddings if n.endswith(("embed_tokens.weight", "wte.weight"))), None)
+    shape = headers[name].get("shape") if name else None
+    if not (isinstance(shape, list) and len(shape) == 2):
+        return
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for keys, size in ((("vocab_size",), shape[0]), (("hidden_size", "n_embd", "d_model"), shape[1])):
+        key = next((k for k in keys if k in config), next((k for k in keys if k in text), None))
+        said = config.get(key, text.get(key)) if key else None
+        if said is not None and said != size:
+            raise ScheduleError(f"{source}: model.path: {cfg}: {key} = {said}, but {name} in {weights} has shape "
+                                f"{shape} ({size}); config.json does not describe these weights")
 
 
 def _body(model: ModelSection, names: set[str], n_layers: int, weights: str, cfg: Path,
@@ -194,7 +244,7 @@ def _body(model: ModelSection, names: set[str], n_layers: int, weights: str, cfg
     # The body is the numbered list that config.json counts, else the one with the most tensors.
     prefix = max(layers, key=lambda p: (len(layers[p]) == n_layers, sum(map(len, layers[p].values()))))
     held = layers[prefix]
-    if set(held) != set(range(n_layers)):
+    if len(held) != n_layers or min(held) != 0 or max(held) != n_layers - 1:  # distinct indices: exactly 0..n-1
         raise ScheduleError(f"{source}: model.path: {cfg} names {n_layers} layers, {weights} holds layers "
                             f"{_ranges(set(held))} ({prefix}.N)")
     return prefix, held

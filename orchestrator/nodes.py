@@ -26,9 +26,32 @@ from launch.contract.files import RANK, PhaseDir, PidRecord, rank_name
 
 from orchestrator.errors import Preempted, ScheduleError
 from orchestrator.schedule import LaunchSection
+from shard_tools.files import SMALL_FILE, read_regular
 
 SRUN_LAUNCHERS = ("slurm", "torchrun")
 """The launchers whose processes srun starts on several nodes (torchrun: one agent a node)."""
+
+
+def check_hostfile(path: Path, launch: LaunchSection, source: Path) -> None:
+    """A DeepSpeed hostfile ("host slots=N" lines; # comments) that can serve launch.nnodes nodes of
+    launch.nproc processes: DeepSpeed would otherwise start fewer, and the rendezvous wait for the rest."""
+    try:
+        text = read_regular(path, SMALL_FILE).decode("utf-8", errors="replace")
+    except OSError as e:
+        raise ScheduleError(f"{source}: launch.hostfile: cannot read {path}: {e.strerror or e}") from None
+    hosts: dict[str, int | None] = {}
+    for line in text.splitlines():
+        words = line.split("#", 1)[0].split()
+        if words:
+            slots = next((w.partition("=")[2] for w in words[1:] if w.startswith("slots=")), "")
+            hosts[words[0]] = int(slots) if slots.isdigit() else None
+    if len(hosts) < launch.nnodes:
+        raise ScheduleError(f"{source}: launch.hostfile: {path} names {len(hosts)} host(s), launch.nnodes = "
+                            f"{launch.nnodes} needs that many")
+    short = [h for h in list(hosts)[:launch.nnodes] if (hosts[h] or launch.nproc) < launch.nproc]
+    if short:
+        raise ScheduleError(f"{source}: launch.hostfile: {path}: {short[0]} has slots={hosts[short[0]]}, fewer than "
+                            f"launch.nproc = {launch.nproc} processes a node")
 
 
 def master_addr(launch: LaunchSection, environ: Mapping[str, str] = os.environ) -> str | None:

@@ -13,6 +13,7 @@ import tomllib
 from typing import Any
 
 from orchestrator.errors import ScheduleError
+from orchestrator.sections import MAX_NESTING
 
 _PART = re.compile(r"([A-Za-z_][A-Za-z0-9_-]*)((?:\[\d+\])*)")
 
@@ -21,6 +22,8 @@ def parse_value(text: str) -> Any:
     """A TOML value; a bare word that is not TOML (``bfloat16``, ``runs/a``) is taken as a string."""
     try:
         parsed = tomllib.loads(f"v = {text}")
+    except RecursionError:
+        raise ScheduleError(f"--set: {text[:40]!r}...: nested deeper than {MAX_NESTING} levels") from None
     except tomllib.TOMLDecodeError as e:
         if text and not any(c in text for c in "\"'[]{}=\n"):
             return text

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from orchestrator.errors import ScheduleError
 from orchestrator.schedule import DataSection, LoadedSchedule, Phase
+from orchestrator.sections import MAX_STEPS
 
 MAX_PHASES = 100_000
 """A schedule of more phases is refused: at a second or more per switch, more than a day of switching."""
@@ -26,6 +27,26 @@ def check_batch(data: DataSection, nproc: int, source: Path, phase: int, *, nnod
         )
 
 
+def _check_steps(loaded: LoadedSchedule, total: int | None) -> None:
+    """The run's steps in all: at least one, and what a checkpoint's name (step-NNNNNNNN) can count."""
+    sc = loaded.schedule.schedule
+    if sc.phases is not None and total > MAX_STEPS:
+        raise ScheduleError(f"{loaded.source}: schedule.phases: expected at most {MAX_STEPS:,} steps in all (a "
+                            f"checkpoint is step-NNNNNNNN), got {total:,}")
+    if sc.phases is None and (not total or total > MAX_STEPS):  # only schedule.epochs makes either: the rest is bounded
+        rows = (loaded.data_check or {}).get("stats", {}).get("train", {}).get("rows")
+        raise ScheduleError(f"{loaded.source}: schedule.epochs: {sc.epochs:g} epochs of {rows:,} rows at data.batch_size "
+                            f"{loaded.schedule.data.batch_size:,} make {total:,} steps; expected 1 to {MAX_STEPS:,}")
+
+
+def check_warmup(loaded: LoadedSchedule, phases: list[Phase]) -> None:
+    """A warm-up longer than the run would end it before its learning rate is reached."""
+    warmup, total = loaded.schedule.lr_schedule.warmup_steps, phases[-1].end_step
+    if warmup > total:
+        raise ScheduleError(f"{loaded.source}: lr_schedule.warmup_steps: expected at most the run's {total:,} steps, "
+                            f"got {warmup:,} (the run would end before reaching optimizer.lr)")
+
+
 def plan_phases(loaded: LoadedSchedule) -> list[Phase]:
     """The phase table; the same schedule and seed give the same table, always."""
     s = loaded.schedule
@@ -36,10 +57,12 @@ def plan_phases(loaded: LoadedSchedule) -> list[Phase]:
             nproc = loaded.nproc_override or p.nproc or s.launch.nproc
             phases.append(Phase(index=i, start_step=step, end_step=step + p.steps, layers=tuple(p.layers), nproc=nproc))
             step += p.steps
+        _check_steps(loaded, step)
         return phases
     sc, total = s.schedule, loaded.total_steps
     n, k = loaded.num_layers, sc.layers_per_phase
-    assert total and sc.interval and k
+    _check_steps(loaded, total)
+    assert sc.interval and k
     if k > n:
         raise ScheduleError(f"{loaded.source}: schedule.layers_per_phase: expected at most the model's {n} layers, "
                             f"got {k}")

@@ -17,6 +17,8 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,10 +26,13 @@ from typing import Any
 from launch.contract.files import RunDir
 from orchestrator.errors import RelayerError, ScheduleError
 from orchestrator.journal import open_run_file
-from shard_tools.files import write_atomic
+from shard_tools.files import kind_of, open_regular, write_atomic
 from shard_tools.history import PhaseRow, read_history
 
 REPORT = "report.png"
+MARK = "relayer orchestrator report"
+"""The PNG's Software text: what tells a report this command wrote from any other file at --out."""
+_PNG = b"\x89PNG\r\n\x1a\n"
 MEMORY_STAGES = ("memory_start", "memory_engine", "memory_peak")
 # Free memory is the device's headroom, not what the phase used.
 NOT_USAGE = {"device_free"}
@@ -117,7 +122,7 @@ def plot(report: RunReport, out: Path, title: str) -> None:
     ax_mem.xaxis.set_major_locator(MaxNLocator(integer=True))
     _plot_switches(ax_switch, report)
     png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=100)
+    fig.savefig(png, format="png", dpi=100, metadata={"Software": MARK})
     # Any file's mode (0666 less the umask), as savefig gives; not fsynced: a report is redrawn at will.
     write_atomic(out, png.getvalue(), mode=0o666, durable=False)
 
@@ -188,8 +193,34 @@ def _plot_switches(ax, report: RunReport) -> None:
 
 def write_report(run_dir: Path, out: Path | None = None) -> Path:
     """Reads the run, plots it, writes the PNG atomically; returns where."""
+    check_out(out or run_dir / REPORT, own=out is None)
     report = read_run(run_dir)
     out = out or run_dir / REPORT
-    out.parent.mkdir(parents=True, exist_ok=True)
     plot(report, out, f"{run_dir.resolve().name}: {max(report.loss)} steps, {len(report.phases)} phases")
     return out
+
+
+def check_out(out: Path, own: bool) -> None:
+    """ScheduleError (exit 2, nothing written) unless ``out`` is new in a folder that exists, or a
+    report this command wrote (a PNG whose Software text is ``MARK``; at the run's own report.png,
+    ``own``, any PNG: those drawn before the mark). Never a device, FIFO, socket, folder, link, or a
+    file of someone else's: the write replaces what is there."""
+    try:
+        mode = os.lstat(out).st_mode
+    except FileNotFoundError:
+        if not out.parent.is_dir():
+            raise ScheduleError(f"--out {out}: {out.parent} is not a directory; report makes no folders") from None
+        return
+    except OSError as e:
+        raise ScheduleError(f"--out {out}: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise ScheduleError(f"--out {out}: {kind_of(mode)}; report writes a new file or replaces a report it wrote")
+    try:
+        fd = open_regular(out, follow_symlinks=False)
+        with os.fdopen(fd, "rb") as f:
+            head = f.read(4096)
+    except OSError as e:
+        raise ScheduleError(f"--out {out}: cannot be read ({e.strerror or e})") from None
+    if not head.startswith(_PNG) or not (own or MARK.encode() in head):
+        raise ScheduleError(f"--out {out}: a file this command did not write (not a relayer report); report "
+                            f"replaces only a report it wrote: give a new name or remove it")

@@ -18,7 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from orchestrator.datasection import DataSection, SourceSection  # noqa: F401 - the [data] section, its own module
 from orchestrator.libfacts import deepspeed_refusal
-from orchestrator.sections import KeyProblem, NonNegInt, PositiveInt, Section, _show, int_is_float  # noqa: F401
+from orchestrator.sections import (  # noqa: F401
+    KeyProblem, NonNegInt, NonNegSeconds, NonNegSteps, PositiveInt, Seconds, Section, Steps, _show, int_is_float,
+)
 
 
 class RunSection(Section):
@@ -94,7 +96,7 @@ class OptimizerSection(Section):
 class LrScheduleSection(Section):
     kind: Literal["constant", "linear", "cosine"] = "constant"
     """How the lr moves over the run's global steps after the warm-up: constant, linear or cosine decay to 0."""
-    warmup_steps: NonNegInt = 0
+    warmup_steps: NonNegSteps = 0
     """Steps of linear warm-up to lr, from where warmup_from says."""
     warmup_from: Literal["zero", "one_step"] = "zero"
     """zero: step s of the warm-up trains at lr x s / warmup_steps, so step 0 at 0, as Hugging
@@ -103,7 +105,7 @@ class LrScheduleSection(Section):
 
 
 class PhaseEntry(Section):
-    steps: PositiveInt
+    steps: Steps
     """Optimizer steps of this phase."""
     layers: Annotated[list[NonNegInt], Field(min_length=1)]
     """Body layers this phase trains (0-based), besides the head."""
@@ -124,13 +126,13 @@ class ScheduleSection(Section):
     """Explicit phases, in order: [{ steps = 10, layers = [0] }, ...]; or use strategy."""
     strategy: Literal["lisa", "ascending", "descending"] | None = None
     """lisa: layers sampled at random each phase (seeded by run.seed); ascending / descending: in turn."""
-    total_steps: PositiveInt | None = None
+    total_steps: Steps | None = None
     """With strategy: optimizer steps of the whole run; or epochs."""
-    epochs: Annotated[float, Field(gt=0)] | None = None
+    epochs: Annotated[float, Field(gt=0, le=1e6)] | None = None
     """With strategy, instead of total_steps: passes over the training rows; the run's steps are
     ceil(round(epochs x rows) / data.batch_size) (orchestrator plan shows both), the last step
     taking the next epoch's first rows where the division is not whole."""
-    interval: PositiveInt | None = None
+    interval: Steps | None = None
     """With strategy: steps per phase (the last phase may be shorter)."""
     layers_per_phase: PositiveInt | None = None
     """With strategy: body layers trained per phase."""
@@ -173,6 +175,20 @@ class DeepSpeedSection(Section):
     may appear only as "auto" or as relayer sets it; any other "auto" is dropped (relayer's or
     DeepSpeed's default stands)."""
 
+    @field_validator("zero_stage", mode="before")
+    @classmethod
+    def _stage(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # true == 1 to Python: read as stage 1
+            raise KeyProblem("deepspeed.zero_stage", f"expected 0, 1, 2 or 3, got {_show(v)}")
+        return v
+
+    @field_validator("config", mode="before")
+    @classmethod
+    def _table_or_file(cls, v: Any) -> Any:
+        if not isinstance(v, (dict, str)):  # not "dict[str,any]: expected a table" and "str: expected a string"
+            raise KeyProblem("deepspeed.config", f"expected a table, or a DeepSpeed JSON file's path, got {_show(v)}")
+        return v
+
     @model_validator(mode="after")
     def _engine_takes(self) -> DeepSpeedSection:
         """What DeepSpeed would refuse (or quietly ignore) once the first phase builds its engine."""
@@ -194,11 +210,11 @@ class LaunchSection(Section):
     master_addr: Annotated[str, Field(min_length=1)] | None = None
     """Where phases on several nodes meet: an address of the first node that every node resolves;
     None: its NodeAddr under SLURM (scontrol show node), the hostfile's first host for deepspeed."""
-    rendezvous_seconds: Annotated[float, Field(gt=0)] = 300.0
+    rendezvous_seconds: Seconds = 300.0
     """How long a phase's processes may take to meet before it fails, naming the address they waited at."""
-    grace_seconds: Annotated[float, Field(gt=0)] = 30.0
+    grace_seconds: Seconds = 30.0
     """How long a phase gets to stop after SIGTERM before SIGKILL."""
-    stall_seconds: Annotated[float, Field(gt=0)] = 600.0
+    stall_seconds: Seconds = 600.0
     """A phase that makes no progress (no step, no start-up stage, no checkpoint byte written) this
     long is stalled: its ranks' stacks are written, it is ended, the run exits 1. Before its first
     step and while it writes a checkpoint, where a phase may be quiet for long, it gets 4 times this
@@ -208,7 +224,7 @@ class LaunchSection(Section):
     prewarm_depth: PositiveInt = 3
     """How many phases ahead to start: more where a phase trains for less time than a start takes
     (each waiting phase holds a CUDA context and a host copy of the model)."""
-    pause_preparing_seconds: Annotated[float, Field(ge=0)] = 30.0
+    pause_preparing_seconds: NonNegSeconds = 30.0
     """While a phase switches (from the finished phase's last step to the next one's first), the
     phases still preparing further ahead are paused (SIGSTOP), for at most this long; 0: never."""
     handover: Literal["auto", "on", "off"] = "auto"
@@ -231,9 +247,9 @@ class LaunchSection(Section):
 
 
 class CheckpointSection(Section):
-    every_steps: NonNegInt = 0
+    every_steps: NonNegSteps = 0
     """Mid-phase checkpoints for preemption; 0: only at phase ends."""
-    every_seconds: Annotated[float, Field(ge=0)] = 300.0
+    every_seconds: NonNegSeconds = 300.0
     """Where a phase hands its state over to its successor (``launch.handover``), its end writes a
     checkpoint only once this long has passed since the last one; the successor carries what it
     trained on to the next. A stop (SIGTERM, SIGINT, SIGUSR1) and the run's end always write one; a
@@ -349,7 +365,8 @@ def _bound(err: dict[str, Any]) -> str:
     noun = "integer" if isinstance(err["input"], int) else "number"
     if limit == 0 and op in ("gt", "ge"):
         return f"expected a {'positive' if op == 'gt' else 'non-negative'} {noun}"
-    return f"expected a{'n' if noun == 'integer' else ''} {noun} {_BOUNDS[op]} {limit:g}"
+    shown = f"{limit:,}" if isinstance(limit, int) else f"{limit:g}"
+    return f"expected a{'n' if noun == 'integer' else ''} {noun} {_BOUNDS[op]} {shown}"
 
 
 _EXPECTED = {

@@ -23,9 +23,10 @@ from orchestrator.modelcheck import (
     check_weights, need_file, need_files, num_layers_of, path_is, path_kind, position_limit, read_model_config,
     resolve_path, tokenizer_of,
 )
-from orchestrator.nodes import check_launch
-from orchestrator.plan import MAX_PHASES, check_batch, plan_phases
+from orchestrator.nodes import check_hostfile, check_launch
+from orchestrator.plan import MAX_PHASES, check_batch, check_warmup, plan_phases
 from orchestrator.schedule import DataSection, LoadedSchedule, Schedule, format_validation
+from orchestrator.sections import MAX_NESTING, too_deep
 from shard_tools.tokenizer import MAIN_FILES, TOKENIZER_FILES
 
 
@@ -98,6 +99,7 @@ def validate_schedule(
 
         loaded = loaded.model_copy(update={"data_check": check_data(loaded)})
     phases = plan_phases(loaded)
+    check_warmup(loaded, phases)
     for ph in phases:
         for layer in ph.layers:
             if layer >= n_layers:
@@ -112,6 +114,8 @@ def validate_schedule(
 def _parse(raw: dict[str, Any], source: Path, nproc: int | None) -> Schedule:
     if nproc is not None and nproc < 1:
         raise ScheduleError(f"--nproc: expected a positive integer, got {nproc}")
+    if deep := too_deep(raw):
+        raise ScheduleError(f"{source}: {deep}: nested deeper than {MAX_NESTING} levels of tables and lists")
     non_finite = _non_finite(raw)
     if non_finite:
         raise ScheduleError("\n".join(f"{source}: {key}: expected a finite number, got {v}" for key, v in non_finite))
@@ -171,6 +175,8 @@ def _check_inputs(sched: Schedule, base: Path, source: Path) -> Path:
                             "which are missing")
     if sched.launch.hostfile is not None:
         need_file(resolve_path(base, sched.launch.hostfile), "launch.hostfile", "a hostfile", source)
+        if sched.launch.launcher == "deepspeed":
+            check_hostfile(resolve_path(base, sched.launch.hostfile), sched.launch, source)
     return resolve_path(base, d.resolved_sources()[0][1].path)
 
 

@@ -10,6 +10,7 @@ inspect and verify never import torch, so they answer at once; diff and export i
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 import time
@@ -29,7 +30,9 @@ class _Group(click.Group):
         except CheckpointError as e:
             _fail(str(e), 1)
         except OSError as e:
-            _fail(f"{e.filename}: {e.strerror}" if e.filename else str(e.strerror or e), 1)
+            # A name longer than the file system allows is one the user gave: bad input.
+            _fail(f"{e.filename}: {e.strerror}" if e.filename else str(e.strerror or e),
+                  2 if e.errno == errno.ENAMETOOLONG else 1)
 
 
 def _fail(message: str, code: int) -> None:

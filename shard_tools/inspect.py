@@ -44,10 +44,14 @@ def inspect_checkpoint(ckpt: Path) -> dict[str, Any]:
             "bytes": sum(e.size for e in manifest.files.values()), "metadata": metadata, "tensors": tensors}
 
 
-def _checkpoint_summary(ckpt: Path) -> dict[str, Any] | None:
-    """None where it is gone since it was listed (``gone_since_listed``)."""
+def _checkpoint_summary(ckpt: Path, store: Checkpoints) -> dict[str, Any] | None:
+    """None where it is gone since it was listed (``gone_since_listed``). A recorded layer source
+    that is gone is its fault (``lost``: the layers whose trained weights are gone)."""
     entry: dict[str, Any] = {"name": ckpt.name, "step": step_of(ckpt)}
     faults = verify_checkpoint(ckpt, checksums=False)
+    lost: list[tuple[int, int | None]] = []
+    if not faults and (e := store.lost_source(ckpt)):
+        faults, lost = [str(e)], [(e.layer, step_of(Path(e.source)))]
     try:
         m = read_manifest(ckpt)
     except CheckpointError:
@@ -56,7 +60,7 @@ def _checkpoint_summary(ckpt: Path) -> dict[str, Any] | None:
         return {**entry, "phase": None, "layers": [], "complete": False, "bytes": None, "faults": faults}
     return {**entry, "phase": m.phase, "layers": m.layers, "carried_layers": m.carried_layers,
             "phase_complete": m.phase_complete,
-            "layers_only": m.layers_only, "complete": not faults, "bytes": sum(e.size for e in m.files.values()), "faults": faults}
+            "layers_only": m.layers_only, "lost_layers": lost, "complete": not faults, "bytes": sum(e.size for e in m.files.values()), "faults": faults}
 
 
 def _number(v: Any) -> float | None:
@@ -78,19 +82,30 @@ def inspect_run(run_dir: Path) -> dict[str, Any]:
     history = read_history(run_dir) if (Path(run_dir) / JOURNAL).exists() else None
     phases = {p.index: {**asdict(p), "records": _records(p.records)} for p in (history.phases if history else [])}
     store = Checkpoints(run_dir)
-    checkpoints = [s for c in store.all() if (s := _checkpoint_summary(c)) is not None]
+    checkpoints = [s for c in store.all() if (s := _checkpoint_summary(c, store)) is not None]
     writing, stray = store.being_written()
     for c in checkpoints:
         if c["phase"] is not None and c["phase"] not in phases:
             # Journal lost or cut short: the manifests still say which phase wrote what.
             phases[c["phase"]] = _phase_row(c["phase"], end_step=c["step"], layers=c["layers"], status="unknown")
     ordered = [phases[i] for i in sorted(phases)]
+    _mark_lost(ordered, checkpoints)
     for p in ordered:
         p["checkpoints"] = [c for c in checkpoints if c["phase"] == p["index"]]
     return {"kind": "run", "path": str(run_dir), "events": history.events if history else 0,
             "last_event": history.last_event if history else None, "phases": ordered,
             "checkpoints": checkpoints, "stray_temporaries": [str(p) for p in stray],
             "being_written": [str(p) for p in writing]}
+
+
+def _mark_lost(phases: list[dict[str, Any]], checkpoints: list[dict[str, Any]]) -> None:
+    """A phase whose trained layer is in a checkpoint gone since (a later one's record names it) is
+    shown "lost", not done: the newest phase that trained that layer by the missing checkpoint's step."""
+    for layer, step in {tuple(x) for c in checkpoints for x in c.get("lost_layers", [])}:
+        trained = [p for p in phases if layer in (p["layers"] or []) and p["end_step"] is not None
+                   and step is not None and p["end_step"] <= step]
+        if trained:
+            trained[-1]["status"] = f"lost: layer {layer} (step-{step:08d} is gone)"
 
 
 def inspect_path(path: Path) -> dict[str, Any]:

@@ -82,6 +82,13 @@ class Manifest:
     carried_layers: list[int] = field(default_factory=list)
     """Layers its layers file holds besides its phase's: trained by phases since the last checkpoint
     whose ends wrote none (``checkpoint.every_seconds``), carried on to this one."""
+    layer_sources: dict[str, dict[str, str]] | None = None
+    """For each layer trained before it that its own layers file does not hold: the checkpoint it
+    composes that layer from and the checksum of that one's layers file then,
+    {"2": {"checkpoint": "step-00000020", "sha256_chunked": "..."}}. A reader never composes such a
+    layer from anything else (a lost source is a fault, never the base model's layer). None in
+    checkpoints written before it was recorded (their layers compose by the newest that holds each),
+    and in a layers-only one (retention drops it: what it named may go)."""
 
     @property
     def stored_layers(self) -> list[int]:
@@ -90,8 +97,8 @@ class Manifest:
 
     def to_json(self) -> str:
         data = asdict(self)
-        for name in ("layers_only", "carried_layers"):  # a manifest without them reads as every earlier reader knows it
-            if not data[name]:
+        for name in ("layers_only", "carried_layers", "layer_sources"):  # absent: as every earlier reader knows it
+            if not data[name] and data[name] != {}:
                 del data[name]
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
@@ -103,7 +110,7 @@ class Manifest:
             raise CheckpointError(f"{where}: not a valid manifest (not JSON: {e})") from None
         if not isinstance(data, dict):
             raise CheckpointError(f"{where}: not a valid manifest (not a JSON object)")
-        _check_fields(data, _FIELDS, where, "", optional={"extra", "format_version", "layers_only", "carried_layers"})
+        _check_fields(data, _FIELDS, where, "", optional={"extra", "format_version", "layers_only", "carried_layers", "layer_sources"})
         if data.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
             raise CheckpointError(f"{where}: format_version {data['format_version']}; this relayer reads "
                                   f"format {FORMAT_VERSION}")
@@ -150,12 +157,21 @@ _FIELDS = {
                 "a finite number (seconds since the epoch)"),
     "extra": _of(dict, "an object"),
     "layers_only": _of(bool, "true or false"),
+    "layer_sources": (lambda v: isinstance(v, dict) and all(_source_ok(k, e) for k, e in v.items()),
+                      'an object of layer -> {"checkpoint": "step-NNNNNNNN", "sha256_chunked": "<64 hex digits>"}'),
 }
 _FILE_FIELDS = {
     "size": _count(),
     "sha256_chunked": (lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None,
                        "64 lowercase hex digits"),
 }
+
+
+def _source_ok(layer: str, entry: Any) -> bool:
+    return (isinstance(layer, str) and layer.isdigit() and len(layer) <= 18 and isinstance(entry, dict)
+            and entry.keys() == {"checkpoint", "sha256_chunked"} and isinstance(entry["checkpoint"], str)
+            and _STEP_DIR.match(entry["checkpoint"]) is not None and isinstance(entry["sha256_chunked"], str)
+            and re.fullmatch(r"[0-9a-f]{64}", entry["sha256_chunked"]) is not None)
 
 
 def _check_fields(data: dict, fields: dict, where: Path, prefix: str, optional: frozenset | set = frozenset()) -> None:

@@ -119,6 +119,7 @@ def save_state(run_dir: Path, state: PhaseState, origin: Origin, *, durable: boo
     manifest = Manifest(
         global_step=state.step, phase=state.phase, layers=list(state.layers), phase_complete=state.phase_complete,
         carried_layers=[l for l in state.carried if l not in state.layers],
+        layer_sources=Checkpoints(run_dir).sources_before(state.step, state.stored_layers),
         head_step=state.head_step, body_step=state.body_step, world_size=origin.world_size,
         zero_stage=origin.zero_stage, dtype=origin.base_model.dtype, files={}, versions=versions(), created=0.0,
         extra={"data_position": state.run.data_position, "persistent": origin.persistent,

@@ -60,6 +60,14 @@ class SetAside:
     checkpoints: list[str]
 
 
+class LostLayer(CheckpointError):
+    """A checkpoint's recorded layer source is gone or not the one recorded: a damaged run."""
+
+    def __init__(self, message: str, layer: int, source: str):
+        super().__init__(message)
+        self.layer, self.source = layer, source
+
+
 class Checkpoints:
     """The checkpoints of the run in ``run_dir``. ``trusted``: checkpoints this process verified with
     checksums or committed itself, which it does not read again."""
@@ -130,33 +138,85 @@ class Checkpoints:
         return None, None, skipped
 
     def layer_sources(self, upto: Path) -> dict[int, Path]:
-        """For each body layer, the newest checkpoint at or before ``upto`` whose layers file holds it.
+        """For each body layer, the checkpoint at or before ``upto`` its weights at ``upto`` are in.
 
-        Judged by manifests alone, damaged checkpoints included: skipping a damaged source would
-        silently compose an older layer (or the base) instead. Callers verify the sources they get;
-        an unreadable manifest at or before ``upto`` raises, since it may have held a layer; one
-        ``gone_since_listed`` is skipped.
+        A checkpoint that records its sources (``Manifest.layer_sources``) is followed: LostLayer
+        where one it names is gone, replaced, or does not hold the layer, never an older copy or the
+        base model's. Before the newest one that records them, by manifests alone (checkpoints
+        written before the record): the newest whose layers file holds the layer, damaged ones
+        included (skipping one would silently compose an older layer). Callers verify the sources
+        they get; an unreadable manifest at or before ``upto`` raises, one ``gone_since_listed`` is skipped.
         """
         limit = step_of(upto)
         assert limit is not None, upto
+        return self._sources(self.upto(limit), upto.name)
+
+    def lost_source(self, ckpt: Path) -> LostLayer | None:
+        """Where ``ckpt`` records its layer sources and one of them is lost: that fault (manifest
+        level); None otherwise, and for a checkpoint without the record (nothing to judge by) or
+        whose own manifest or an earlier one cannot be read (their own faults)."""
+        try:
+            m = read_manifest(ckpt)
+            if m.layer_sources is not None and not m.layers_only:
+                self.layer_sources(ckpt)
+        except LostLayer as e:
+            return e
+        except CheckpointError:
+            pass
+        return None
+
+    def sources_before(self, step: int, own: list[int]) -> dict[str, dict[str, str]]:
+        """The record a checkpoint written at ``step`` keeps (``Manifest.layer_sources``): each layer
+        the checkpoints before it trained that its own layers file (``own``) does not hold."""
+        name = step_dir_name(step)
+        sources = self._sources([c for c in self.all() if (step_of(c) or 0) < step], name)
+        return {str(l): {"checkpoint": src.name, "sha256_chunked": self.manifest(src).files[LAYERS].sha256_chunked}
+                for l, src in sorted(sources.items()) if l not in own}
+
+    def _sources(self, ckpts: list[Path], reader: str) -> dict[int, Path]:
         sources: dict[int, Path] = {}
-        for ckpt in self.upto(limit):
+        for ckpt in reversed(ckpts):
             try:
                 m = read_manifest(ckpt)
             except CheckpointError as e:
                 if gone_since_listed(ckpt):
                     continue
-                raise CheckpointError(f"{e}; {upto.name} may compose layers from it") from None
-            sources.update(dict.fromkeys(m.stored_layers, ckpt))
+                raise CheckpointError(f"{e}; {reader} may compose layers from it") from None
+            for layer in m.stored_layers:
+                sources.setdefault(layer, ckpt)
+            if m.layer_sources is not None and not m.layers_only:
+                for key, entry in m.layer_sources.items():
+                    if int(key) not in sources:
+                        sources[int(key)] = self._recorded(ckpt, int(key), entry)
+                return sources
         return sources
 
-    def source_faults(self, ckpt: Path, cached: bool = True) -> list[str]:
+    def _recorded(self, ckpt: Path, layer: int, entry: dict[str, str]) -> Path:
+        """The source ``ckpt``'s record names for ``layer``, checked at the manifest level."""
+        src = self.root / entry["checkpoint"]
+        lost = (f"layer {layer}: {ckpt.name} composes it from {entry['checkpoint']}, which {{}}; the layer's "
+                f"trained weights are lost (never taken from an older copy or the base model)")
+        try:
+            m = read_manifest(src)
+        except CheckpointError as e:
+            raise LostLayer(lost.format("is missing" if not os.path.lexists(src) else f"cannot be read ({e})"), layer, src.name) from None
+        if layer not in m.stored_layers:
+            raise LostLayer(lost.format(f"does not hold it (it holds {m.stored_layers})"), layer, src.name)
+        if entry["sha256_chunked"] not in (m.files[LAYERS].sha256_chunked,):
+            raise LostLayer(lost.format("was replaced (its layers file is not the one recorded)"), layer, src.name)
+        return src
+
+    def source_faults(self, ckpt: Path, cached: bool = True, lost: list[str] | None = None) -> list[str]:
         """The faults of the checkpoints ``ckpt`` composes its layers from (itself excluded), with
         checksums (``cached``: once per checkpoint per process); and of every other one before it
         whose manifest lists other layers than its layers file holds: one that lost a layer from its
-        list would have been that layer's source."""
+        list would have been that layer's source. A lost source (``LostLayer``) is also added to ``lost``."""
         try:
             sources = set(self.layer_sources(ckpt).values()) - {ckpt}
+        except LostLayer as e:
+            if lost is not None:
+                lost.append(str(e))
+            return [str(e)]
         except CheckpointError as e:
             return [str(e)]
         verify = self._verified if cached else verify_checkpoint
@@ -166,16 +226,20 @@ class Checkpoints:
 
     def restore_point(self) -> RestorePoint:
         """The newest checkpoint that is whole, and whose layer sources are whole too. Checksums are
-        read once per checkpoint per process (``trusted``)."""
+        read once per checkpoint per process (``trusted``). LostLayer where a newer one lost a layer
+        source and no older one is whole: starting again from the base model is not a resume."""
         skipped: list[tuple[Path, str]] = []
+        lost: list[str] = []
         for ckpt in reversed(self.all()):
             faults = self._verified(ckpt)
             if not faults and read_manifest(ckpt).layers_only:
                 continue
-            faults = faults or self.source_faults(ckpt)
+            faults = faults or self.source_faults(ckpt, lost=lost)
             if not faults:
                 return RestorePoint(ckpt, read_manifest(ckpt), skipped)
             skipped += [(ckpt, f) for f in faults]
+        if lost:
+            raise CheckpointError(f"{self.run_dir}: a damaged run, no checkpoint holds every layer it trained: {lost[0]}")
         return RestorePoint(None, None, skipped)
 
     def resume_point(self, given: Path) -> Path:
@@ -184,7 +248,10 @@ class Checkpoints:
         ckpt = Path(given).resolve()
         if ckpt.parent != self.root.resolve() or not is_checkpoint_dir(ckpt):
             raise InputError(f"expected a checkpoint of this run ({self.root}/{STEP_DIR_SHAPE}), got {given}")
-        faults = verify_checkpoint(ckpt) or self.source_faults(ckpt, cached=False)  # the user's pick: read now
+        lost: list[str] = []
+        faults = verify_checkpoint(ckpt) or self.source_faults(ckpt, cached=False, lost=lost)  # the user's pick: read now
+        if lost:
+            raise CheckpointError(f"{given}: a damaged run: {lost[0]}")
         if faults:
             raise InputError(f"{given} is not whole:\n  " + "\n  ".join(faults))
         if read_manifest(ckpt).layers_only:
@@ -206,7 +273,8 @@ class Checkpoints:
         """Retention: keeps the newest ``keep_last`` full checkpoints (and ``protect``, which a phase
         may still be reading) whole; of every older whole checkpoint, keeps the layers file where
         one of those composes a layer from it (dropping its head, state and body optimizer state)
-        and removes the rest; oldest first, yields each once done. CheckpointError, before
+        and removes the rest; yields each once done: the layers-only ones (oldest first), then the
+        removed ones (newest first). CheckpointError, before
         anything changes, where an older manifest cannot be read: what it holds might be needed."""
         whole = [c for c in self.all() if not verify_checkpoint(c, checksums=False)]
         manifests = {c: read_manifest(c) for c in whole}
@@ -214,13 +282,14 @@ class Checkpoints:
         sources = set()
         for ckpt in kept:
             sources |= set(self.layer_sources(ckpt).values())
-        for ckpt in whole:
-            if ckpt in kept:
-                continue
-            if ckpt in sources:
-                if _drop_all_but_layers(ckpt, manifests[ckpt]):
-                    yield Purged(ckpt, removed=False)
-                continue
+        older = [c for c in whole if c not in kept]
+        # A record (``Manifest.layer_sources``) names older checkpoints: those kept for their layers
+        # lose theirs first, and the rest go newest first, so that a reader never finds a full
+        # checkpoint whose recorded source is gone.
+        for ckpt in (c for c in older if c in sources):
+            if _drop_all_but_layers(ckpt, manifests[ckpt]):
+                yield Purged(ckpt, removed=False)
+        for ckpt in reversed([c for c in older if c not in sources]):
             trash = ckpt.with_name(f"{TMP_PREFIX}removing-{ckpt.name}.{os.getpid()}")
             os.replace(ckpt, trash)
             shutil.rmtree(trash)

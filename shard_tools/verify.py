@@ -55,6 +55,11 @@ def verify_path(path: Path) -> Report:
             continue
         if faults and is_run and _identity(ckpt / MANIFEST) != before:
             faults = verify_checkpoint(ckpt)
+        if not faults and step_of(ckpt) is not None:
+            lost = (store if is_run else Checkpoints(ckpt.absolute().parent.parent)).lost_source(ckpt)
+            faults = [str(lost)] if lost else []
+            if faults and is_run and (gone_since_listed(ckpt) or _identity(ckpt / MANIFEST) != before):
+                faults = []  # retention made it layers-only (or removed it) meanwhile: what it named may go
         report.checkpoints.append(ckpt)
         report.faults += faults
         if not faults:

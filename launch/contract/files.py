@@ -50,6 +50,10 @@ class PidRecord(_Record):
     create_time: float
     """The process's start time: with the pid, a process that no pid reuse can impersonate."""
     host: str | None = None  # the node it runs on (SLURM's name for it, else the host name)
+    run: int | None = None
+    """The run directory's inode when recorded: a copy of the directory (``cp -a RUN RUN2``) holds
+    records of the original's processes, which a run in the copy must never take for its own.
+    None in records written before it."""
 
 
 class ExitRecord(_Record):
@@ -118,13 +122,23 @@ class PhaseDir:
     def record_pid(self, name: str, pid: int, create_time: float, host: str | None = None) -> None:
         """pids/NAME.json, so that the orchestrator can find the process (and reap it)."""
         self.pids.mkdir(parents=True, exist_ok=True)
-        record = PidRecord(pid=pid, create_time=create_time, host=host)
+        record = PidRecord(pid=pid, create_time=create_time, host=host, run=self._run_inode())
         write_atomic(self.pids / f"{name}.json", record.model_dump_json(), durable=False)
 
     def pid_records(self, prefix: str = "") -> list[PidRecord]:
-        """The readable pid files whose names start with ``prefix``, in name order."""
+        """The readable pid files whose names start with ``prefix``, in name order; those recorded in
+        another run directory (this one is a copy) are not this run's."""
         records = (_read(PidRecord, f) for f in sorted(self.pids.glob(f"{prefix}*.json")))
-        return [r for r in records if r is not None]
+        run = self._run_inode()
+        return [r for r in records if r is not None and r.run in (None, run)]
+
+    def _run_inode(self) -> int | None:
+        """The inode of the run directory (RUN_DIR/phases/phase-NNNN/../..): the same from every node
+        of a shared file system, another in a copy."""
+        try:
+            return os.stat(self.path.parent.parent).st_ino
+        except OSError:
+            return None
 
     def write_exit(self, rank: int, rc: int, at: float) -> None:
         self.exits.mkdir(parents=True, exist_ok=True)

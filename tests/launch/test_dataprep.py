@@ -215,6 +215,13 @@ def test_malformed_records_name_file_and_line(tmp_path, tok_dir, name, content, 
     assert [p.name for p in (tmp_path / "c").iterdir()] == []
 
 
+def test_a_csv_whose_outputs_are_numbers_is_text(tmp_path, tok_dir):
+    """A CSV cell is text: "3" as an instruction's output was inferred a number and refused (#48)."""
+    path = tmp_path / "sums.csv"
+    path.write_text("instruction,input,output\nadd 1 and 2,,3\nadd 2 and 2,,4.0\n")
+    assert len(rows_of(part(path, "instruction"), tok_dir, tmp_path / "c")) == 2
+
+
 def test_not_utf8_names_the_file(tmp_path, tok_dir):
     for name in ("latin.jsonl", "latin.txt"):
         path = tmp_path / name

@@ -345,7 +345,8 @@ def test_the_slurm_example_plans(tmp_path, monkeypatch):
     on_path(monkeypatch, tmp_path, "srun")
     write_word_tokenizer(model, ["hello"])
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "train.jsonl").write_text(json.dumps({"text": " ".join(["hello"] * 3000)}) + "\n")
+    # Rows for one step at least: a batch larger than the data is refused.
+    (tmp_path / "data" / "train.jsonl").write_text((json.dumps({"text": " ".join(["hello"] * 3000)}) + "\n") * 90)
     r = invoke("plan", str(tmp_path / "schedule.toml"))
     assert r.exit_code == 0, r.output
     assert "40 phases, 2000 steps" in r.stdout

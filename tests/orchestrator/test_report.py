@@ -40,11 +40,35 @@ def test_report_of_a_real_run(run_copy):
 
 
 def test_report_to_another_file(tiny_run, tmp_path):
-    out = tmp_path / "plots" / "tiny.png"
-    r = invoke("report", tiny_run, "--out", out)
-    assert r.exit_code == 0, r.output
-    assert imread(out).shape[:2] == (1100, 1100)
+    out = tmp_path / "tiny.png"
+    for _ in range(2):  # the second replaces the report the first wrote
+        r = invoke("report", tiny_run, "--out", out)
+        assert r.exit_code == 0, r.output
+        assert imread(out).shape[:2] == (1100, 1100)
     assert not (tiny_run / "report.png").exists()
+
+
+def test_report_replaces_nothing_it_did_not_write(tmp_path):
+    """--out names a device, a FIFO, a socket, a link, a folder or someone's file: exit 2 naming it,
+    and it stays as it was (the write would replace it); nor are folders made for it. Checked before
+    the run is read, so no run is needed."""
+    import os
+    import socket
+
+    os.mkfifo(tmp_path / "fifo")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "sock"))
+    (tmp_path / "notes.png").write_text("mine")
+    (tmp_path / "null").symlink_to("/dev/null")
+    (tmp_path / "folder").mkdir()
+    for name, says in [("fifo", "a FIFO"), ("sock", "a socket"), ("null", "a symbolic link"),
+                       ("folder", "a directory"), ("notes.png", "a file this command did not write"),
+                       ("nosuch/dir/r.png", "is not a directory; report makes no folders")]:
+        r = invoke("report", tmp_path, "--out", tmp_path / name)
+        assert r.exit_code == 2 and says in r.output and str(tmp_path / name) in r.output, (name, r.output)
+    assert (tmp_path / "notes.png").read_text() == "mine" and (tmp_path / "null").is_symlink()
+    assert not (tmp_path / "nosuch").exists() and os.path.exists("/dev/null")
+    sock.close()
 
 
 def test_what_the_report_plots(tiny_run):

@@ -172,3 +172,20 @@ def test_phases_keeps_the_last_phases_folders_and_those_with_a_process_left(tmp_
     assert sorted(p.name for p in removed) == ["phase-0000", "phase-0002", "phase-0003"]
     assert sorted(p.name for p in (tmp_path / "phases").iterdir()) == [
         "phase-0001", *(f"phase-{i:04d}" for i in range(11 - KEEP_PHASE_DIRS + 1, 12))]
+
+
+def test_a_copy_of_a_run_directory_holds_no_process_of_its_own(tmp_path):
+    """``cp -a RUN RUN2``, then a run in RUN2: the copied records are the original's live processes,
+    which the copy's run reaped as leftovers (killing the original's ranks). Records written before
+    they named their run directory are read as before."""
+    from orchestrator.procs import recorded
+
+    me = psutil.Process()
+    phase = RunDir(tmp_path / "run").phase(0)
+    phase.record_pid("rank-0", me.pid, me.create_time())
+    phase.pids.joinpath("rank-1.json").write_text(json.dumps({"pid": me.pid, "create_time": me.create_time()}))
+    assert [p.pid for p in recorded(phase.path)] == [me.pid, me.pid]
+    shutil.copytree(tmp_path / "run", tmp_path / "copy", symlinks=True)
+    copied = RunDir(tmp_path / "copy").phase(0)
+    assert [r.pid for r in copied.pid_records()] == [me.pid]  # the record of before
+    assert [p.pid for p in recorded(copied.path, "rank-0")] == []

@@ -8,8 +8,10 @@ import shutil
 
 import pytest
 
+from shard_tools.errors import CheckpointError
 from shard_tools.manifest import MANIFEST
-from tests.shard_tools.conftest import assert_fails, ckpt, flip_byte, invoke, truncate
+from shard_tools.store import Checkpoints
+from tests.shard_tools.conftest import assert_fails, ckpt, flip_byte, invoke, rewrite_manifests, truncate
 
 DAMAGE = {
     # Keeps the 8-byte length and the start of the JSON header.
@@ -105,3 +107,45 @@ def test_an_older_layer_source_whose_manifest_leaves_its_layers_out_is_not_skipp
     result = invoke("export", ckpt(run_copy, 30), "--out", tmp_path / "out")
     assert_fails(result, 1, ckpt(run_copy, 20) / MANIFEST, "layers.safetensors is not listed")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_lost_layer_source_is_a_damaged_run_never_the_base_models_layer(run_copy, tmp_path):
+    """Step 20 holds layer 1's only trained copy; step 30's manifest records it as that layer's
+    source. With step 20 gone, every reader says which layer is lost and where it was, rather than
+    composing the base model's layer 1; a resume falls back to step 10, which trained nothing after it."""
+    shutil.rmtree(ckpt(run_copy, 20))
+    lost = ("layer 1", "step-00000020", "is missing")
+    assert_fails(invoke("verify", run_copy), 1, *lost)
+    assert_fails(invoke("verify", ckpt(run_copy, 30)), 1, *lost)
+    assert_fails(invoke("export", run_copy, "--out", tmp_path / "a"), 1, *lost)
+    assert_fails(invoke("export", ckpt(run_copy, 30), "--out", tmp_path / "b"), 1, *lost)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    report = json.loads(invoke("inspect", run_copy, "--json").output)
+    assert [p["status"] for p in report["phases"]][:2] == ["done", "lost: layer 1 (step-00000020 is gone)"]
+    assert not next(c for c in report["checkpoints"] if c["step"] == 30)["complete"]
+    assert "layer 1" in invoke("inspect", run_copy).output
+
+    point = Checkpoints(run_copy).restore_point()
+    assert point.path == ckpt(run_copy, 10) and "layer 1" in point.skipped[0][1]
+    with pytest.raises(CheckpointError, match="a damaged run"):
+        Checkpoints(run_copy).resume_point(ckpt(run_copy, 30))
+    flip_byte(ckpt(run_copy, 10) / "head.safetensors")  # no older restore point holds every layer: exit 1, not step 0
+    with pytest.raises(CheckpointError, match="no checkpoint holds every layer it trained: layer 1"):
+        Checkpoints(run_copy).restore_point()
+
+
+def test_a_layer_source_replaced_by_another_is_a_damaged_run(run_copy, tmp_path):
+    """The record's checksum: a checkpoint at the recorded step whose layers file is another (a copy
+    from another run, one written again) is not the layer's source either."""
+    m = json.loads((ckpt(run_copy, 30) / MANIFEST).read_text())
+    assert m["layer_sources"]["1"]["checkpoint"] == "step-00000020"
+    m["layer_sources"]["1"]["sha256_chunked"] = "0" * 64
+    (ckpt(run_copy, 30) / MANIFEST).write_text(json.dumps(m))
+    assert_fails(invoke("export", run_copy, "--out", tmp_path / "a"), 1, "layer 1", "was replaced")
+
+
+def test_checkpoints_without_the_record_compose_as_before(run_copy):
+    """Run directories written before the record: by the newest checkpoint that holds each layer."""
+    rewrite_manifests(run_copy, lambda d: d.pop("layer_sources", None))
+    assert Checkpoints(run_copy).layer_sources(ckpt(run_copy, 30)) == {0: ckpt(run_copy, 30), 1: ckpt(run_copy, 20)}
+    assert invoke("verify", run_copy).exit_code == 0

@@ -122,7 +122,7 @@ def run_of(tmp_path, *phases: tuple[int, list[int]]) -> Checkpoints:
 def test_layer_sources_and_retention_keep_what_the_kept_need(tmp_path):
     store = run_of(tmp_path, (2, [0]), (4, [1]), (6, [0]), (8, [2]))
     assert store.layer_sources(store.at(8)) == {0: store.at(6), 1: store.at(4), 2: store.at(8)}
-    assert list(store.purge(2, set())) == [Purged(store.at(2), removed=True), Purged(store.at(4), removed=False)]
+    assert list(store.purge(2, set())) == [Purged(store.at(4), removed=False), Purged(store.at(2), removed=True)]
     assert [c.name for c in store.all()] == ["step-00000004", "step-00000006", "step-00000008"]
     assert list(store.purge(2, set())) == []  # nothing more to do
     assert list(store.purge(1, {store.at(6)})) == [] and store.at(6).exists()
@@ -136,12 +136,13 @@ def test_layer_sources_skip_a_checkpoint_retention_removed_after_the_listing(tmp
     missing is another thing (it may have held a layer) and still raises."""
     store = run_of(tmp_path, (2, [0]), (4, [1]), (6, [0]), (8, [2]))
     listed = store.all()
-    assert list(store.purge(2, set())) == [Purged(store.at(2), removed=True), Purged(store.at(4), removed=False)]
+    assert list(store.purge(2, set())) == [Purged(store.at(4), removed=False), Purged(store.at(2), removed=True)]
     monkeypatch.setattr(store, "all", lambda: listed)
     assert not store.at(2).exists()
     assert store.layer_sources(store.at(8)) == {0: store.at(6), 1: store.at(4), 2: store.at(8)}
     (store.at(4) / MANIFEST).unlink()
-    with pytest.raises(CheckpointError, match="step-00000004/manifest.json: missing.*step-00000008 may compose"):
+    with pytest.raises(CheckpointError, match="layer 1: step-00000008 composes it from step-00000004, which cannot "
+                                              "be read .*step-00000004/manifest.json: missing"):
         store.layer_sources(store.at(8))
 
 
@@ -182,11 +183,21 @@ def test_a_layers_only_manifest_lists_its_layers_file(tmp_path):
 
 
 def test_retention_removes_nothing_where_an_older_manifest_is_unreadable(tmp_path):
+    """Checkpoints written before the record (``Manifest.layer_sources``) compose by scanning the
+    older manifests: one unreadable may have held a layer, so retention changes nothing. With the
+    record, the kept checkpoint says what it composes: the unreadable one is left as it is."""
     store = run_of(tmp_path, (2, [0]), (4, [1]), (6, [0]))
+    recorded = {c: (c / MANIFEST).read_text() for c in store.all()}
+    for c, text in recorded.items():
+        (c / MANIFEST).write_text(json.dumps({k: v for k, v in json.loads(text).items() if k != "layer_sources"}))
     (store.at(2) / MANIFEST).write_text("{")
     with pytest.raises(CheckpointError, match="may compose layers from it"):
         list(store.purge(1, set()))
     assert len(store.all()) == 3
+    for c in (store.at(4), store.at(6)):
+        (c / MANIFEST).write_text(recorded[c])
+    assert list(store.purge(1, set())) == [Purged(store.at(4), removed=False)]
+    assert len(store.all()) == 3 and (store.at(2) / MANIFEST).read_text() == "{"
 
 
 def test_the_restore_point_skips_a_damaged_newer_checkpoint_and_trusts_what_it_verified(tmp_path):

@@ -87,7 +87,7 @@ def test_a_run_in_training_verifies_whole(run_copy, monkeypatch, during):
 
         monkeypatch.setattr(shard_tools.verify, "verify_checkpoint", read_while_retention_runs)
         report = verify_path(run_copy)
-        assert purged == [Purged(ckpt(run_copy, 10), removed=True), Purged(ckpt(run_copy, 20), removed=False)]
+        assert purged == [Purged(ckpt(run_copy, 20), removed=False), Purged(ckpt(run_copy, 10), removed=True)]
         assert report.faults == [] and report.writing == [being_written]
         assert report.removed == ([ckpt(run_copy, 10)] if during == 10 else [])
         assert report.checkpoints == [ckpt(run_copy, s) for s in (10, 20, 30) if s != 10 or during != 10]
