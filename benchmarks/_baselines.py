@@ -84,7 +84,7 @@ def head_and_layers(name: str, layers: list[int]) -> bool:
 
 
 def deepspeed_config(setup: dict, trainable_numel: int) -> dict:
-    """What ``launch.prepare.deepspeed_config`` builds for the same schedule (buckets sized the same)."""
+    """What ``launch.engine.ZeroBackend.config`` builds for the same schedule (buckets sized the same)."""
     bucket = int(min(5e8, max(5e5, trainable_numel)))
     return {
         "train_batch_size": setup["batch_size"],

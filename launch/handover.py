@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 import torch
 
-from launch import zero_state
+from launch import engine
 from launch.contract import faults
 from launch.contract.files import Answer, Offer, PhaseDir, TensorRef
 from launch.record import Phase, Prepared
@@ -114,7 +114,7 @@ def _map(offer: Offer, blob: Path, device: torch.device) -> dict[str, torch.Tens
 
 WEIGHTS, BUFFERS = "module", "buffer"
 """An offer's tensors are "<part>/<name>": the model's weights and buffers, and the fp32 state by
-its keys (``zero_state.KEYS``; "master" holds the head's and the layers' masters)."""
+its keys (``engine.KEYS``; "master" holds the head's and the layers' masters)."""
 
 
 def _pack(model: torch.nn.Module, snap: PhaseState) -> dict[str, torch.Tensor]:
@@ -124,7 +124,7 @@ def _pack(model: torch.nn.Module, snap: PhaseState) -> dict[str, torch.Tensor]:
 
 
 def _unpack(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    parts: dict[str, dict[str, torch.Tensor]] = {k: {} for k in (WEIGHTS, BUFFERS, *zero_state.KEYS)}
+    parts: dict[str, dict[str, torch.Tensor]] = {k: {} for k in (WEIGHTS, BUFFERS, *engine.KEYS)}
     for key, t in tensors.items():
         part, _, name = key.partition("/")
         parts[part][name] = t
@@ -172,8 +172,8 @@ def refusal(ph: Phase) -> str | None:
         return "not planned"
     if transport_of(ph) is None:
         return "no GPU (launch.handover = \"on\" hands over through the host)"
-    if ph.spec.zero_stage == 3:
-        return "ZeRO-3"
+    if ph.backend.refusal is not None:
+        return ph.backend.refusal
     if ph.device.type == "cuda" and h.peak_bytes > torch.cuda.mem_get_info(ph.device)[1]:
         return f"the overlap's planned peak, {h.peak_bytes} bytes, is more than the device's memory"
     return None
@@ -326,7 +326,7 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool = False) -> Phase
             owner, _, leaf = name.rpartition(".")
             module = made.model.get_submodule(owner)
             module._buffers[leaf] = parts[BUFFERS][name].clone()
-        head = {k: {n: parts[k][n].clone() for n in made.head_names} for k in zero_state.KEYS}
+        head = {k: {n: parts[k][n].clone() for n in made.head_names} for k in engine.KEYS}
         layers = {n: t.clone() for n, t in parts["master"].items() if n in made.body_names}
         others = sorted(set(parts["master"]) - set(made.body_names) - set(made.head_names)) if keep else []
         made.carried = _in_one_block({n: parts["master"][n] for n in others})

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from launch import procs, zero_state
+from launch import procs
 from launch.contract import faults
 from launch.contract.data import DataPart
 from launch.contract.files import RunDir
@@ -105,7 +105,7 @@ def _accumulate(ph: Phase, lr: float) -> tuple[float, int]:
     all has zero gradients and is still an optimizer step (Adam's moments carry on, the step
     counts); its loss is logged as 0.0 with target_tokens 0."""
     d, made, engine, gas = ph.spec.data, ph.made, ph.built.engine, ph.built.gas
-    for g in zero_state.base_optimizer(engine).param_groups:
+    for g in ph.backend.param_groups(engine):
         g["lr"] = lr
     loss_sum = 0.0
     n_global = step_targets(made.examples, made.order, ph.step, d.batch_size)
