@@ -28,6 +28,7 @@ from deepspeed.utils import (
 from torch import nn
 
 from launch import adamw_kernel
+from launch.contract.dsconfig import accumulation_steps, bucket_size, deepspeed_config
 from launch.contract.spec import PhaseSpec
 from launch.master_adamw import MasterAdamW, detach_engine_reduction, kernel_grad_dtype, slot_of
 from launch.staging import Staging
@@ -170,13 +171,9 @@ class ZeroBackend(Backend):
         self.refusal = "ZeRO-3" if stage == 3 else None
 
     def config(self, spec: PhaseSpec, world: int, trainable_numel: int) -> dict:
-        # The default 5e8-element buckets allocate GBs per gradient hook on a small model; size them to it.
-        bucket = int(min(5e8, max(5e5, trainable_numel)))
-        zero: dict = {"stage": self.stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
-        if self.stage == 3:
-            zero.update({"stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 0,
-                         "memory_efficient_linear": False})
-        return _merge(_base_config(spec, world, zero), spec.deepspeed_config)
+        zero = {"stage3_prefetch_bucket_size": bucket_size(trainable_numel), "stage3_param_persistence_threshold": 0,
+                "memory_efficient_linear": False} if self.stage == 3 else {}
+        return deepspeed_config(spec, world, trainable_numel, zero)
 
     def optimizer(self, groups: list[dict], spec: PhaseSpec, device: torch.device, world: int,
                   lr: float | None = None) -> torch.optim.Optimizer:
@@ -249,7 +246,7 @@ class MasterBackend(Backend):
     stage = 0
 
     def config(self, spec: PhaseSpec, world: int, trainable_numel: int) -> dict:
-        return without_zero(_merge(_base_config(spec, world, {"stage": 0}), spec.deepspeed_config))
+        return without_zero(deepspeed_config(spec, world, trainable_numel))
 
     def optimizer(self, groups: list[dict], spec: PhaseSpec, device: torch.device, world: int,
                   lr: float | None = None) -> torch.optim.Optimizer:
@@ -299,22 +296,7 @@ class MasterBackend(Backend):
 def _accumulates(spec: PhaseSpec, world: int) -> bool:
     """Whether a step sums the gradients of several micro-batches or ranks (in fp32, ``MasterAdamW``)."""
     d = spec.data
-    return d.batch_size // (d.micro_batch_size * world) > 1 or world > 1
-
-
-def _base_config(spec: PhaseSpec, world: int, zero: dict) -> dict:
-    d = spec.data
-    return {
-        "train_batch_size": d.batch_size,
-        "train_micro_batch_size_per_gpu": d.micro_batch_size,
-        "gradient_accumulation_steps": d.batch_size // (d.micro_batch_size * world),
-        "gradient_clipping": spec.optimizer.grad_clip,
-        "zero_optimization": zero,
-        "bf16": {"enabled": spec.model.dtype == "bfloat16"},
-        "fp16": {"enabled": spec.model.dtype == "float16", "initial_scale_power": 16},
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
+    return accumulation_steps(d.batch_size, d.micro_batch_size, world) > 1 or world > 1
 
 
 def without_zero(cfg: dict) -> dict:
@@ -322,13 +304,6 @@ def without_zero(cfg: dict) -> dict:
     nothing around it (no ZeRO, no bf16 or fp16 optimizer, no clipping of its own)."""
     return {**cfg, "gradient_clipping": 0.0, "bf16": {"enabled": False}, "fp16": {"enabled": False},
             "zero_optimization": {"stage": 0}}
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def adamw(groups: list[dict], o, device: torch.device, lr: float | None = None) -> torch.optim.AdamW:
