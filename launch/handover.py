@@ -26,7 +26,8 @@ import torch
 
 from launch import engine
 from launch.contract import faults
-from launch.contract.files import Answer, Offer, PhaseDir, TensorRef
+from launch.contract.cadence import end_writes
+from launch.contract.files import Answer, Carried, Offer, PhaseDir, TensorRef
 from launch.record import Phase, Prepared
 from launch.save import carried_layer, snapshot
 from launch.staging import one_block
@@ -145,9 +146,9 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
     files.handover.mkdir(mode=0o700, exist_ok=True)
     blocks, refs = _export_cuda(tensors) if transport == "cuda" else _export_host(tensors, files.blob_path(ph.rank))
     spec = ph.spec
-    carried = {"head_step": snap.head_step, "body_step": snap.body_step, "phase": spec.phase,
-               "global_step": ph.step, "layers": list(spec.layers), "restore": _str(ph.built.source.restore),
-               "end": str(ph.checkpoints.at(ph.step)), "scaler": snap.run.scaler}
+    carried = Carried(phase=spec.phase, global_step=ph.step, layers=list(spec.layers), head_step=snap.head_step,
+                      body_step=snap.body_step, scaler=snap.run.scaler, restore=_str(ph.built.source.restore),
+                      end=str(ph.checkpoints.at(ph.step)))
     files.write_offer(ph.rank, Offer(pid=os.getpid(), device=device_id(ph.device), transport=transport,
                                      blocks=blocks, tensors=refs, carried=carried))
     ph.timeline.mark("t_offered")
@@ -157,7 +158,7 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
     ph.timeline.mark("t_answered")
     ph.timeline.add(handover_taken=answer.taken, handover_answer=answer.reason or answer.by)
     files.blob_path(ph.rank).unlink(missing_ok=True)
-    write = not answer.taken or answer.write
+    write = answer.end_written
     if not write:
         ph.timeline.add(checkpoint_written=False)
     return snap, write
@@ -240,7 +241,8 @@ def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False) -> 
     files, carried = PhaseDir(source), None
     offered = files.read_offer(ph.rank)
     reason = _unfit(ph, offered, files)
-    keep = defer and reason is None and _can_carry(ph, offered)
+    can_carry = defer and reason is None and _can_carry(ph, offered)
+    keep = not end_writes(due=not defer, takes=reason is None, carries=can_carry)
     if reason is None:
         try:
             carried = _copy_in(ph, offered, files.blob_path(ph.rank), keep)
@@ -258,7 +260,7 @@ def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False) -> 
     if not keep:
         return carried, restore
     ph.timeline.add(predecessor_wrote=False, carried_layers=sorted({carried_layer(ph, n) for n in ph.made.carried}))
-    return carried, Path(offered.carried["restore"]) if offered.carried.get("restore") else None
+    return carried, Path(offered.carried.restore) if offered.carried.restore else None
 
 
 def _unfit(ph: Phase, offered: Offer | None, files: PhaseDir) -> str | None:
@@ -338,9 +340,9 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool = False) -> Phase
     made.trained.update(head["master"])
     made.trained.update(layers)
     return PhaseState(
-        step=carried["global_step"], phase=carried["phase"], layers=carried["layers"], phase_complete=True,
-        head_step=carried["head_step"], body_step=carried["body_step"], head=head, masters=layers,
-        run=RunState(data_position=carried["global_step"] * ph.spec.data.batch_size, scaler=carried["scaler"]))
+        step=carried.global_step, phase=carried.phase, layers=carried.layers, phase_complete=True,
+        head_step=carried.head_step, body_step=carried.body_step, head=head, masters=layers,
+        run=RunState(data_position=carried.global_step * ph.spec.data.batch_size, scaler=dict(carried.scaler)))
 
 
 def _in_one_block(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -355,12 +357,12 @@ def _in_one_block(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _layers_trained_between(ph: Phase, carried: dict, offered: frozenset[str]) -> None:
+def _layers_trained_between(ph: Phase, carried: Carried, offered: frozenset[str]) -> None:
     """This phase's layers that a phase between its preload and its predecessor trained (only with
     ``prewarm_depth`` > 1): their fp32 masters from those checkpoints, all committed by now."""
-    if not carried.get("restore"):
+    if not carried.restore:
         return
-    now = ph.checkpoints.layer_sources(Path(carried["restore"]))
+    now = ph.checkpoints.layer_sources(Path(carried.restore))
     changed = _own_since(ph, now)
     _put_layers(ph, ph.made, changed, offered)
     ph.timeline.add(layers_at_go=sorted(changed))
