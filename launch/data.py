@@ -11,7 +11,7 @@ rows ``launch.dataprep.prepare`` wrote once per run; every process maps them (no
 Rows of examples packed whole (``data.layout == "whole"``) carry position ids that restart with every
 example; their micro-batch is one flattened sequence with ``position_ids`` and no attention mask,
 from which transformers builds a block-diagonal causal mask (``masking_utils``, SDPA and eager)
-or runs varlen flash attention (``flash_attention_2``, ``launch.train.packed_attention``): an
+or runs varlen flash attention (``flash_attention_2``, ``launch.prepare.setup_model``): an
 example attends to itself only, as ``DataCollatorWithFlattening`` arranges it. Transformers reads
 packed position ids only where there is no KV cache: a phase's model has ``use_cache = False``.
 """

@@ -26,7 +26,7 @@ from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.record import Phase, Prepared
 from launch.save import prepare_files
 from launch.staging import Staging
-from launch.train import packed_attention, token_loss
+from launch.train import token_loss
 from shard_tools.later import Later
 from shard_tools.model import (
     DTYPES, ModelSpec, build_base_model, build_skeleton, detect_parts, head_param_names, layer_param_names,
@@ -135,10 +135,17 @@ def _to_device_early(ph: Phase, model: nn.Module, staging: Staging | None, train
 
 
 def setup_model(model: nn.Module, spec: PhaseSpec) -> nn.Module:
-    """``model`` as a phase trains it: no key-value cache, packed rows' attention, and gradient
-    checkpointing where the schedule asks for it."""
+    """``model`` as a phase trains it: no key-value cache; rows packed whole attending per example
+    through their position ids (``launch.data``), on a GPU with flash-attn installed and a
+    half-precision model by varlen flash attention, otherwise by the model's own attention (SDPA)
+    with the block-diagonal mask transformers builds from them; gradient checkpointing where the
+    schedule asks for it."""
+    from transformers.utils import is_flash_attn_2_available
+
     model.config.use_cache = False
-    packed_attention(model, spec.data, spec.model.dtype)
+    if spec.data.layout == "whole" and torch.cuda.is_available() and spec.model.dtype != "float32" \
+            and is_flash_attn_2_available():
+        model.set_attn_implementation("flash_attention_2")
     if spec.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -16,7 +16,6 @@ import torch
 
 from launch import procs
 from launch.contract import faults
-from launch.contract.data import DataPart
 from launch.contract.files import RunDir
 from launch.contract.spec import lr_at
 from launch.data import micro_batch, rows, step_targets
@@ -188,13 +187,3 @@ def token_loss(engine, batch: dict[str, torch.Tensor], device: torch.device) -> 
         return engine(**batch).loss, count
     logits = engine(**{k: v for k, v in batch.items() if k != "labels"}).logits
     return logits.sum() * 0.0, 0
-
-
-def packed_attention(model, data: DataPart, dtype: str) -> None:
-    """Rows packed whole attend per example through their position ids (``launch.data``): on a GPU
-    with flash-attn installed and a half-precision model, by varlen flash attention; otherwise the
-    model's own attention (SDPA) with the block-diagonal mask transformers builds from them."""
-    from transformers.utils import is_flash_attn_2_available
-
-    if data.layout == "whole" and torch.cuda.is_available() and dtype != "float32" and is_flash_attn_2_available():
-        model.set_attn_implementation("flash_attention_2")
