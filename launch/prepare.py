@@ -21,7 +21,7 @@ from torch import nn
 from launch import handover, procs, rendezvous
 from launch.contract.files import DATA_CACHE
 from launch.contract.spec import PhaseSpec
-from launch.data import SampleOrder, load_examples, load_validation, micro_batch, prepare as prepare_data
+from launch.data.examples import SampleOrder, load_examples, load_validation, micro_batch, prepare as prepare_data
 from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.record import Phase, Prepared
 from launch.save import prepare_files
@@ -136,7 +136,7 @@ def _to_device_early(ph: Phase, model: nn.Module, staging: Staging | None, train
 
 def setup_model(model: nn.Module, spec: PhaseSpec) -> nn.Module:
     """``model`` as a phase trains it: no key-value cache; rows packed whole attending per example
-    through their position ids (``launch.data``), on a GPU with flash-attn installed and a
+    through their position ids (``launch.data.examples``), on a GPU with flash-attn installed and a
     half-precision model by varlen flash attention, otherwise by the model's own attention (SDPA)
     with the block-diagonal mask transformers builds from them; gradient checkpointing where the
     schedule asks for it."""

@@ -18,7 +18,7 @@ from torch import nn
 
 from launch.contract.files import PhaseDir
 from launch.contract.spec import PhaseSpec
-from launch.data import SampleOrder
+from launch.data.examples import SampleOrder
 from launch.engine import Backend, backend_for
 from launch.staging import Staging
 from launch.timeline import Timeline

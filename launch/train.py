@@ -18,7 +18,7 @@ from launch import procs
 from launch.contract import faults
 from launch.contract.files import RunDir
 from launch.contract.spec import lr_at
-from launch.data import micro_batch, rows, step_targets
+from launch.data.examples import micro_batch, rows, step_targets
 from launch.profiling import step_profile
 from launch.record import Phase
 from launch.save import prepare_files, save

@@ -2,7 +2,7 @@
 
 The position of a run in its data is a count of samples, so any process count, any restart and
 any phase boundary picks up exactly where the last optimizer step left off. The examples are the
-rows ``launch.dataprep.prepare`` wrote once per run; every process maps them (no copy).
+rows ``launch.data.cache.prepare`` wrote once per run; every process maps them (no copy).
 
     cache = prepare(spec.data, spec.model.tokenizer, run_dir / "data-cache")
     examples = load_examples(cache)                        # memory-mapped rows (load_validation: the held-out)
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from launch.contract import faults
-from launch.dataprep import IGNORE, ROWS, VALIDATION, DataError, prepare, read_stats
+from launch.data.cache import IGNORE, ROWS, VALIDATION, DataError, prepare, read_stats
 
 if TYPE_CHECKING:
     import torch
