@@ -84,7 +84,7 @@ def head_and_layers(name: str, layers: list[int]) -> bool:
 
 
 def deepspeed_config(setup: dict, trainable_numel: int) -> dict:
-    """What ``launch.prepare.deepspeed_config`` builds for the same schedule (buckets sized the same)."""
+    """What ``launch.engine.ZeroBackend.config`` builds for the same schedule (buckets sized the same)."""
     bucket = int(min(5e8, max(5e5, trainable_numel)))
     return {
         "train_batch_size": setup["batch_size"],
@@ -107,7 +107,7 @@ class Trainer:
         import torch
         from deepspeed.accelerator import get_accelerator
 
-        from launch.data import SampleOrder, load_examples, prepare
+        from launch.data.examples import SampleOrder, load_examples, prepare
         from launch.contract.data import DataPart, SourcePart
         from launch.ops import load_comm_ops, unlink_comm_buffers
 
@@ -146,7 +146,7 @@ class Trainer:
     def train(self, engine, phase: int, start_step: int, steps: int, records: dict) -> None:
         import torch
 
-        from launch.data import micro_batch
+        from launch.data.examples import micro_batch
 
         s = self.setup
         gas = s["batch_size"] // s["micro_batch_size"]

@@ -4,7 +4,7 @@
 
 1. Writes a synthetic Alpaca-style file of 52,000 records (deterministic; outputs of 20-200 words,
    a third with an input) and the Alpaca example's tokenizer (its chat template renders them).
-2. Times ``launch.dataprep.prepare`` (``datasets`` map over every core, one cache) against a
+2. Times ``launch.data.cache.prepare`` (``datasets`` map over every core, one cache) against a
    single-process loop that renders and tokenizes record by record.
 3. Starts 5 processes that map the cache as a run's do: 2 ranks that read their micro-batches of
    ``--steps`` optimizer steps, and 3 waiting phases that read one batch (their warm-up); while all
@@ -66,8 +66,8 @@ def make_tokenizer(out: Path) -> Path:
 
 def single_process_loop(data, tokenizer: str, path: Path) -> float:
     """Every record rendered and tokenized in this one process, one after the other."""
-    from launch.dataprep import load_tokenizer
-    from launch.formats import Encoder
+    from launch.data.cache import load_tokenizer
+    from launch.data.formats import Encoder
 
     t0 = time.perf_counter()
     source = data.sources[0]
@@ -84,7 +84,7 @@ import json, sys
 FIELDS = {"Rss:": "rss", "Pss:": "pss", "Anonymous:": "anonymous"}
 import numpy as np
 import torch
-from launch.data import Examples, SampleOrder, load_examples, micro_batch, rows, step_targets
+from launch.data.examples import Examples, SampleOrder, load_examples, micro_batch, rows, step_targets
 
 def rollup():
     out = {}
@@ -145,7 +145,7 @@ def main() -> None:
     p.add_argument("--records", type=int, default=52_000)
     p.add_argument("--steps", type=int, default=50, help="optimizer steps each rank reads")
     args = p.parse_args()
-    from launch.dataprep import ROWS, prepare, read_stats
+    from launch.data.cache import ROWS, prepare, read_stats
     from launch.contract.data import DataPart, SourcePart
 
     with tempfile.TemporaryDirectory(prefix="relayer-bench-data-") as tmp:

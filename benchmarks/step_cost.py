@@ -88,15 +88,15 @@ class Setup:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def groups(self) -> list[dict]:
-        """relayer's four groups, as ``launch.prepare.param_groups`` makes them (weight decay 0.01)."""
-        from launch.prepare import param_groups
+        """relayer's four groups, as ``launch.engine.param_groups`` makes them (weight decay 0.01)."""
+        from launch.engine import param_groups
 
         opt = SimpleNamespace(weight_decay=0.01)
         return param_groups(self.model, self.head, self.trainable - self.head, opt)[0]
 
 
 def ds_config(setup: Setup, stage: int, numel: int) -> dict:
-    """``_baselines.deepspeed_config`` (what ``launch.prepare.deepspeed_config`` builds) for this batch."""
+    """``_baselines.deepspeed_config`` (what ``launch.engine``'s backends build) for this batch."""
     return deepspeed_config({"batch_size": setup.micro * setup.gas, "micro_batch_size": setup.micro, "grad_clip": 1.0,
                              "zero_stage": stage, "dtype": "bfloat16"}, numel)
 
@@ -105,19 +105,19 @@ def engine_way(setup: Setup, stage: int, fused: bool, relayer: bool = False, tor
     """A DeepSpeed engine as relayer builds one, and its step as ``launch.train._step`` runs it."""
     import torch
 
+    from launch.engine import Backend, MasterBackend, without_zero
     from launch.master_adamw import MasterAdamW
-    from launch.prepare import initialize, without_zero
 
     trainable = setup.freeze()
     config = ds_config(setup, stage, sum(p.numel() for p in trainable))
-    if relayer:  # accumulating as launch.prepare.make_optimizer decides; the kernel where it runs, or not ("-torch")
+    if relayer:  # accumulating as launch.engine.MasterBackend decides; the kernel where it runs, or not ("-torch")
         optimizer = MasterAdamW(setup.groups(), lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                                 grad_clip=1.0, device=setup.device, accumulate=setup.gas > 1,
                                 kernel=False if torch_path else None)
         config = without_zero(config)
     else:
         optimizer = torch.optim.AdamW(setup.groups(), lr=1e-5, fused=fused or None)
-    engine = initialize(setup.model, optimizer, config)
+    engine = (MasterBackend() if relayer else Backend()).initialize(setup.model, optimizer, config)
 
     def step() -> None:
         loss_sum = 0.0

@@ -24,9 +24,10 @@ import time
 from pathlib import Path
 import torch
 
-from launch import zero_state
+from launch import engine
 from launch.contract import faults
-from launch.contract.files import Answer, Offer, PhaseDir, TensorRef
+from launch.contract.cadence import end_writes
+from launch.contract.files import Answer, Carried, Offer, PhaseDir, TensorRef
 from launch.record import Phase, Prepared
 from launch.save import carried_layer, snapshot
 from launch.staging import one_block
@@ -114,7 +115,7 @@ def _map(offer: Offer, blob: Path, device: torch.device) -> dict[str, torch.Tens
 
 WEIGHTS, BUFFERS = "module", "buffer"
 """An offer's tensors are "<part>/<name>": the model's weights and buffers, and the fp32 state by
-its keys (``zero_state.KEYS``; "master" holds the head's and the layers' masters)."""
+its keys (``engine.KEYS``; "master" holds the head's and the layers' masters)."""
 
 
 def _pack(model: torch.nn.Module, snap: PhaseState) -> dict[str, torch.Tensor]:
@@ -124,7 +125,7 @@ def _pack(model: torch.nn.Module, snap: PhaseState) -> dict[str, torch.Tensor]:
 
 
 def _unpack(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    parts: dict[str, dict[str, torch.Tensor]] = {k: {} for k in (WEIGHTS, BUFFERS, *zero_state.KEYS)}
+    parts: dict[str, dict[str, torch.Tensor]] = {k: {} for k in (WEIGHTS, BUFFERS, *engine.KEYS)}
     for key, t in tensors.items():
         part, _, name = key.partition("/")
         parts[part][name] = t
@@ -145,9 +146,9 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
     files.handover.mkdir(mode=0o700, exist_ok=True)
     blocks, refs = _export_cuda(tensors) if transport == "cuda" else _export_host(tensors, files.blob_path(ph.rank))
     spec = ph.spec
-    carried = {"head_step": snap.head_step, "body_step": snap.body_step, "phase": spec.phase,
-               "global_step": ph.step, "layers": list(spec.layers), "restore": _str(ph.built.source.restore),
-               "end": str(ph.checkpoints.at(ph.step)), "scaler": snap.run.scaler}
+    carried = Carried(phase=spec.phase, global_step=ph.step, layers=list(spec.layers), head_step=snap.head_step,
+                      body_step=snap.body_step, scaler=snap.run.scaler, restore=_str(ph.built.source.restore),
+                      end=str(ph.checkpoints.at(ph.step)))
     files.write_offer(ph.rank, Offer(pid=os.getpid(), device=device_id(ph.device), transport=transport,
                                      blocks=blocks, tensors=refs, carried=carried))
     ph.timeline.mark("t_offered")
@@ -157,7 +158,7 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
     ph.timeline.mark("t_answered")
     ph.timeline.add(handover_taken=answer.taken, handover_answer=answer.reason or answer.by)
     files.blob_path(ph.rank).unlink(missing_ok=True)
-    write = not answer.taken or answer.write
+    write = answer.end_written
     if not write:
         ph.timeline.add(checkpoint_written=False)
     return snap, write
@@ -172,8 +173,8 @@ def refusal(ph: Phase) -> str | None:
         return "not planned"
     if transport_of(ph) is None:
         return "no GPU (launch.handover = \"on\" hands over through the host)"
-    if ph.spec.zero_stage == 3:
-        return "ZeRO-3"
+    if ph.backend.refusal is not None:
+        return ph.backend.refusal
     if ph.device.type == "cuda" and h.peak_bytes > torch.cuda.mem_get_info(ph.device)[1]:
         return f"the overlap's planned peak, {h.peak_bytes} bytes, is more than the device's memory"
     return None
@@ -240,7 +241,8 @@ def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False) -> 
     files, carried = PhaseDir(source), None
     offered = files.read_offer(ph.rank)
     reason = _unfit(ph, offered, files)
-    keep = defer and reason is None and _can_carry(ph, offered)
+    can_carry = defer and reason is None and _can_carry(ph, offered)
+    keep = not end_writes(due=not defer, takes=reason is None, carries=can_carry)
     if reason is None:
         try:
             carried = _copy_in(ph, offered, files.blob_path(ph.rank), keep)
@@ -258,7 +260,7 @@ def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False) -> 
     if not keep:
         return carried, restore
     ph.timeline.add(predecessor_wrote=False, carried_layers=sorted({carried_layer(ph, n) for n in ph.made.carried}))
-    return carried, Path(offered.carried["restore"]) if offered.carried.get("restore") else None
+    return carried, Path(offered.carried.restore) if offered.carried.restore else None
 
 
 def _unfit(ph: Phase, offered: Offer | None, files: PhaseDir) -> str | None:
@@ -326,7 +328,7 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool = False) -> Phase
             owner, _, leaf = name.rpartition(".")
             module = made.model.get_submodule(owner)
             module._buffers[leaf] = parts[BUFFERS][name].clone()
-        head = {k: {n: parts[k][n].clone() for n in made.head_names} for k in zero_state.KEYS}
+        head = {k: {n: parts[k][n].clone() for n in made.head_names} for k in engine.KEYS}
         layers = {n: t.clone() for n, t in parts["master"].items() if n in made.body_names}
         others = sorted(set(parts["master"]) - set(made.body_names) - set(made.head_names)) if keep else []
         made.carried = _in_one_block({n: parts["master"][n] for n in others})
@@ -338,9 +340,9 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool = False) -> Phase
     made.trained.update(head["master"])
     made.trained.update(layers)
     return PhaseState(
-        step=carried["global_step"], phase=carried["phase"], layers=carried["layers"], phase_complete=True,
-        head_step=carried["head_step"], body_step=carried["body_step"], head=head, masters=layers,
-        run=RunState(data_position=carried["global_step"] * ph.spec.data.batch_size, scaler=carried["scaler"]))
+        step=carried.global_step, phase=carried.phase, layers=carried.layers, phase_complete=True,
+        head_step=carried.head_step, body_step=carried.body_step, head=head, masters=layers,
+        run=RunState(data_position=carried.global_step * ph.spec.data.batch_size, scaler=dict(carried.scaler)))
 
 
 def _in_one_block(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -355,12 +357,12 @@ def _in_one_block(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _layers_trained_between(ph: Phase, carried: dict, offered: frozenset[str]) -> None:
+def _layers_trained_between(ph: Phase, carried: Carried, offered: frozenset[str]) -> None:
     """This phase's layers that a phase between its preload and its predecessor trained (only with
     ``prewarm_depth`` > 1): their fp32 masters from those checkpoints, all committed by now."""
-    if not carried.get("restore"):
+    if not carried.restore:
         return
-    now = ph.checkpoints.layer_sources(Path(carried["restore"]))
+    now = ph.checkpoints.layer_sources(Path(carried.restore))
     changed = _own_since(ph, now)
     _put_layers(ph, ph.made, changed, offered)
     ph.timeline.add(layers_at_go=sorted(changed))

@@ -21,7 +21,7 @@ decay applies).
 
 The state is DeepSpeed's (fp32 master, ``exp_avg``, ``exp_avg_sq``, a step per param group) in flat
 buffers, there from the start (no lazy first step): every trainable parameter has a ``Slot`` of
-views (``slot_of``) that ``launch.zero_state`` reads and writes, and a handover offers three blocks
+views (``slot_of``) that ``launch.engine.MasterBackend`` reads and writes, and a handover offers three blocks
 of device memory instead of a tensor each.
 """
 
@@ -68,7 +68,7 @@ def slot_of(p: nn.Parameter) -> Slot | None:
 
 
 class MasterAdamW(torch.optim.Optimizer):
-    """AdamW with fp32 masters for ``groups`` (``launch.prepare.param_groups``' groups of the
+    """AdamW with fp32 masters for ``groups`` (``launch.engine.param_groups``' groups of the
     model's parameters, on ``device`` already). Its ``param_groups`` are the model's parameters, as
     DeepSpeed and the lr schedule expect. ``accumulate``: gradients of several micro-batches or
     ranks make a step (they are summed in fp32). ``kernel``: step with ``launch.adamw_kernel``

@@ -1,10 +1,9 @@
 """Preparing a phase: everything that does not depend on its predecessor's result (the process
 group, the model with every weight known before the phase starts, the data, the next checkpoint's
-files, a pre-warmed process's warm-up), and building the engine once the predecessor's result is in."""
+files, a pre-warmed process's warm-up). The engine is built at the switch (``launch.switch``)."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import gc
@@ -19,17 +18,15 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from launch import adamw_kernel, handover, procs, rendezvous
-from launch.master_adamw import MasterAdamW, detach_engine_reduction, kernel_grad_dtype
+from launch import handover, procs, rendezvous
 from launch.contract.files import DATA_CACHE
 from launch.contract.spec import PhaseSpec
-from launch.data import SampleOrder, load_examples, load_validation, micro_batch, prepare as prepare_data
+from launch.data.examples import SampleOrder, load_examples, load_validation, micro_batch, prepare as prepare_data
 from launch.ops import load_comm_ops, unlink_comm_buffers
-from launch.record import Assembled, Phase, Prepared, Source
+from launch.record import Phase, Prepared
 from launch.save import prepare_files
 from launch.staging import Staging
-from launch.train import packed_attention, token_loss
-from launch.zero_state import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DECAY
+from launch.train import token_loss
 from shard_tools.later import Later
 from shard_tools.model import (
     DTYPES, ModelSpec, build_base_model, build_skeleton, detect_parts, head_param_names, layer_param_names,
@@ -57,7 +54,7 @@ def prepare(ph: Phase) -> Prepared:
         _warm(ph, made)
     else:  # made while the weights go to the device, the engine is built and the first steps run
         ph.files = Later(prepare_files, ph, made)
-        _compile_ahead(ph)
+        ph.backend.compile_ahead(spec, ph.device, ph.world)
     torch.manual_seed(hash_seed(spec.seed, spec.phase, ph.rank))
     ph.timeline.mark("t_prepared")
     return made
@@ -102,14 +99,10 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
     data, and the weights known before the go."""
     spec, m = ph.spec, ph.spec.model
     skeleton = refusal is None
-    model = build_skeleton(model_spec(spec)) if skeleton else base_model(model_spec(spec), ph.prebuilt)
-    model.config.use_cache = False
-    packed_attention(model, spec.data, m.dtype)
-    if m.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = setup_model(build_skeleton(model_spec(spec)) if skeleton else base_model(model_spec(spec), ph.prebuilt), spec)
     persistent, layers_attr = detect_parts(model, m.persistent, m.layers)
     origin = Origin(base_model=model_spec(spec), tokenizer=m.tokenizer, persistent=persistent,
-                    layers_attr=layers_attr, world_size=ph.world, zero_stage=spec.zero_stage)
+                    layers_attr=layers_attr, world_size=ph.world, zero_stage=ph.backend.stage)
     head_names = head_param_names(model, persistent)
     body_names = [n for i in spec.layers for n in layer_param_names(model, layers_attr, i)]
     preload = spec.preload or spec.restore
@@ -128,27 +121,34 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
     return made
 
 
-def _compile_ahead(ph: Phase) -> None:
-    """A phase started cold under ``deepspeed.zero_stage = 0`` compiles its optimizer's kernel in a
-    thread meanwhile (``launch.adamw_kernel``), not at its first step."""
-    spec = ph.spec
-    if spec.zero_stage != 0 or ph.device.type != "cuda":
-        return
-    dtype = DTYPES[spec.model.dtype]
-    Later(adamw_kernel.compile_ahead, ph.device, dtype, kernel_grad_dtype(dtype, _accumulates(spec, ph.world), ph.world))
-
-
 def _to_device_early(ph: Phase, model: nn.Module, staging: Staging | None, trainable: set[str]) -> Later[None] | None:
     """A phase started cold from the base model (the run's first): its host weights are final, so
     they go to the device in a thread while the data is prepared (1.65 s at 7B on the H200)."""
-    if staging is None or ph.spec.zero_stage == 3:
+    if staging is None or ph.backend.partitions_weights:
         return None
 
     def move() -> None:
         torch.cuda.set_device(ph.device)  # per thread
-        staging.module_to_device(model, frozenset(trainable))
+        ph.backend.place(model, ph.device, staging, frozenset(trainable))
 
     return Later(move)
+
+
+def setup_model(model: nn.Module, spec: PhaseSpec) -> nn.Module:
+    """``model`` as a phase trains it: no key-value cache; rows packed whole attending per example
+    through their position ids (``launch.data.examples``), on a GPU with flash-attn installed and a
+    half-precision model by varlen flash attention, otherwise by the model's own attention (SDPA)
+    with the block-diagonal mask transformers builds from them; gradient checkpointing where the
+    schedule asks for it."""
+    from transformers.utils import is_flash_attn_2_available
+
+    model.config.use_cache = False
+    if spec.data.layout == "whole" and torch.cuda.is_available() and spec.model.dtype != "float32" \
+            and is_flash_attn_2_available():
+        model.set_attn_implementation("flash_attention_2")
+    if spec.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def model_spec(spec: PhaseSpec) -> ModelSpec:
@@ -159,11 +159,7 @@ def model_spec(spec: PhaseSpec) -> ModelSpec:
 def host_model(ph: Phase, made: Prepared) -> None:
     """A phase that prepared to take its predecessor's state but did not (``launch.handover``):
     the host model as a phase without a handover has it, built now."""
-    model = base_model(model_spec(ph.spec), ph.prebuilt)
-    model.config.use_cache = False
-    packed_attention(model, ph.spec.data, ph.spec.model.dtype)
-    if ph.spec.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = setup_model(base_model(model_spec(ph.spec), ph.prebuilt), ph.spec)
     made.model, made.trained, made.skeleton = model, {}, False
     overlay(made, layer_weights(made.preloaded, mapped=True))
 
@@ -185,7 +181,7 @@ def _prepare_host_side(ph: Phase, made: Prepared) -> StateFiles | None:
         return None
     files = prepare_files(ph, made)
     ph.timeline.mark("t_files_prepared")
-    if made.staging is not None and ph.spec.zero_stage < 3:
+    if made.staging is not None and not ph.backend.partitions_weights:
         with ph.timeline.span("t_register_start", "t_registered"):
             registered = made.staging.register_module(made.model)
         ph.timeline.add(weights_registered=registered, register_seconds=made.staging.register_seconds)
@@ -245,13 +241,11 @@ def _toy_engine(ph: Phase, made: Prepared) -> tuple[object, int]:
     if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = config.layer_types[:1]
     with torch.device(ph.device):
-        toy = type(made.model)(config).to(DTYPES[spec.model.dtype])
-    toy.config.use_cache = False
-    if spec.model.gradient_checkpointing:
-        toy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    cfg = deepspeed_config(spec, ph.world, sum(p.numel() for p in toy.parameters()))
-    optimizer = make_optimizer([{"params": list(toy.parameters())}], spec, ph.device, ph.world, lr=0.0)
-    return initialize(toy, optimizer, cfg), cfg["gradient_accumulation_steps"]
+        toy = setup_model(type(made.model)(config).to(DTYPES[spec.model.dtype]), spec)
+    backend = ph.backend
+    cfg = backend.config(spec, ph.world, sum(p.numel() for p in toy.parameters()))
+    optimizer = backend.optimizer([{"params": list(toy.parameters())}], spec, ph.device, ph.world, lr=0.0)
+    return backend.initialize(toy, optimizer, cfg), cfg["gradient_accumulation_steps"]
 
 
 def _toy_steps(ph: Phase, made: Prepared, engine, gas: int) -> None:
@@ -267,87 +261,6 @@ def _toy_steps(ph: Phase, made: Prepared, engine, gas: int) -> None:
     flags.tolist()
 
 
-def build_engine(ph: Phase, made: Prepared, source: Source) -> Assembled:
-    """Freezes all but the head and this phase's layers and builds the DeepSpeed engine on the host
-    model, which holds the predecessor's weights by now."""
-    spec, model = ph.spec, made.model
-    trainable = set(made.head_names) | set(made.body_names)
-    for name, p in model.named_parameters():
-        p.requires_grad_(name in trainable)
-    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    ds_config = deepspeed_config(spec, ph.world, numel)
-    if made.moving is not None:
-        made.moving.result()
-    elif made.staging is not None and spec.zero_stage < 3:
-        made.staging.module_to_device(model, frozenset(trainable))  # what deepspeed.initialize would do, pinned
-    elif spec.zero_stage == 0:
-        model.to(ph.device)  # a MasterAdamW puts the trainable weights in its flat block where they are
-    ph.timeline.mark("t_on_device")
-    groups, roles = param_groups(model, set(made.head_names), set(made.body_names), spec.optimizer)
-    engine = initialize(model, make_optimizer(groups, spec, ph.device, ph.world), ds_config)
-    named = dict(engine.module.named_parameters())
-    ph.timeline.add(memory_engine=memory_now())
-    ph.timeline.mark("t_engine_built")
-    return Assembled(engine=engine, head=[(n, named[n]) for n in made.head_names],
-                     body=[(n, named[n]) for n in made.body_names], roles=roles,
-                     gas=ds_config["gradient_accumulation_steps"], source=source)
-
-
-def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict):
-    """DeepSpeed's engine on ``model``; where relayer's ``MasterAdamW`` steps it, the engine leaves
-    the gradients' reduction to it."""
-    with _no_broadcast_to_itself():
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    if isinstance(optimizer, MasterAdamW):
-        detach_engine_reduction(engine)
-    return engine
-
-
-@contextlib.contextmanager
-def _no_broadcast_to_itself():
-    """In a process group of one, DeepSpeed's engine still broadcasts every parameter from rank 0
-    to itself as it is built (``DeepSpeedEngine._broadcast_model``: 291 calls at 7B, 10 ms of a
-    switch on an H100): skipped there, changing nothing. Where the engine names it otherwise, it runs."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    if torch.distributed.get_world_size() != 1 or not hasattr(DeepSpeedEngine, "_broadcast_model"):
-        yield
-        return
-    original = DeepSpeedEngine._broadcast_model
-    DeepSpeedEngine._broadcast_model = lambda self: None
-    try:
-        yield
-    finally:
-        DeepSpeedEngine._broadcast_model = original
-
-
-def make_optimizer(groups: list[dict], spec: PhaseSpec, device: torch.device, world: int,
-                   lr: float | None = None) -> torch.optim.Optimizer:
-    """The optimizer DeepSpeed's engine steps: relayer's ``MasterAdamW`` without ZeRO
-    (``deepspeed.zero_stage = 0``), else torch's AdamW, which ZeRO wraps with its fp32 partitions."""
-    o = spec.optimizer
-    if spec.zero_stage == 0:
-        return MasterAdamW(groups, lr=o.lr if lr is None else lr, betas=o.betas, eps=o.eps,
-                           weight_decay=o.weight_decay, grad_clip=o.grad_clip, device=device, world=world,
-                           accumulate=_accumulates(spec, world))
-    return adamw(groups, o, device, lr)
-
-
-def _accumulates(spec: PhaseSpec, world: int) -> bool:
-    """Whether a step sums the gradients of several micro-batches or ranks (in fp32, ``MasterAdamW``)."""
-    d = spec.data
-    return d.batch_size // (d.micro_batch_size * world) > 1 or world > 1
-
-
-def adamw(groups: list[dict], o, device: torch.device, lr: float | None = None) -> torch.optim.AdamW:
-    """The client optimizer DeepSpeed steps: torch's AdamW, fused on CUDA (one kernel over each flat
-    fp32 partition: 4 ms of a 7B LISA step where the default multi-tensor one took 15,
-    benchmarks/results/2026-12-03-step-cost-h200), the default elsewhere."""
-    fused = True if device.type == "cuda" else None
-    return torch.optim.AdamW(groups, lr=o.lr if lr is None else lr, betas=o.betas, eps=o.eps,
-                             weight_decay=o.weight_decay, fused=fused)
-
-
 def memory_now() -> dict[str, float]:
     """Device memory on CUDA, this process's RSS elsewhere (bytes)."""
     if torch.cuda.is_available():
@@ -355,65 +268,6 @@ def memory_now() -> dict[str, float]:
         return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
                 "device_used": total - free, "device_free": free}
     return {"rss": psutil.Process().memory_info().rss}
-
-
-def param_groups(model: nn.Module, head: set[str], body: set[str], opt) -> tuple[list[dict], list[int]]:
-    """Four groups (head/body x decay/no-decay; 1-D parameters never decay), empty ones dropped.
-
-    The head and the body must not share a group: Adam's step (bias correction) is per group.
-    """
-    buckets: list[list[nn.Parameter]] = [[], [], [], []]
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        no_decay = p.ndim < 2
-        role = (HEAD_NO_DECAY if no_decay else HEAD_DECAY) if name in head else (BODY_NO_DECAY if no_decay else BODY_DECAY)
-        assert name in head or name in body, name
-        buckets[role].append(p)
-    groups, roles = [], []
-    for role, params in enumerate(buckets):
-        if params:
-            wd = 0.0 if role in (HEAD_NO_DECAY, BODY_NO_DECAY) else opt.weight_decay
-            groups.append({"params": params, "weight_decay": wd})
-            roles.append(role)
-    return groups, roles
-
-
-def deepspeed_config(spec: PhaseSpec, world: int, trainable_numel: int) -> dict:
-    d = spec.data
-    # The default 5e8-element buckets allocate GBs per gradient hook on a small model; size them to it.
-    bucket = int(min(5e8, max(5e5, trainable_numel)))
-    zero: dict = {"stage": spec.zero_stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
-    if spec.zero_stage == 3:
-        zero.update({"stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 0,
-                     "memory_efficient_linear": False})
-    cfg = {
-        "train_batch_size": d.batch_size,
-        "train_micro_batch_size_per_gpu": d.micro_batch_size,
-        "gradient_accumulation_steps": d.batch_size // (d.micro_batch_size * world),
-        "gradient_clipping": spec.optimizer.grad_clip,
-        "zero_optimization": zero,
-        "bf16": {"enabled": spec.model.dtype == "bfloat16"},
-        "fp16": {"enabled": spec.model.dtype == "float16", "initial_scale_power": 16},
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
-    merged = _merge(cfg, spec.deepspeed_config)
-    return without_zero(merged) if spec.zero_stage == 0 else merged
-
-
-def without_zero(cfg: dict) -> dict:
-    """``cfg`` for relayer's ``MasterAdamW``, which keeps the fp32 masters and clips: DeepSpeed wraps
-    nothing around it (no ZeRO, no bf16 or fp16 optimizer, no clipping of its own)."""
-    return {**cfg, "gradient_clipping": 0.0, "bf16": {"enabled": False}, "fp16": {"enabled": False},
-            "zero_optimization": {"stage": 0}}
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def hash_seed(*parts: int) -> int:

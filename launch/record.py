@@ -18,7 +18,8 @@ from torch import nn
 
 from launch.contract.files import PhaseDir
 from launch.contract.spec import PhaseSpec
-from launch.data import SampleOrder
+from launch.data.examples import SampleOrder
+from launch.engine import Backend, backend_for
 from launch.staging import Staging
 from launch.timeline import Timeline
 from shard_tools.later import Later
@@ -87,7 +88,7 @@ class Assembled:
     body: list[tuple[str, nn.Parameter]]
     """The engine's parameters of the head and of this phase's layers, by name."""
     roles: list[int]
-    """The role (``zero_state.HEAD_DECAY``...) of each of the optimizer's param groups."""
+    """The role (``engine.HEAD_DECAY``...) of each of the optimizer's param groups."""
     gas: int
     """Gradient accumulation steps."""
     source: Source
@@ -111,6 +112,8 @@ class Phase:
         self.run_dir = Path(spec.run_dir)
         self.checkpoints = Checkpoints(self.run_dir)
         self.device = device_of()
+        self.backend: Backend = backend_for(spec)
+        """The optimizer mode's: the engine's config, optimizer and state (``launch.engine``)."""
         self.timeline = Timeline(rank=rank, world_size=world, t_process_start=psutil.Process().create_time())
         """Every timing and measurement of this process: its records.json."""
         self.prebuilt = prebuilt if prebuilt is not None else {}

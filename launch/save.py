@@ -9,12 +9,11 @@ from pathlib import Path
 
 import torch
 
-from launch import zero_state
 from launch.contract import faults
 from launch.contract.spec import lr_at
 from launch.record import Phase, Prepared
 from launch.scaler import scaler_fields
-from launch.zero_state import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DECAY
+from launch.engine import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DECAY, to_host
 from shard_tools.errors import CheckpointError
 from shard_tools.later import Later
 from shard_tools.manifest import layer_of
@@ -24,10 +23,10 @@ from shard_tools.state import PhaseState, RunState, StateFiles, save_state
 def snapshot(ph: Phase) -> PhaseState:
     """The phase-end state on the device, full tensors on every rank (collectives): what a finished
     phase offers its successor (``launch.handover``) and, once answered, writes from its own memory."""
-    built = ph.built
-    zero_state.relink(built.engine)
-    head = zero_state.get_state(built.head, on_device=True)
-    masters = zero_state.get_masters(built.body, on_device=True)
+    built, backend = ph.built, ph.backend
+    backend.relink(built.engine)
+    head = backend.get_state(built.head, on_device=True)
+    masters = backend.get_masters(built.body, on_device=True)
     return _state(ph, True, head, {**ph.made.carried, **masters})
 
 
@@ -82,25 +81,25 @@ def _to_host(ph: Phase, snap: PhaseState, prepared: StateFiles | None) -> PhaseS
     """A snapshot on the device, copied into the prepared files (else into host memory)."""
     staging = ph.made.staging
     head_views, layer_views = (prepared.head, prepared.masters) if prepared is not None else ({}, {})
-    snap.head = {k: {n: zero_state.to_host(t, t.shape, head_views.get(k, {}).get(n), staging)
+    snap.head = {k: {n: to_host(t, t.shape, head_views.get(k, {}).get(n), staging)
                      for n, t in by_name.items()} for k, by_name in snap.head.items()}
-    snap.masters = {n: zero_state.to_host(t, t.shape, layer_views.get(n), staging) for n, t in snap.masters.items()}
+    snap.masters = {n: to_host(t, t.shape, layer_views.get(n), staging) for n, t in snap.masters.items()}
     return snap
 
 
 def _gather(ph: Phase, phase_complete: bool, prepared: StateFiles | None) -> PhaseState | None:
     """The phase's state in full on rank 0 (None on the others, which only take part)."""
-    built, writer = ph.built, ph.rank == 0
+    built, backend, writer = ph.built, ph.backend, ph.rank == 0
     head_into, masters_into = (prepared.head, prepared.masters) if prepared is not None else ({}, {})
     gather = {"keep": writer, "staging": ph.made.staging}
-    zero_state.relink(built.engine)
-    head = zero_state.get_state(built.head, into=head_into, **gather)
+    backend.relink(built.engine)
+    head = backend.get_state(built.head, into=head_into, **gather)
     if phase_complete:
-        masters, body = zero_state.get_masters(built.body, into=masters_into, **gather), None
+        masters, body = backend.get_masters(built.body, into=masters_into, **gather), None
     else:
-        body = zero_state.get_state(built.body, into={"master": masters_into}, **gather)
+        body = backend.get_state(built.body, into={"master": masters_into}, **gather)
         masters = body.pop("master", {})
-    carried = {n: zero_state.to_host(t, t.shape, None, ph.made.staging) for n, t in ph.made.carried.items()} \
+    carried = {n: to_host(t, t.shape, None, ph.made.staging) for n, t in ph.made.carried.items()} \
         if writer else {}
     state = _state(ph, phase_complete, head, {**carried, **masters}, body)  # collectives: every rank
     return state if writer else None
@@ -117,7 +116,7 @@ def _state(ph: Phase, phase_complete: bool, head: dict, masters: dict, body: dic
 
 def _steps(ph: Phase) -> tuple[int, int]:
     """The head's and the body's optimizer steps."""
-    steps = zero_state.group_steps(ph.built.engine)
+    steps = ph.backend.group_steps(ph.built.engine)
     roles = ph.built.roles
     by_role = dict(zip(roles, range(len(roles))))
     head_step = max(steps.get(by_role.get(r, -1), 0) for r in (HEAD_DECAY, HEAD_NO_DECAY))
@@ -148,7 +147,7 @@ def run_state(ph: Phase) -> RunState:
         torch.distributed.all_gather(gathered, cpu_state)
     rng.update({f"cpu.rank{r}": t for r, t in enumerate(gathered)})
     return RunState(data_position=ph.step * ph.spec.data.batch_size, rng=rng,
-                    scaler=scaler_fields(getattr(ph.built.engine.optimizer, "loss_scaler", None)))
+                    scaler=scaler_fields(ph.backend.loss_scaler(ph.built.engine)))
 
 
 def prepare_files(ph: Phase, made: Prepared) -> StateFiles | None:
@@ -156,7 +155,7 @@ def prepare_files(ph: Phase, made: Prepared) -> StateFiles | None:
     the other ranks, and where they cannot be made (the checkpoint is then written without)."""
     if ph.rank != 0:
         return None
-    shapes = zero_state.full_shapes(list(made.model.named_parameters()))
+    shapes = ph.backend.full_shapes(list(made.model.named_parameters()))
     try:
         return StateFiles(ph.run_dir, {n: shapes[n] for n in made.head_names}, {n: shapes[n] for n in made.body_names},
                           list(ph.spec.layers), made.origin.layers_attr)

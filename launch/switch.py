@@ -1,6 +1,6 @@
 """The switch to a phase: a pre-warmed process waits for its go (``await_go``), reads what its
 predecessor changed into the host model (``read_delta``, early where it can), builds the engine
-(``assemble``) and puts the carried optimizer state in (``restore``)."""
+(``assemble``, ``build_engine``) and puts the carried optimizer state in (``restore``)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from launch import handover, procs, zero_state
-from launch.prepare import build_engine, host_model, memory_now, overlay
+from launch import handover, procs
+from launch.prepare import host_model, memory_now, overlay
 from launch.record import Assembled, Phase, Source
 from launch.scaler import restore_scaler
-from launch.zero_state import HEAD_DECAY, HEAD_NO_DECAY
+from launch.engine import HEAD_DECAY, HEAD_NO_DECAY, MOMENTS, param_groups
 from shard_tools.checkpoint import populate_pages
 from shard_tools.errors import CheckpointError
 from shard_tools.later import Later
@@ -99,7 +99,7 @@ def read_delta(ph: Phase, restore: Path, early: bool = False) -> Delta | None:
     made.preloaded = sources
     if early:
         ph.timeline.add(t_early_read_start=t0, t_early_read_end=time.time(), t_early_read_layers=t_layers)
-    moments = [t for k in zero_state.MOMENTS for t in carried.head[k].values()]
+    moments = [t for k in MOMENTS for t in carried.head[k].values()]
     return Delta(restore, manifest, carried, Later(populate_pages, moments))
 
 
@@ -126,31 +126,55 @@ def assemble(ph: Phase, go: Go, delta: Delta | None) -> Assembled:
     return build_engine(ph, made, source)
 
 
+def build_engine(ph: Phase, made: Prepared, source: Source) -> Assembled:
+    """Freezes all but the head and this phase's layers and builds the DeepSpeed engine on the host
+    model, which holds the predecessor's weights by now."""
+    spec, model, backend = ph.spec, made.model, ph.backend
+    trainable = frozenset(made.head_names) | frozenset(made.body_names)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in trainable)
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    ds_config = backend.config(spec, ph.world, numel)
+    if made.moving is not None:
+        made.moving.result()
+    else:
+        backend.place(model, ph.device, made.staging, trainable)
+    ph.timeline.mark("t_on_device")
+    groups, roles = param_groups(model, set(made.head_names), set(made.body_names), spec.optimizer)
+    engine = backend.initialize(model, backend.optimizer(groups, spec, ph.device, ph.world), ds_config)
+    named = dict(engine.module.named_parameters())
+    ph.timeline.add(memory_engine=memory_now())
+    ph.timeline.mark("t_engine_built")
+    return Assembled(engine=engine, head=[(n, named[n]) for n in made.head_names],
+                     body=[(n, named[n]) for n in made.body_names], roles=roles,
+                     gas=ds_config["gradient_accumulation_steps"], source=source)
+
+
 def restore(ph: Phase) -> None:
     """Head optimizer state carries on; body state too only when resuming inside its phase."""
-    made, built = ph.made, ph.built
+    made, built, backend = ph.made, ph.built, ph.backend
     m = built.source.carried
     if m is None:
         return
     same_phase = not m.phase_complete and m.phase == ph.spec.phase
     body_step = m.body_step if same_phase else 0
     steps = [m.head_step if role in (HEAD_DECAY, HEAD_NO_DECAY) else body_step for role in built.roles]
-    zero_state.materialise(built.engine, steps)
+    backend.materialise(built.engine, steps)
     if built.source.populating is not None:
         built.source.populating.result()
         built.source.populating = None
         ph.timeline.mark("t_head_populated")
-    zero_state.set_state(built.head, m.head, with_moments=True, staging=made.staging)
+    backend.set_state(built.head, m.head, with_moments=True, staging=made.staging)
     ph.timeline.mark("t_head_set")
     body_masters = {n: made.trained[n] for n, _ in built.body if n in made.trained}
     if same_phase:
-        zero_state.set_state(built.body, {**m.body, "master": body_masters}, with_moments=True)
+        backend.set_state(built.body, {**m.body, "master": body_masters}, with_moments=True)
     else:
         fresh = [(n, p) for n, p in built.body if n in body_masters]
-        zero_state.set_state(fresh, {"master": body_masters}, with_moments=False, staging=made.staging)
-    zero_state.refresh_lp(built.engine)
+        backend.set_state(fresh, {"master": body_masters}, with_moments=False, staging=made.staging)
+    backend.refresh_lp(built.engine)
     # The loss scale carries across phases like the head's state does.
-    restore_scaler(getattr(built.engine.optimizer, "loss_scaler", None), m.run.scaler)
+    restore_scaler(backend.loss_scaler(built.engine), m.run.scaler)
     if same_phase:
         _restore_rng(ph, m.run.rng)
     built.source.carried = None  # on the device now; the mapping of the head file can go

@@ -14,12 +14,11 @@ from pathlib import Path
 import psutil
 import torch
 
-from launch import procs, zero_state
+from launch import procs
 from launch.contract import faults
-from launch.contract.data import DataPart
 from launch.contract.files import RunDir
 from launch.contract.spec import lr_at
-from launch.data import micro_batch, rows, step_targets
+from launch.data.examples import micro_batch, rows, step_targets
 from launch.profiling import step_profile
 from launch.record import Phase
 from launch.save import prepare_files, save
@@ -105,7 +104,7 @@ def _accumulate(ph: Phase, lr: float) -> tuple[float, int]:
     all has zero gradients and is still an optimizer step (Adam's moments carry on, the step
     counts); its loss is logged as 0.0 with target_tokens 0."""
     d, made, engine, gas = ph.spec.data, ph.made, ph.built.engine, ph.built.gas
-    for g in zero_state.base_optimizer(engine).param_groups:
+    for g in ph.backend.param_groups(engine):
         g["lr"] = lr
     loss_sum = 0.0
     n_global = step_targets(made.examples, made.order, ph.step, d.batch_size)
@@ -188,13 +187,3 @@ def token_loss(engine, batch: dict[str, torch.Tensor], device: torch.device) -> 
         return engine(**batch).loss, count
     logits = engine(**{k: v for k, v in batch.items() if k != "labels"}).logits
     return logits.sum() * 0.0, 0
-
-
-def packed_attention(model, data: DataPart, dtype: str) -> None:
-    """Rows packed whole attend per example through their position ids (``launch.data``): on a GPU
-    with flash-attn installed and a half-precision model, by varlen flash attention; otherwise the
-    model's own attention (SDPA) with the block-diagonal mask transformers builds from them."""
-    from transformers.utils import is_flash_attn_2_available
-
-    if data.layout == "whole" and torch.cuda.is_available() and dtype != "float32" and is_flash_attn_2_available():
-        model.set_attn_implementation("flash_attention_2")

@@ -171,7 +171,7 @@ def _echo_data_line(loaded, phases, data: dict) -> None:
 
 def _source_line(src: dict) -> str:
     """One data file as ``data`` and ``plan`` name it: records, held out, drawn, its chat template
-    and how its assistant turns were marked (``launch.chat``)."""
+    and how its assistant turns were marked (``launch.data.chat``)."""
     parts = [f"{src['records']} records"] + [f"{src['held_out']} held out"] * bool(src["held_out"])
     if src["key"] != "data.validation_path":
         parts.append(f"weight {src['weight']:g}: {src['examples']} examples an epoch")

@@ -54,7 +54,7 @@ class Committer:
 
 class Cadence:
     """``checkpoint.every_seconds``: whether a phase that hands its state over to a successor that
-    takes it writes its end checkpoint. ``defer`` is asked at each such go; ``wrote`` is told of
+    takes it writes its end checkpoint. ``due`` is asked at each such go; ``wrote`` is told of
     every go (or cold start) whose predecessor writes one. ``base``: the newest checkpoint written
     or being written, which the phases pre-warmed from now on preload (a deferred phase end's
     checkpoint never exists)."""
@@ -62,8 +62,9 @@ class Cadence:
     def __init__(self, every_seconds: float, base: Path | None):
         self.every, self.base, self.at = every_seconds, base, time.monotonic()
 
-    def defer(self) -> bool:
-        return self.every > 0 and time.monotonic() - self.at < self.every
+    def due(self) -> bool:
+        """every_seconds have passed since the newest checkpoint written (always, with every_seconds = 0)."""
+        return self.every <= 0 or time.monotonic() - self.at >= self.every
 
     def wrote(self, restore: Path | None) -> None:
         self.base, self.at = restore, time.monotonic()

@@ -1,4 +1,4 @@
-"""The data step: ``python -m launch.datatool`` prepares and checks the data in a subprocess (the
+"""The data step: ``python -m launch.data.tool`` prepares and checks the data in a subprocess (the
 orchestrator never imports datasets or transformers) and answers with JSON.
 
 - ``orchestrator data`` and ``orchestrator plan`` prepare into a temporary directory, removed after;

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from launch.contract.dsconfig import by_dotted_key, derived
 from orchestrator.errors import ScheduleError
 from orchestrator.libfacts import deepspeed_refusal
 from orchestrator.modelcheck import need_file, resolve_path
@@ -59,11 +60,11 @@ def deepspeed_config(sched: Schedule, base: Path, source: Path, phases: list[Pha
     for section in MERGED_TABLES:
         if section in table and not isinstance(table[section], dict):
             raise ScheduleError(f"{where}{section}: expected a table (merged into relayer's), got {_show(table[section])}")
-    derived = _derived(sched, phases)
-    for dotted, by in DERIVED.items():
-        value = _get(table, dotted)
-        if value is not _MISSING and value != AUTO and (dotted not in derived or value != derived[dotted]):
-            raise ScheduleError(f"{where}{dotted}: set by {by}; set it there")
+    ours = planned(sched, phases)
+    for key, by in DERIVED.items():
+        value = _get(table, key)
+        if value is not _MISSING and value != AUTO and (key not in ours or value != ours[key]):
+            raise ScheduleError(f"{where}{key}: set by {by}; set it there")
     return _without_auto(table)
 
 
@@ -110,16 +111,14 @@ def _no_constant(name: str) -> float:
     raise ValueError(f"expected a finite number, got {name}")
 
 
-def _derived(sched: Schedule, phases: list[Phase]) -> dict[str, Any]:
-    """What relayer sets the keys to; gradient_accumulation_steps only where every phase agrees."""
-    d, dtype = sched.data, sched.model.dtype
-    out = {"train_batch_size": d.batch_size, "train_micro_batch_size_per_gpu": d.micro_batch_size,
-           "gradient_clipping": sched.optimizer.grad_clip, "zero_optimization.stage": sched.deepspeed.zero_stage,
-           "bf16.enabled": dtype == "bfloat16", "fp16.enabled": dtype == "float16"}
-    steps = {d.batch_size // (d.micro_batch_size * p.nproc * sched.launch.nnodes) for p in phases}
-    if len(steps) == 1:
-        out["gradient_accumulation_steps"] = steps.pop()
-    return out
+def planned(sched: Schedule, phases: list[Phase]) -> dict[str, Any]:
+    """What relayer sets the derived keys to (``launch.contract.dsconfig.derived``), by dotted key;
+    those that differ between phases (gradient_accumulation_steps, with the process count) left out."""
+    d = sched.data
+    each = [by_dotted_key(derived(batch_size=d.batch_size, micro_batch_size=d.micro_batch_size,
+                                  world=p.nproc * sched.launch.nnodes, grad_clip=sched.optimizer.grad_clip,
+                                  zero_stage=sched.deepspeed.zero_stage, dtype=sched.model.dtype)) for p in phases]
+    return {k: v for k, v in each[0].items() if all(e[k] == v for e in each)}
 
 
 _MISSING = object()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from launch.contract.cadence import end_writes
 from launch.contract.files import RunDir
 
 from orchestrator import backstop, devmem, final, procs
@@ -363,7 +364,8 @@ class Runner:
         to go (naming the predecessor, which hands its state over), else a new one."""
         work, group, predecessor = switch.work, self._prewarmed(switch.work), switch.predecessor
         # Where the predecessor hands its state over to a group that takes it, its end may write nothing.
-        defer = predecessor is not None and group is not None and group.takes and self.cadence.defer()
+        takes = predecessor is not None and group is not None and group.takes
+        defer = not end_writes(due=self.cadence.due(), takes=takes)
         if not defer:
             self.cadence.wrote(work.restore)
         if group is None:

@@ -28,6 +28,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from launch.contract.cadence import end_writes
 from launch.contract.files import DATA_CACHE
 from orchestrator.errors import ScheduleError
 from orchestrator.estimate import (
@@ -77,7 +78,8 @@ def carries(loaded: LoadedSchedule) -> bool:
     """Whether a phase end may write no checkpoint, its successor carrying its layers on
     (``checkpoint.every_seconds`` with a handover)."""
     s = loaded.schedule
-    return s.checkpoint.every_seconds > 0 and s.launch.handover != "off" and s.launch.prewarm and s.launch.nnodes == 1
+    hands_over = s.launch.handover != "off" and s.launch.prewarm and s.launch.nnodes == 1
+    return not end_writes(due=s.checkpoint.every_seconds == 0, takes=hands_over)
 
 
 def write_rate(loaded: LoadedSchedule, phases: list[Phase]) -> str | None:

@@ -375,7 +375,7 @@ class Supervisor:
         records = {**PhaseDir(phase_dir).read_records(), **getattr(proc, "times", {}), "t_gone": t_gone}
         store = self.ctx.checkpoints
         end = store.at(ph.end_step)
-        written = records.get("checkpoint_written") is not False  # else its successor carries its state on
+        written = PhaseDir(phase_dir).end_written()  # else its successor carries its state on
         # Stopped also where every rank was signalled from outside (scancel --signal=TERM) and wrote its
         # checkpoint; not where this reap signalled them (their launcher died: a fault).
         ranks = {rec.pid for rec in PhaseDir(phase_dir).pid_records(RANK)}

@@ -66,6 +66,20 @@ def test_lower_packages_never_import_the_control_plane(path):
     assert not {n for n in _imports(path) if n.split(".")[0] == "orchestrator"}
 
 
+DATA_MAY_IMPORT = ("launch.data", "launch.contract", "launch.procs")
+"""The data pipeline's own modules, the contract, and a process's own life (the data tool runs as one)."""
+
+
+def test_the_data_pipeline_stands_apart_from_the_phase():
+    """``launch/data/``, read by the orchestrator's data step and by every phase, imports nothing of
+    the phase's engine, switch or handover."""
+    modules = sorted((ROOT / "launch" / "data").glob("*.py"))
+    assert len(modules) > 1
+    stray = {f"{p.name}: {n}" for p in modules for n in _imports(p)
+             if n.split(".")[0] == "launch" and not n.startswith(DATA_MAY_IMPORT)}
+    assert not stray
+
+
 def module_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
     """Module -> the modules of ``packages`` it imports, at any depth of the file: inside functions
     and under ``if TYPE_CHECKING`` too (a circle of type-only imports is a circle to read)."""

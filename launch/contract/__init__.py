@@ -7,6 +7,10 @@ package imports nothing of ``launch/`` but itself (tests/orchestrator/test_bound
   do, and the learning rate of a step (both sides must agree on it);
 - ``files``: the run and phase directories' files that both sides use, with their one writer and
   one reader;
+- ``cadence``: whether a phase end writes its checkpoint (``checkpoint.every_seconds``), decided
+  in one place for the plan, the go and the successor;
+- ``dsconfig``: the DeepSpeed config relayer derives from the schedule, for the plan's checks and
+  the phase's engine alike;
 - ``channels``: the modules the orchestrator starts launch's processes as, and the framing of
   the two FIFOs (the fork server's requests, a pre-warmed phase's go).
 """

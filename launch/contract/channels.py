@@ -19,8 +19,8 @@ FORK_SERVER = "launch.zygote"
 ``python -m launch.zygote --early``: one started before the run has a spec, which imports what every
 phase imports meanwhile and then reads ``FORK_SERVER_START`` on stdin (EOF: not needed, it exits)."""
 EARLY = "--early"
-DATA_TOOL = "launch.datatool"
-"""``python -m launch.datatool``: prepares and checks the data; the request on stdin, the answer on
+DATA_TOOL = "launch.data.tool"
+"""``python -m launch.data.tool``: prepares and checks the data; the request on stdin, the answer on
 stdout, both JSON."""
 
 

@@ -18,7 +18,7 @@ FIELDS: dict[DataFormat, tuple[str, ...]] = {
     "chat": ("messages", "conversations")}
 """Per format, the record fields ``data.fields`` may rename (the names here are the defaults)."""
 TEMPLATE_NAMES = ("llama3", "chatml", "qwen2.5", "mistral", "gemma", "phi3")
-"""``data.chat_template`` values that name a template written here (``launch.templates``), for base
+"""``data.chat_template`` values that name a template written here (``launch.data.templates``), for base
 models whose tokenizer has none."""
 Layout = Literal["pad", "stream", "whole"]
 

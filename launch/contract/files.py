@@ -202,6 +202,12 @@ class PhaseDir:
     def read_answer(self, rank: int) -> Answer | None:
         return _read(Answer, self.answer_path(rank))
 
+    def end_written(self) -> bool:
+        """Whether this phase's end wrote its checkpoint: rank 0 writes it, unless its offer was
+        answered taken and carried on (``Answer.write``); every rank is answered alike."""
+        answer = self.read_answer(0)
+        return answer is None or answer.end_written
+
     def append_stage(self, name: str) -> None:
         with os.fdopen(open_append(self.stages), "a") as f:
             f.write(json.dumps({"time": time.time(), "stage": name}) + "\n")
@@ -219,6 +225,26 @@ class TensorRef(_Record):
     offset: int
 
 
+class Carried(_Record):
+    """What an offer carries on besides its tensors: what the predecessor's checkpoint (its
+    manifest and state file) would tell the successor."""
+
+    phase: int
+    global_step: int
+    """The step the predecessor ended at."""
+    layers: list[int]
+    head_step: int
+    body_step: int
+    """Adam's steps of the head and of the predecessor's layers."""
+    scaler: dict[str, float]
+    """The loss scaler's fields (``launch.scaler``); {} without one."""
+    restore: str | None
+    """The checkpoint the predecessor started from: the successor's wait for it where the
+    predecessor's end writes none."""
+    end: str
+    """The checkpoint the predecessor is about to commit at its end."""
+
+
 class Offer(_Record):
     """handover/offer-rank-N.json: rank N's state for the successor's rank N, where it lies: its
     weights, buffers and fp32 state, named as ``launch.handover`` packs them."""
@@ -230,9 +256,7 @@ class Offer(_Record):
     blocks: list[dict[str, Any]]
     """Per shared block, how to map it: CUDA IPC's fields (bytes in base64), or offset and size."""
     tensors: list[TensorRef]
-    carried: dict[str, Any]
-    """What a checkpoint's manifest and state file would tell the successor: the steps, the loss
-    scale, the checkpoint the predecessor is about to commit."""
+    carried: Carried
 
 
 class Answer(_Record):
@@ -244,7 +268,12 @@ class Answer(_Record):
     reason: str = ""
     write: bool = True
     """False: taken, and the successor carries what this phase trained on to its own checkpoint
-    (``checkpoint.every_seconds``): this phase's end writes none."""
+    (``checkpoint.every_seconds``, ``launch.contract.cadence``): this phase's end writes none."""
+
+    @property
+    def end_written(self) -> bool:
+        """Whether the offering phase's end writes its checkpoint."""
+        return not self.taken or self.write
 
 
 def write_reason(path: Path, error: BaseException) -> None:

@@ -16,7 +16,7 @@ import torch
 import transformers
 from transformers import AutoTokenizer
 
-from launch.data import DataError, Examples, SampleOrder, load_examples, micro_batch, prepare
+from launch.data.examples import DataError, Examples, SampleOrder, load_examples, micro_batch, prepare
 from launch.contract.data import DataPart, SourcePart
 from tests.conftest import ROOT
 

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from launch import dataprep, formats
-from launch.data import DataError, SampleOrder, load_examples, micro_batch, prepare, read_stats, training_rows
+from launch.data import cache as dataprep, formats
+from launch.data.examples import DataError, SampleOrder, load_examples, micro_batch, prepare, read_stats, training_rows
 from launch.contract.data import DataPart, SourcePart
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|>\n{% endfor %}"
@@ -381,7 +381,7 @@ def test_every_source_has_the_record_checks_and_the_template_budget(tmp_path, to
 def test_a_source_without_target_tokens_is_refused_naming_it(tmp_path):
     """Among several sources, one whose rows carry no loss is refused by its key (its weight buys
     nothing), as the whole training data without one is."""
-    from launch import datatool
+    from launch.data import tool as datatool
 
     good = write_jsonl(tmp_path / "good.jsonl", [{"input_ids": [1, 2, 3]}] * 2)
     none = write_jsonl(tmp_path / "none.jsonl", [{"input_ids": [1, 2, 3], "labels": [-100, -100, -100]}] * 2)

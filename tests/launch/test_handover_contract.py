@@ -1,14 +1,16 @@
 """The handover's files in a phase directory (launch.contract): offers and answers round trip,
 the first answer stands, they are private to the owner, and the go names the offering phase."""
 
+import itertools
 import json
 import stat
 
 import pytest
 from pydantic import ValidationError
 
+from launch.contract.cadence import end_writes
 from launch.contract.channels import GO
-from launch.contract.files import Answer, Offer, PhaseDir, TensorRef
+from launch.contract.files import Answer, Carried, Offer, PhaseDir, TensorRef
 
 
 def offer(pid: int = 42) -> Offer:
@@ -18,7 +20,9 @@ def offer(pid: int = 42) -> Offer:
                       offset=3072)]
     return Offer(pid=pid, device="GPU-0f1e", transport="cuda",
                  blocks=[{"device": 0, "handle": "aGFuZGxl", "size": 18432, "offset": 0, "event_sync": True}],
-                 tensors=refs, carried={"head_step": 10, "restore": None, "scaler": {"loss_scaler/scale": [1.0]}})
+                 tensors=refs, carried=Carried(phase=0, global_step=10, layers=[0], head_step=10, body_step=10,
+                                               scaler={"cur_scale": 65536.0}, restore=None,
+                                               end="/runs/a/checkpoints/step-00000010"))
 
 
 def test_offer_round_trips_and_is_private(tmp_path):
@@ -88,3 +92,23 @@ def test_clear_removes_an_earlier_attempts_handover(tmp_path):
     d.blob_path(0).write_bytes(b"\0" * 64)
     d.clear()
     assert not d.handover.exists()
+
+
+@pytest.mark.parametrize("answer, written", [
+    (None, True),  # offered to no successor, or never answered
+    (Answer(taken=True, by="successor", write=False), False),  # taken and carried on (checkpoint.every_seconds)
+    (Answer(taken=True, by="successor"), True),
+    (Answer(taken=False, by="orchestrator", write=False), True),
+])
+def test_rank_0s_answer_says_whether_the_phase_end_was_written(tmp_path, answer, written):
+    d = PhaseDir(tmp_path)
+    if answer is not None:
+        d.write_answer(0, answer)
+    d.write_answer(1, Answer(taken=True, by="successor", write=not written))  # ranks are answered alike
+    assert d.end_written() is written
+
+
+def test_an_end_writes_unless_none_is_due_and_its_successor_takes_and_carries_it_on():
+    skips = [(due, takes, carries) for due, takes, carries in itertools.product([False, True], repeat=3)
+             if not end_writes(due=due, takes=takes, carries=carries)]
+    assert skips == [(False, True, True)]

@@ -1,6 +1,6 @@
 """relayer's optimizer without ZeRO (``launch.master_adamw``) against torch's AdamW and
 ``clip_grad_norm_`` on fp32 weights, in one process: the same steps bitwise where nothing rounds
-differently, and its state where ``launch.zero_state`` reads and writes it."""
+differently, and its state where ``launch.engine.MasterBackend`` reads and writes it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from launch import zero_state
+from launch.engine import MasterBackend
 from launch.master_adamw import ALIGN, MasterAdamW, slot_of
 
 
@@ -88,7 +88,7 @@ def test_low_precision_weights_are_the_masters_rounded_in_one_block():
 
 
 class _Engine:
-    """What ``launch.zero_state`` sees of a DeepSpeed engine without ZeRO: its optimizer."""
+    """What ``launch.engine.MasterBackend`` sees of a DeepSpeed engine without ZeRO: its optimizer."""
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
@@ -98,21 +98,21 @@ def test_zero_state_reads_and_writes_its_views():
     net = _net()
     opt = MasterAdamW(_groups(net, 0.0), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, grad_clip=1.0,
                       device=torch.device("cpu"))
-    engine = _Engine(opt)
+    engine, backend = _Engine(opt), MasterBackend()
     _train(net, opt.step, 2, 1, clip_tail=False)
     named = [(n, p) for n, p in net.named_parameters() if slot_of(p) is not None]
-    state = zero_state.get_state(named, on_device=True)
+    state = backend.get_state(named, on_device=True)
     assert state["master"]["0.weight"].data_ptr() == slot_of(net[0].weight).master.data_ptr()  # no copy
     assert float(state["exp_avg_sq"]["0.weight"].abs().sum()) > 0
-    zero_state.materialise(engine, [5, 7])
-    assert zero_state.group_steps(engine) == {0: 5, 1: 7}
+    backend.materialise(engine, [5, 7])
+    assert backend.group_steps(engine) == {0: 5, 1: 7}
     assert float(opt.moments.abs().sum()) == 0
     new = {k: {n: torch.full_like(t, 0.5) for n, t in by.items()} for k, by in state.items()}
-    zero_state.set_state(named, new, with_moments=True)
-    zero_state.refresh_lp(engine)
+    backend.set_state(named, new, with_moments=True)
+    backend.refresh_lp(engine)
     assert all(bool((p == 0.5).all()) for _, p in named)
     assert bool((slot_of(net[2].bias).exp_avg == 0.5).all())
-    assert zero_state.base_optimizer(engine) is opt
+    assert backend.param_groups(engine) is opt.param_groups
 
 
 def _kernel_device() -> torch.device:

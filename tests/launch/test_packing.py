@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from launch.contract.data import DataPart, SourcePart
-from launch.data import SampleOrder, load_examples, micro_batch, prepare, read_stats, rows
-from launch.rows import IGNORE, best_fit
+from launch.data.examples import SampleOrder, load_examples, micro_batch, prepare, read_stats, rows
+from launch.data.rows import IGNORE, best_fit
 from tests.conftest import VOCAB, make_llama
 
 

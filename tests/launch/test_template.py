@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from launch import dataprep, template
-from launch.data import DataError, prepare
-from launch.template import BudgetExceeded, Renderer, TemplateFault
+from launch.data import cache as dataprep, template
+from launch.data.examples import DataError, prepare
+from launch.data.template import BudgetExceeded, Renderer, TemplateFault
 from tests.launch.test_dataprep import CHAT, TEMPLATE, _tokenizer, part
 
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"

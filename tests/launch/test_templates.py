@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from launch.chat import render_chat
+from launch.data.chat import render_chat
 from launch.contract.data import DataPart, SourcePart
-from launch.data import DataError, prepare, read_stats
-from launch.formats import Conversation, Encoder
-from launch.rows import IGNORE
-from launch.templates import MARKERS, TEMPLATES
+from launch.data.examples import DataError, prepare, read_stats
+from launch.data.formats import Conversation, Encoder
+from launch.data.rows import IGNORE
+from launch.data.templates import MARKERS, TEMPLATES
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"},
         {"role": "assistant", "content": "hi friend"}, {"role": "user", "content": "how are you"},

@@ -125,8 +125,8 @@ def test_random_chat_templates_render_or_fail_in_one_line_within_budget(seed, mo
     TemplateFault line naming the key, within the budget; never another exception, never a hang."""
     import time
 
-    from launch import template
-    from launch.template import Renderer, TemplateFault
+    from launch.data import template
+    from launch.data.template import Renderer, TemplateFault
 
     monkeypatch.setattr(template, "SECONDS", 0.3)
     Renderer("", {}, "data.chat_template")  # transformers imported before the clock runs
@@ -151,8 +151,8 @@ def random_value(rng: random.Random):
 def test_random_token_records_are_checked_never_narrowed(seed):
     """Every ``tokens`` record the checks pass holds ids below the vocabulary (and labels below it
     or -100), aligned: what the int32 cache keeps exactly; any other is one reason, never a raise."""
-    from launch.records import token_fault
-    from launch.rows import IGNORE
+    from launch.data.records import token_fault
+    from launch.data.rows import IGNORE
 
     rng = random.Random(seed)
     for case in range(300):

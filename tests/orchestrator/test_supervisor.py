@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from launch.contract.files import Offer, PhaseDir
+from launch.contract.files import Carried, Offer, PhaseDir
 from orchestrator.errors import PhaseFailed, Preempted
 from orchestrator.groups import Group, PhaseProcesses, Work
 from orchestrator.quiet import Pauser
@@ -248,8 +248,10 @@ def offering(run: Harness, proc) -> Supervisor:
     sup._start()
     run.log(step=13, phase=1, loss=2.0)
     assert sup._watch() and sup.state is State.ENDING
+    carried = Carried(phase=1, global_step=20, layers=[1], head_step=20, body_step=10, scaler={}, restore=None,
+                      end=str(run.run_dir / "checkpoints" / "step-00000020"))
     PhaseDir(g1.phase_dir).write_offer(0, Offer(pid=proc.pid, device="host", transport="host", blocks=[], tensors=[],
-                                                carried={}))
+                                                carried=carried))
     assert not sup._watch() and sup.state is State.HANDING_OVER
     return sup
 

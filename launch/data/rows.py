@@ -63,7 +63,7 @@ def whole(ids, labels, lengths, seq_len, stats):
     """Examples packed whole into rows, in their order, each into the row it fills best (best fit);
     one longer than ``seq_len`` is cut to a row of its own. Each example's first token is no target
     and its positions restart at 0; the padding after a row's last example counts from 0 again,
-    so every example and the padding is a block of its own for the attention (``launch.data``)."""
+    so every example and the padding is a block of its own for the attention (``launch.data.examples``)."""
     kept = np.minimum(lengths, seq_len)
     row, col = best_fit(kept, seq_len)
     out_ids, out_labels = _place(ids, labels, lengths, kept, row, col, seq_len)

@@ -1,9 +1,9 @@
-"""The orchestrator's data step, run as ``python -m launch.datatool`` (the orchestrator imports no
+"""The orchestrator's data step, run as ``python -m launch.data.tool`` (the orchestrator imports no
 datasets or transformers): prepares the training and validation data into a cache, checks it
 against the model and prints what the run will see as one JSON object on stdout.
 
     echo '{"data": {...DataPart...}, "tokenizer": "model", "cache_root": "RUN/data-cache",
-           "vocab_size": 384, "show": 2}' | python -m launch.datatool
+           "vocab_size": 384, "show": 2}' | python -m launch.data.tool
 
 Output: ``{"stats": read_stats(...), "rows": [{"text", "target", "input_ids", "target_ids"}, ...]}``
 (``rows``: the first ``show`` training rows in the run's order; ``text`` and ``target`` are null
@@ -19,15 +19,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launch.dataprep import IGNORE, RECORDS, DataError, load_tokenizer, prepare, read_stats
+from launch.data.cache import IGNORE, RECORDS, DataError, load_tokenizer, prepare, read_stats
 from launch.contract.data import DataPart
-from launch.records import where
+from launch.data.records import where
 from shard_tools.tokenizer import TOKENIZER_FILES
 
 
 def inspect(req: dict[str, Any]) -> dict[str, Any]:
     """Prepares and checks the data of one request (the module docstring's object)."""
-    from launch.data import SampleOrder, load_examples, training_rows
+    from launch.data.examples import SampleOrder, load_examples, training_rows
 
     data = DataPart.model_validate(req["data"])
     tokenizer, root = req.get("tokenizer"), Path(req["cache_root"])

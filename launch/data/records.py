@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.contract.data import SourcePart
-from launch.rows import IGNORE
+from launch.data.rows import IGNORE
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow", ".txt")
 ID_LIMIT = 2 ** 31

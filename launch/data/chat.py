@@ -2,7 +2,7 @@
 
     text, spans, marking = render_chat(tok, messages)   # spans: [(start, end)] characters of text
 
-Every rendering goes through a ``launch.template.Renderer`` (the tokenizer's template under a time
+Every rendering goes through a ``launch.data.template.Renderer`` (the tokenizer's template under a time
 and size budget; one compiled for many records is passed in); ``tok`` only tokenizes.
 
 The text is always the template's rendering of the whole conversation. The assistant turns are
@@ -26,8 +26,8 @@ from __future__ import annotations
 import os
 import re
 
-from launch.records import DataError
-from launch.template import Renderer
+from launch.data.records import DataError
+from launch.data.template import Renderer
 
 GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _STAND_INS = ("a", "b")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from launch.contract.data import TEMPLATE_NAMES, SourcePart, is_template_path
-from launch.records import DataError
+from launch.data.records import DataError
 
 _SYSTEM_FIRST = "{% set system = messages[0].content if messages[0].role == 'system' else none %}"
 _CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"

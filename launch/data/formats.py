@@ -16,17 +16,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from launch.contract import faults
-from launch.chat import render_chat
+from launch.data.chat import render_chat
 from launch.contract.data import SourcePart
-from launch.records import DataError, token_fault
-from launch.rows import IGNORE
-from launch.template import BudgetExceeded, Renderer, TemplateFault
+from launch.data.records import DataError, token_fault
+from launch.data.rows import IGNORE
+from launch.data.template import BudgetExceeded, Renderer, TemplateFault
 
 ALPACA = ("Below is an instruction that describes a task{context}. Write a response that appropriately completes "
           "the request.\n\n### Instruction:\n{instruction}\n\n{input}### Response:\n")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 MARKINGS = ("", "prefixes", "turn by turn", "generation marks")
-"""How a record's assistant turns were found (``launch.chat``), by its number in the ``marking`` column."""
+"""How a record's assistant turns were found (``launch.data.chat``), by its number in the ``marking`` column."""
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ class Encoder:
     """``datasets.map`` function: a batch of records -> input_ids, labels, how the turns were marked
     (``MARKINGS``) and an error per record (a string, empty when the record is fine: an exception
     inside a worker would lose its index). The chat template renders under its budget
-    (``launch.template``): a syntax error is ``TemplateFault`` here, a record past the budget
+    (``launch.data.template``): a syntax error is ``TemplateFault`` here, a record past the budget
     ``StoppedAt`` (the template's fault: the rest are not rendered)."""
 
     def __init__(self, source: SourcePart, tok, vocab_size: int | None = None):

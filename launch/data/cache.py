@@ -15,7 +15,7 @@ hash) and options, the tokenizer files' digest and every data option, so an edit
 option is another entry. Labels are aligned as in Hugging Face: the model shifts them, -100 carries
 no loss.
 
-Formats (``launch.formats``): ``tokens``, ``text``, ``instruction``, ``chat``. A record that does
+Formats (``launch.data.formats``): ``tokens``, ``text``, ``instruction``, ``chat``. A record that does
 not fit its format is a ``DataError`` naming the file and line (jsonl, json lines, csv) or record
 index.
 """
@@ -33,13 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from launch import mix, rows as layouts
+from launch.data import mix, rows as layouts
 from launch.contract.data import DataPart, SourcePart
-from launch.formats import MARKINGS, Encoder, StoppedAt
-from launch.records import DataError, find_bad_record, read_records, where
-from launch.rows import IGNORE, gather, ragged, starts_of
-from launch.template import TemplateFault
-from launch.templates import check_markers, template_text
+from launch.data.formats import MARKINGS, Encoder, StoppedAt
+from launch.data.records import DataError, find_bad_record, read_records, where
+from launch.data.rows import IGNORE, gather, ragged, starts_of
+from launch.data.template import TemplateFault
+from launch.data.templates import check_markers, template_text
 from shard_tools.tokenizer import TOKENIZER_FILES
 
 __all__ = ["IGNORE", "ROWS", "VALIDATION", "DataError", "cache_key", "load_tokenizer", "prepare", "read_stats"]
@@ -155,7 +155,7 @@ class Encoded:
     template: str | None
     """The chat template it was rendered with, in words (None: a format without one)."""
     markings: list[str]
-    """How its assistant turns were found (``launch.chat``), every way that some record needed."""
+    """How its assistant turns were found (``launch.data.chat``), every way that some record needed."""
 
     @property
     def starts(self) -> np.ndarray:
@@ -249,7 +249,7 @@ def _build(data: DataPart, tokenizer: str | None, out: Path, vocab_size: int | N
     stats: dict[str, Any] = {"layout": data.layout, "seq_len": data.seq_len}
     stats["sources"] = [_source_stats(data, e, p, len(h)) for e, p, h in zip(sources, train_picks, held_picks)]
     stats["validation_files"] = [_source_stats(data, f, np.arange(len(f.lengths)), 0) for f in files]
-    # Rows are drawn in a seeded order anyway (launch.data.SampleOrder); packing whole takes the
+    # Rows are drawn in a seeded order anyway (launch.data.examples.SampleOrder); packing whole takes the
     # examples shuffled too, so that a row mixes sources and lengths.
     order = mix.mixed(sum(len(p) for p in train_picks), data.seed, data.shuffle and data.layout == "whole")
     stats["train"] = _write_rows(data, sources, train_picks, order, out / ROWS)

@@ -2,7 +2,7 @@
 
 The position of a run in its data is a count of samples, so any process count, any restart and
 any phase boundary picks up exactly where the last optimizer step left off. The examples are the
-rows ``launch.dataprep.prepare`` wrote once per run; every process maps them (no copy).
+rows ``launch.data.cache.prepare`` wrote once per run; every process maps them (no copy).
 
     cache = prepare(spec.data, spec.model.tokenizer, run_dir / "data-cache")
     examples = load_examples(cache)                        # memory-mapped rows (load_validation: the held-out)
@@ -11,7 +11,7 @@ rows ``launch.dataprep.prepare`` wrote once per run; every process maps them (no
 Rows of examples packed whole (``data.layout == "whole"``) carry position ids that restart with every
 example; their micro-batch is one flattened sequence with ``position_ids`` and no attention mask,
 from which transformers builds a block-diagonal causal mask (``masking_utils``, SDPA and eager)
-or runs varlen flash attention (``flash_attention_2``, ``launch.train.packed_attention``): an
+or runs varlen flash attention (``flash_attention_2``, ``launch.prepare.setup_model``): an
 example attends to itself only, as ``DataCollatorWithFlattening`` arranges it. Transformers reads
 packed position ids only where there is no KV cache: a phase's model has ``use_cache = False``.
 """
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from launch.contract import faults
-from launch.dataprep import IGNORE, ROWS, VALIDATION, DataError, prepare, read_stats
+from launch.data.cache import IGNORE, ROWS, VALIDATION, DataError, prepare, read_stats
 
 if TYPE_CHECKING:
     import torch

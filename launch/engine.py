@@ -1,0 +1,368 @@
+"""The phase's engine: DeepSpeed's, with the optimizer of the phase's mode, chosen once from its spec
+(``backend_for``) and asked for what differs without being asked what it is. ``ZeroBackend`` for
+``deepspeed.zero_stage`` 1-3: torch's AdamW, which ZeRO wraps with its fp32 partitions.
+``MasterBackend`` for 0: relayer's ``MasterAdamW`` (``launch.master_adamw``), DeepSpeed wrapping
+nothing around it. A backend owns the mode's DeepSpeed config, its optimizer, where the weights go
+before the engine is built, and the optimizer state: read and written per parameter (full fp32
+masters and moments, ``get_state`` / ``set_state``), and per param group (the steps).
+
+Facts the ZeRO backend relies on (DeepSpeed 0.19.8, verified on CPU/gloo for ZeRO 1, 2 and 3 at
+world sizes 1 and 2; ``tests/launch/test_equivalence.py`` holds the results to an independent
+PyTorch reference): the getters and setters are collectives; ``step`` lives only in the wrapped
+optimizer's state of each flat fp32 tensor; state is created lazily at the first step, so a fresh
+engine's state is materialised here first. A ``MasterAdamW``'s parameters carry views of its state
+(``slot_of``): no collective, no copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import deepspeed
+import torch
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.utils import (
+    safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
+from torch import nn
+
+from launch import adamw_kernel
+from launch.contract.dsconfig import accumulation_steps, bucket_size, deepspeed_config
+from launch.contract.spec import PhaseSpec
+from launch.master_adamw import MasterAdamW, detach_engine_reduction, kernel_grad_dtype, slot_of
+from launch.staging import Staging
+from shard_tools.later import Later
+from shard_tools.model import DTYPES
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+KEYS = ("master", *MOMENTS)
+# The roles of a phase's param groups (``param_groups``): Adam's step is per group.
+HEAD_DECAY, HEAD_NO_DECAY, BODY_DECAY, BODY_NO_DECAY = range(4)
+Named = list[tuple[str, nn.Parameter]]
+State = dict[str, dict[str, torch.Tensor]]
+
+
+def backend_for(spec: PhaseSpec) -> Backend:
+    """The phase's optimizer mode, chosen once."""
+    return MasterBackend() if spec.zero_stage == 0 else ZeroBackend(spec.zero_stage)
+
+
+class Backend:
+    """What both modes share: building the engine, and the per-parameter state's traffic. The
+    subclasses own what differs."""
+
+    stage: int
+    """``deepspeed.zero_stage``, as a checkpoint's origin records it."""
+    partitions_weights = False
+    """The engine partitions the weights over the ranks: the host model is not put on the device
+    whole beforehand, nor its host copy pinned for it."""
+    refusal: str | None = None
+    """Why a phase of this mode does not take its predecessor's state over (``launch.handover``)."""
+
+    # -- building ---------------------------------------------------------------------------------
+    def config(self, spec: PhaseSpec, world: int, trainable_numel: int) -> dict:
+        raise NotImplementedError
+
+    def optimizer(self, groups: list[dict], spec: PhaseSpec, device: torch.device, world: int,
+                  lr: float | None = None) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def place(self, model: nn.Module, device: torch.device, staging: Staging | None, trainable: frozenset[str]) -> None:
+        """The host model on the device before ``deepspeed.initialize``, as it would put it, pinned."""
+        if staging is not None and not self.partitions_weights:
+            staging.module_to_device(model, trainable)
+
+    def initialize(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: dict):
+        """DeepSpeed's engine on ``model``, stepped by ``optimizer``."""
+        with _no_broadcast_to_itself():
+            engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        return engine
+
+    def compile_ahead(self, spec: PhaseSpec, device: torch.device, world: int) -> None:
+        """Starts compiling what the first step would (a phase started cold), in a thread."""
+
+    # -- per param group ----------------------------------------------------------------------------
+    def param_groups(self, engine) -> list[dict]:
+        """The param groups that carry the lr."""
+        raise NotImplementedError
+
+    def materialise(self, engine, steps_by_group: list[int]) -> None:
+        """Zero moments and the given step in every param group, as a first step would make them."""
+        raise NotImplementedError
+
+    def group_steps(self, engine) -> dict[int, int]:
+        """Optimizer steps taken so far, per param group (0 where the group has not stepped)."""
+        raise NotImplementedError
+
+    def relink(self, engine) -> None:
+        """Before the state is read: per-parameter fragments linked to the optimizer state."""
+
+    def refresh_lp(self, engine) -> None:
+        """Copies the fp32 masters into the low-precision weights the forward pass uses."""
+        raise NotImplementedError
+
+    def loss_scaler(self, engine):
+        """The engine's loss scaler, None where it has none."""
+        return None
+
+    # -- per parameter --------------------------------------------------------------------------------
+    def shape(self, p: nn.Parameter) -> torch.Size:
+        return p.shape
+
+    def _full(self, p: nn.Parameter, key: str) -> torch.Tensor:
+        """The full fp32 master ("master") or moment of ``p``."""
+        raise NotImplementedError
+
+    def _set(self, p: nn.Parameter, key: str, t: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def full_shapes(self, named: Named) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(self.shape(p)) for n, p in named}
+
+    def get_state(self, named: Named, into: State | None = None, keep: bool = True, staging: Staging | None = None,
+                  on_device: bool = False) -> State:
+        """Full fp32 master weights and moments on the host, {key: {name: tensor}}. Collective: all
+        ranks, same order. ``into``: host tensors, {key: {name: tensor}}, to copy into; ``keep=False``:
+        gather only, for ranks that write nothing (the result is empty); ``on_device``: left where the
+        gather put them (on every rank: a phase's offer to its successor, ``launch.handover``)."""
+        into = into or {}
+        out: State = {"master": self.get_masters(named, into.get("master"), keep, staging, on_device),
+                      "exp_avg": {}, "exp_avg_sq": {}}
+        for name, p in named:
+            for key in MOMENTS:
+                full = self._full(p, key)
+                if keep:
+                    out[key][name] = self._kept(full, p, into.get(key, {}).get(name), staging, on_device)
+        return out if keep else {}
+
+    def get_masters(self, named: Named, into: dict[str, torch.Tensor] | None = None, keep: bool = True,
+                    staging: Staging | None = None, on_device: bool = False) -> dict[str, torch.Tensor]:
+        into = into or {}
+        out = {}
+        for n, p in named:
+            full = self._full(p, "master")
+            if keep:
+                out[n] = self._kept(full, p, into.get(n), staging, on_device)
+        return out
+
+    def _kept(self, full: torch.Tensor, p: nn.Parameter, out: torch.Tensor | None, staging: Staging | None,
+              on_device: bool) -> torch.Tensor:
+        shape = self.shape(p)
+        return full.detach().float().view(shape) if on_device else to_host(full, shape, out, staging)
+
+    def set_state(self, named: Named, state: State, with_moments: bool, staging: Staging | None = None) -> None:
+        """Writes master weights (and moments) into the partitions. Collective: all ranks, same order."""
+        keys = KEYS if with_moments else ("master",)
+        for name, p in named:
+            for key in keys:
+                t = state[key][name]
+                if t.device != p.device:  # else taken over on the device (``launch.handover``)
+                    t = staging.to_device(t) if staging is not None and p.device.type == "cuda" else t.to(p.device)
+                self._set(p, key, t)
+
+
+class ZeroBackend(Backend):
+    """ZeRO stage 1, 2 or 3 around torch's AdamW."""
+
+    def __init__(self, stage: int):
+        self.stage = stage
+        self.partitions_weights = stage == 3
+        self.refusal = "ZeRO-3" if stage == 3 else None
+
+    def config(self, spec: PhaseSpec, world: int, trainable_numel: int) -> dict:
+        zero = {"stage3_prefetch_bucket_size": bucket_size(trainable_numel), "stage3_param_persistence_threshold": 0,
+                "memory_efficient_linear": False} if self.stage == 3 else {}
+        return deepspeed_config(spec, world, trainable_numel, zero)
+
+    def optimizer(self, groups: list[dict], spec: PhaseSpec, device: torch.device, world: int,
+                  lr: float | None = None) -> torch.optim.Optimizer:
+        return adamw(groups, spec.optimizer, device, lr)
+
+    def param_groups(self, engine) -> list[dict]:
+        return engine.optimizer.optimizer.param_groups
+
+    def _flat_partitions(self, engine) -> list[tuple[torch.Tensor, int]]:
+        """(flat fp32 partition, param group index) for every partition this rank's optimizer steps."""
+        opt = engine.optimizer
+        if self.stage == 3:  # groups split into sub-groups
+            return [(t, opt.sub_group_to_group_id[i]) for i, t in enumerate(opt.fp32_partitioned_groups_flat)]
+        # DeepSpeed picks its BF16_Optimizer for ZeRO-1 with bf16 weights and fp32 gradient accumulation.
+        flats = opt.fp32_groups_flat_partition if isinstance(opt, BF16_Optimizer) else opt.single_partition_of_fp32_groups
+        return [(t, i) for i, t in enumerate(flats)]
+
+    def materialise(self, engine, steps_by_group: list[int]) -> None:
+        base = engine.optimizer.optimizer
+        for flat, group in self._flat_partitions(engine):
+            # A fused AdamW (on CUDA: ``adamw``) keeps its step beside the moments, others on the host.
+            where = flat.device if base.param_groups[group].get("fused") else "cpu"
+            base.state[flat] = {
+                "step": torch.tensor(float(steps_by_group[group]), dtype=torch.float32, device=where),
+                "exp_avg": torch.zeros_like(flat),
+                "exp_avg_sq": torch.zeros_like(flat),
+            }
+        self.relink(engine)
+
+    def group_steps(self, engine) -> dict[int, int]:
+        base, out = engine.optimizer.optimizer, {}
+        for flat, group in self._flat_partitions(engine):
+            step = base.state.get(flat, {}).get("step", 0)
+            out[group] = int(step.item() if torch.is_tensor(step) else step)
+        return out
+
+    def relink(self, engine) -> None:
+        """Upstream links only the first group; ZeRO-3's fragments need no link."""
+        if self.stage < 3:
+            engine.optimizer._hp_optimizer_states_linked = False
+            engine.optimizer._lazy_init_hp_params_optimizer_state()
+
+    def refresh_lp(self, engine) -> None:
+        opt = engine.optimizer
+        if self.stage == 3:
+            for i in range(len(opt.fp32_partitioned_groups_flat)):
+                opt._reassign_or_swap_out_partitioned_parameters(i)
+        else:
+            opt.update_lp_params()
+
+    def loss_scaler(self, engine):
+        return getattr(engine.optimizer, "loss_scaler", None)
+
+    def shape(self, p: nn.Parameter) -> torch.Size:
+        return getattr(p, "ds_shape", p.shape)  # ZeRO-3 keeps the full shape aside once it partitions
+
+    def _full(self, p: nn.Parameter, key: str) -> torch.Tensor:
+        return safe_get_full_fp32_param(p) if key == "master" else safe_get_full_optimizer_state(p, key)
+
+    def _set(self, p: nn.Parameter, key: str, t: torch.Tensor) -> None:
+        if key == "master":
+            safe_set_full_fp32_param(p, t)
+        else:
+            safe_set_full_optimizer_state(p, t, key)
+
+
+class MasterBackend(Backend):
+    """No ZeRO: relayer's ``MasterAdamW`` keeps the fp32 masters and clips."""
+
+    stage = 0
+
+    def config(self, spec: PhaseSpec, world: int, trainable_numel: int) -> dict:
+        return without_zero(deepspeed_config(spec, world, trainable_numel))
+
+    def optimizer(self, groups: list[dict], spec: PhaseSpec, device: torch.device, world: int,
+                  lr: float | None = None) -> torch.optim.Optimizer:
+        o = spec.optimizer
+        return MasterAdamW(groups, lr=o.lr if lr is None else lr, betas=o.betas, eps=o.eps,
+                           weight_decay=o.weight_decay, grad_clip=o.grad_clip, device=device, world=world,
+                           accumulate=_accumulates(spec, world))
+
+    def place(self, model: nn.Module, device: torch.device, staging: Staging | None, trainable: frozenset[str]) -> None:
+        if staging is not None:
+            staging.module_to_device(model, trainable)
+        else:
+            model.to(device)  # a MasterAdamW puts the trainable weights in its flat block where they are
+
+    def initialize(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: dict):
+        """The engine leaves the gradients' reduction to the ``MasterAdamW``."""
+        engine = super().initialize(model, optimizer, config)
+        detach_engine_reduction(engine)
+        return engine
+
+    def compile_ahead(self, spec: PhaseSpec, device: torch.device, world: int) -> None:
+        """The kernel of ``launch.adamw_kernel``, compiled in a thread, not at the first step."""
+        if device.type == "cuda":
+            dtype = DTYPES[spec.model.dtype]
+            Later(adamw_kernel.compile_ahead, device, dtype, kernel_grad_dtype(dtype, _accumulates(spec, world), world))
+
+    def param_groups(self, engine) -> list[dict]:
+        return engine.optimizer.param_groups
+
+    def materialise(self, engine, steps_by_group: list[int]) -> None:
+        engine.optimizer.set_steps(steps_by_group)
+
+    def group_steps(self, engine) -> dict[int, int]:
+        return engine.optimizer.group_steps()
+
+    def refresh_lp(self, engine) -> None:
+        engine.optimizer.refresh_lp()
+
+    def _full(self, p: nn.Parameter, key: str) -> torch.Tensor:
+        return getattr(slot_of(p), key)
+
+    def _set(self, p: nn.Parameter, key: str, t: torch.Tensor) -> None:
+        with torch.no_grad():
+            getattr(slot_of(p), key).copy_(t.view(p.shape))
+
+
+def _accumulates(spec: PhaseSpec, world: int) -> bool:
+    """Whether a step sums the gradients of several micro-batches or ranks (in fp32, ``MasterAdamW``)."""
+    d = spec.data
+    return accumulation_steps(d.batch_size, d.micro_batch_size, world) > 1 or world > 1
+
+
+def without_zero(cfg: dict) -> dict:
+    """``cfg`` for relayer's ``MasterAdamW``, which keeps the fp32 masters and clips: DeepSpeed wraps
+    nothing around it (no ZeRO, no bf16 or fp16 optimizer, no clipping of its own)."""
+    return {**cfg, "gradient_clipping": 0.0, "bf16": {"enabled": False}, "fp16": {"enabled": False},
+            "zero_optimization": {"stage": 0}}
+
+
+def adamw(groups: list[dict], o, device: torch.device, lr: float | None = None) -> torch.optim.AdamW:
+    """The client optimizer ZeRO steps: torch's AdamW, fused on CUDA (one kernel over each flat
+    fp32 partition: 4 ms of a 7B LISA step where the default multi-tensor one took 15,
+    benchmarks/results/2026-12-03-step-cost-h200), the default elsewhere."""
+    fused = True if device.type == "cuda" else None
+    return torch.optim.AdamW(groups, lr=o.lr if lr is None else lr, betas=o.betas, eps=o.eps,
+                             weight_decay=o.weight_decay, fused=fused)
+
+
+def param_groups(model: nn.Module, head: set[str], body: set[str], opt) -> tuple[list[dict], list[int]]:
+    """Four groups (head/body x decay/no-decay; 1-D parameters never decay), empty ones dropped.
+
+    The head and the body must not share a group: Adam's step (bias correction) is per group.
+    """
+    buckets: list[list[nn.Parameter]] = [[], [], [], []]
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        no_decay = p.ndim < 2
+        role = (HEAD_NO_DECAY if no_decay else HEAD_DECAY) if name in head else (BODY_NO_DECAY if no_decay else BODY_DECAY)
+        assert name in head or name in body, name
+        buckets[role].append(p)
+    groups, roles = [], []
+    for role, params in enumerate(buckets):
+        if params:
+            wd = 0.0 if role in (HEAD_NO_DECAY, BODY_NO_DECAY) else opt.weight_decay
+            groups.append({"params": params, "weight_decay": wd})
+            roles.append(role)
+    return groups, roles
+
+
+def to_host(t: torch.Tensor, shape: torch.Size, out: torch.Tensor | None, staging: Staging | None) -> torch.Tensor:
+    """The fp32 full tensor on the host: copied into ``out`` where given (a prepared checkpoint
+    file's view, so the copy from the device is the write), else a host tensor of its own."""
+    t = t.detach().float().view(shape)
+    if out is not None:
+        if staging is not None and t.device.type == "cuda":
+            staging.to_host(t, out)
+        else:
+            out.copy_(t)
+        return out
+    return t if t.device.type == "cpu" else t.cpu()  # on the CPU the accessors return a fresh tensor
+
+
+@contextlib.contextmanager
+def _no_broadcast_to_itself():
+    """In a process group of one, DeepSpeed's engine still broadcasts every parameter from rank 0
+    to itself as it is built (``DeepSpeedEngine._broadcast_model``: 291 calls at 7B, 10 ms of a
+    switch on an H100): skipped there, changing nothing. Where the engine names it otherwise, it runs."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    if torch.distributed.get_world_size() != 1 or not hasattr(DeepSpeedEngine, "_broadcast_model"):
+        yield
+        return
+    original = DeepSpeedEngine._broadcast_model
+    DeepSpeedEngine._broadcast_model = lambda self: None
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._broadcast_model = original
