@@ -127,20 +127,24 @@ def assemble(ph: Phase, go: Go, delta: Delta | None) -> Assembled:
 
 
 def restore(ph: Phase) -> None:
-    """Head optimizer state carries on; body state too only when resuming inside its phase."""
+    """Head optimizer state carries on (its moments new where ``optimizer_state`` is "drop-all");
+    body state too only when resuming inside its phase."""
     made, built = ph.made, ph.built
     m = built.source.carried
     if m is None:
         return
     same_phase = not m.phase_complete and m.phase == ph.spec.phase
     body_step = m.body_step if same_phase else 0
-    steps = [m.head_step if role in (HEAD_DECAY, HEAD_NO_DECAY) else body_step for role in built.roles]
+    head_carries = same_phase or ph.spec.optimizer_state != "drop-all"
+    head_step = m.head_step if head_carries else 0
+    steps = [head_step if role in (HEAD_DECAY, HEAD_NO_DECAY) else body_step for role in built.roles]
     zero_state.materialise(built.engine, steps)
     if built.source.populating is not None:
         built.source.populating.result()
         built.source.populating = None
         ph.timeline.mark("t_head_populated")
-    zero_state.set_state(built.head, m.head, with_moments=True, staging=made.staging)
+    zero_state.set_state(built.head, m.head if head_carries else {"master": m.head["master"]},
+                         with_moments=head_carries, staging=made.staging)
     ph.timeline.mark("t_head_set")
     body_masters = {n: made.trained[n] for n, _ in built.body if n in made.trained}
     if same_phase:

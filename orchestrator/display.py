@@ -73,14 +73,16 @@ def largest_phase(phases: list[Phase], estimate: PlanEstimate) -> str:
 
 
 def _choice_line(s) -> str:
-    """How the phases' layers were chosen."""
+    """How the phases' layers were chosen and what their optimizer state does at a switch."""
     sc, warmup = s.schedule, s.lr_schedule.phase_warmup_steps
     how = "explicit phases" if sc.strategy is None else f"strategy {sc.strategy}"
     if sc.layer_weights not in (None, "uniform"):
         how += " weighted " + "/".join(f"{w:g}" for w in sc.layer_weights)
     if sc.window:
         how += f", no layer twice within {sc.window} phases"
-    return f"layers: {how}" + \
+    state = {"reset": "the body's new each phase, the head's carried",
+             "drop-all": "the body's and the head's new each phase"}[sc.optimizer_state]
+    return f"layers: {how}; optimizer state ({sc.optimizer_state}): {state}" + \
         (f"; lr warm-up of {warmup} steps after each switch" if warmup else "")
 
 

@@ -42,7 +42,7 @@ def phase_spec(loaded: LoadedSchedule, phases: list[Phase], work: Work, phase_di
         hostfile=str((loaded.source.parent / s.launch.hostfile).resolve()) if s.launch.hostfile else None,
         master_port=free_port(), master_addr=master_addr(s.launch), rendezvous_seconds=s.launch.rendezvous_seconds,
         orchestrator_pid=os.getpid(), orchestrator_host=socket.gethostname(),
-        handover=handover_part(loaded, phases, ph.index, estimate),
+        handover=handover_part(loaded, phases, ph.index, estimate), optimizer_state=s.schedule.optimizer_state,
     )
 
 

@@ -130,7 +130,7 @@ class ScheduleSection(Section):
     """lisa: layers sampled at random each phase (seeded by run.seed; LISA, Pan et al. 2024);
     ascending / descending: in turn; badam: the layers cut into blocks of layers_per_phase
     consecutive layers, each pass over all blocks in a seeded order reshuffled every pass (BAdam,
-    Luo et al. 2024, switch_mode "random")."""
+    Luo et al. 2024, switch_mode "random"; with optimizer_state = "drop-all" as BAdam)."""
     total_steps: PositiveInt | None = None
     """With strategy: optimizer steps of the whole run; or epochs."""
     epochs: Annotated[float, Field(gt=0)] | None = None
@@ -148,6 +148,10 @@ class ScheduleSection(Section):
     window: PositiveInt | None = None
     """With strategy lisa: phases per window (0-based phases [0, window), [window, 2 x window) ...)
     within which no layer is drawn twice; window x layers_per_phase must not pass the layers drawable."""
+    optimizer_state: Literal["reset", "drop-all"] = "reset"
+    """What the optimizer's state does at a switch. reset (LISA): the body's layers start each
+    phase with new Adam state (step 0), the head's carries on; drop-all (BAdam): the head's restarts
+    too. Resuming inside a phase restores both, whichever. Which head modules train: model.persistent."""
 
     _epochs_float = field_validator("epochs", mode="before")(int_is_float)
 

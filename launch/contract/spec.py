@@ -98,6 +98,8 @@ class PhaseSpec(_Spec):
     """Where orchestrator_pid lives: ranks on other nodes cannot watch it (their launcher does)."""
     handover: HandoverPart = HandoverPart()
     """The device handover at this phase's start (``take``) and end (``offer``)."""
+    optimizer_state: Literal["reset", "drop-all"] = "reset"
+    """schedule.optimizer_state: "drop-all" starts the head's Adam state anew at the phase's start too."""
 
     @classmethod
     def read(cls, path: str | Path) -> PhaseSpec:

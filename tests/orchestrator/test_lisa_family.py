@@ -1,6 +1,7 @@
 """The LISA family's choices the orchestrator makes (issue 46): weighted and windowed lisa
-(OwLore), BAdam's block order, the warm-up after each switch; each a
-deterministic function of the schedule and the seed, checked as the phase table and the spec say."""
+(OwLore), BAdam's block order, the warm-up after each switch, the optimizer-state policy; each a
+deterministic function of the schedule and the seed, checked as the phase table and the spec say.
+Their runs against the plain-PyTorch reference are tests/launch/test_lisa_family_runs.py."""
 
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ def test_weights_and_windows_the_model_cannot_meet_are_refused(tmp_path, tiny_da
     (None, {"window": 2}, 'schedule.window: takes schedule.strategy = "lisa", got strategy none (explicit phases)'),
     ("lisa", {"layer_weights": [1, -1] + [1] * 6}, "schedule.layer_weights[1]: expected a non-negative number, got -1"),
     ("lisa", {"layer_weights": "owlore"}, 'schedule.layer_weights: expected a list of weights or "uniform", got \'owlore\''),
+    ("lisa", {"optimizer_state": "keep-some"}, "schedule.optimizer_state: expected 'reset' or 'drop-all'"),
 ])
 def test_keys_in_the_wrong_place_name_the_key(tmp_path, tiny_data, strategy, keys, message):
     raw = strategy_raw(tiny_data, strategy or "lisa", **keys)
@@ -111,13 +113,13 @@ def test_the_warm_up_after_a_switch_restarts_in_every_phase():
     assert lr_at(9, warmup(), 10) == 1.0 and lr_at(12, warmup(phase_warmup_steps=0), 10) == 1.0
 
 
-def test_the_spec_carries_the_warm_up(tmp_path, tiny_data):
-    raw = strategy_raw(tiny_data, "badam")
+def test_the_spec_carries_the_policy_and_the_warm_up(tmp_path, tiny_data):
+    raw = strategy_raw(tiny_data, "badam", optimizer_state="drop-all")
     raw["lr_schedule"] = {"phase_warmup_steps": 2}
     loaded = validate_schedule(raw, tmp_path / "schedule.toml")
     phases = plan_phases(loaded)
     spec = phasespec.phase_spec(loaded, phases, Work(phases[1], 20, None), tmp_path / "pd", None)
-    assert (spec.optimizer.phase_warmup_steps, spec.phase_start_step) == (2, 20)
+    assert (spec.optimizer_state, spec.optimizer.phase_warmup_steps, spec.phase_start_step) == ("drop-all", 2, 20)
 
 
 def test_a_new_warm_up_after_switches_changes_the_lr_of_steps_taken(tmp_path, tiny_data):
@@ -132,15 +134,15 @@ def test_a_new_warm_up_after_switches_changes_the_lr_of_steps_taken(tmp_path, ti
     assert changed_lr(old, plan_phases(old), late, plan_phases(late), done_step=0) is None
 
 
-def test_plan_shows_the_choice_and_the_largest_phase(tmp_path, tiny_model, tiny_data):
+def test_plan_shows_the_choice_the_policy_and_the_largest_phase(tmp_path, tiny_model, tiny_data):
     from tests.conftest import schedule_dict, write_schedule
 
     sched = schedule_dict(tiny_model, tiny_data, lr_schedule={"phase_warmup_steps": 2}, schedule={
         "phases": None, "strategy": "lisa", "total_steps": 20, "interval": 10, "layers_per_phase": 1,
-        "layer_weights": [0, 1, 0, 1], "window": 2})
+        "layer_weights": [0, 1, 0, 1], "window": 2, "optimizer_state": "drop-all"})
     del sched["schedule"]["phases"]
     r = invoke("plan", str(write_schedule(tmp_path / "schedule.toml", sched)))
     assert r.exit_code == 0, r.output
-    assert ("layers: strategy lisa weighted 0/1/0/1, no layer twice within 2 phases; lr warm-up of 2 steps after "
-            "each switch") in r.stdout
+    assert ("layers: strategy lisa weighted 0/1/0/1, no layer twice within 2 phases; optimizer state (drop-all): "
+            "the body's and the head's new each phase; lr warm-up of 2 steps after each switch") in r.stdout
     assert "largest phase: 0 (layers " in r.output and " per process" in r.output
