@@ -151,20 +151,24 @@ def build_engine(ph: Phase, made: Prepared, source: Source) -> Assembled:
 
 
 def restore(ph: Phase) -> None:
-    """Head optimizer state carries on; body state too only when resuming inside its phase."""
+    """Head optimizer state carries on (its moments new where ``optimizer_state`` is "drop-all");
+    body state too only when resuming inside its phase."""
     made, built, backend = ph.made, ph.built, ph.backend
     m = built.source.carried
     if m is None:
         return
     same_phase = not m.phase_complete and m.phase == ph.spec.phase
     body_step = m.body_step if same_phase else 0
-    steps = [m.head_step if role in (HEAD_DECAY, HEAD_NO_DECAY) else body_step for role in built.roles]
+    head_carries = same_phase or ph.spec.optimizer_state != "drop-all"
+    head_step = m.head_step if head_carries else 0
+    steps = [head_step if role in (HEAD_DECAY, HEAD_NO_DECAY) else body_step for role in built.roles]
     backend.materialise(built.engine, steps)
     if built.source.populating is not None:
         built.source.populating.result()
         built.source.populating = None
         ph.timeline.mark("t_head_populated")
-    backend.set_state(built.head, m.head, with_moments=True, staging=made.staging)
+    backend.set_state(built.head, m.head if head_carries else {"master": m.head["master"]},
+                      with_moments=head_carries, staging=made.staging)
     ph.timeline.mark("t_head_set")
     body_masters = {n: made.trained[n] for n, _ in built.body if n in made.trained}
     if same_phase:

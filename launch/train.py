@@ -67,7 +67,7 @@ def _step(ph: Phase, stop: dict, metrics: Path, step_times: list[float]) -> bool
     """One optimizer step, checked and logged; returns whether any rank was asked to stop."""
     spec, d, engine = ph.spec, ph.spec.data, ph.built.engine
     t0 = time.perf_counter()
-    lr = lr_at(ph.step, spec.optimizer)
+    lr = lr_at(ph.step, spec.optimizer, spec.phase_start_step)
     loss_sum, n_global = _accumulate(ph, lr)
     ph.step += 1
     # One small collective a step: the mean loss, whether any rank was asked to stop, and

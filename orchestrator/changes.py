@@ -3,6 +3,7 @@ alters the work already done (unless forced)."""
 
 from __future__ import annotations
 
+import bisect
 from types import SimpleNamespace
 
 from launch.contract.spec import lr_at
@@ -54,15 +55,22 @@ def changed_lr(old: LoadedSchedule, old_phases: list[Phase], new: LoadedSchedule
     def opt(loaded: LoadedSchedule, phases: list[Phase], warmup_from: str | None = None) -> SimpleNamespace:
         s = loaded.schedule
         return SimpleNamespace(lr=s.optimizer.lr, lr_kind=s.lr_schedule.kind, warmup_steps=s.lr_schedule.warmup_steps,
-                               total_steps=phases[-1].end_step, warmup_from=warmup_from or s.lr_schedule.warmup_from)
+                               total_steps=phases[-1].end_step, warmup_from=warmup_from or s.lr_schedule.warmup_from,
+                               phase_warmup_steps=s.lr_schedule.phase_warmup_steps,
+                               starts=[p.start_step for p in phases])
+
+    def lr(step: int, o: SimpleNamespace) -> float:
+        return lr_at(step, o, o.starts[max(bisect.bisect_right(o.starts, step) - 1, 0)])
+
+    def said(o: SimpleNamespace) -> str:
+        return (f"lr {o.lr:g}, {o.lr_kind}, warmup_steps {o.warmup_steps} from {o.warmup_from}, total_steps "
+                f"{o.total_steps}" + (f", phase_warmup_steps {o.phase_warmup_steps}" if o.phase_warmup_steps else ""))
 
     a, b = opt(old, old_phases, old_warmup_from), opt(new, new_phases)
     for step in range(done_step):
-        if lr_at(step, a) != lr_at(step, b):
-            return (f"lr of step {step}, already taken, would change: {lr_at(step, a):.6g} -> {lr_at(step, b):.6g} "
-                    f"(lr {a.lr:g}, {a.lr_kind}, warmup_steps {a.warmup_steps} from {a.warmup_from}, total_steps "
-                    f"{a.total_steps} -> lr {b.lr:g}, {b.lr_kind}, warmup_steps {b.warmup_steps} from "
-                    f"{b.warmup_from}, total_steps {b.total_steps})")
+        if lr(step, a) != lr(step, b):
+            return (f"lr of step {step}, already taken, would change: {lr(step, a):.6g} -> {lr(step, b):.6g} "
+                    f"({said(a)} -> {said(b)})")
     return None
 
 

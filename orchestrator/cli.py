@@ -80,7 +80,7 @@ def run(schedule: Path, output_dir: Path | None, nproc: int | None, force: bool,
 def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides: tuple[str, ...]) -> None:
     """Print the phase table of SCHEDULE, how each switch hands over, and check the file, without
     starting anything."""
-    from orchestrator.display import print_plan
+    from orchestrator.display import largest_phase, print_plan
     from orchestrator.estimate import EstimateError, estimate_plan, size_option
     from orchestrator.handover import plan_switches
     from orchestrator.plan import plan_phases
@@ -100,6 +100,8 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
     here = _on_this_machine(loaded, phases, estimate)
     if device is None:
         print_plan(loaded, phases, switches, here=here)
+        if estimate is not None:
+            click.echo(largest_phase(phases, estimate))
         _echo_data_line(loaded, phases, data)
         return
     if estimate is None:

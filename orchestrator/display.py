@@ -55,12 +55,35 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switc
     out.print(table)
     out.print(f"ZeRO stage {s.deepspeed.zero_stage}, {s.model.dtype}, launcher {s.launch.launcher}, "
               f"batch {s.data.batch_size} (micro {s.data.micro_batch_size}), run directory {loaded.output_dir}")
+    out.print(_choice_line(s), markup=False, highlight=False)
     for line in [*_switch_sections(loaded, switches, device_memory, here), *plan_lines(s.launch)]:
         out.print(line, markup=False, highlight=False)
     if estimate:
         device = f", device {format_bytes(device_memory)}" if device_memory is not None else ""
         out.print(f"estimated device memory per process: {estimate.count.total:,} parameters, activations without "
                   f"gradient checkpointing; CUDA context, buffers and logits not counted{device}")
+        out.print(largest_phase(phases, estimate), markup=False, highlight=False)
+
+
+def largest_phase(phases: list[Phase], estimate: PlanEstimate) -> str:
+    """The phase of the most estimated memory per process, in a line."""
+    big = max(range(len(phases)), key=lambda i: estimate.phases[i].total)
+    return (f"largest phase: {phases[big].index} (layers {', '.join(map(str, phases[big].layers))}), "
+            f"estimated {format_bytes(estimate.phases[big].total)} per process")
+
+
+def _choice_line(s) -> str:
+    """How the phases' layers were chosen and what their optimizer state does at a switch."""
+    sc, warmup = s.schedule, s.lr_schedule.phase_warmup_steps
+    how = "explicit phases" if sc.strategy is None else f"strategy {sc.strategy}"
+    if sc.layer_weights not in (None, "uniform"):
+        how += " weighted " + "/".join(f"{w:g}" for w in sc.layer_weights)
+    if sc.window:
+        how += f", no layer twice within {sc.window} phases"
+    state = {"reset": "the body's new each phase, the head's carried",
+             "drop-all": "the body's and the head's new each phase"}[sc.optimizer_state]
+    return f"layers: {how}; optimizer state ({sc.optimizer_state}): {state}" + \
+        (f"; lr warm-up of {warmup} steps after each switch" if warmup else "")
 
 
 def _switch_sections(loaded: LoadedSchedule, switches: list[Switch], device_memory: int | None,

@@ -42,7 +42,7 @@ def phase_spec(loaded: LoadedSchedule, phases: list[Phase], work: Work, phase_di
         hostfile=str((loaded.source.parent / s.launch.hostfile).resolve()) if s.launch.hostfile else None,
         master_port=free_port(), master_addr=master_addr(s.launch), rendezvous_seconds=s.launch.rendezvous_seconds,
         orchestrator_pid=os.getpid(), orchestrator_host=socket.gethostname(),
-        handover=handover_part(loaded, phases, ph.index, estimate),
+        handover=handover_part(loaded, phases, ph.index, estimate), optimizer_state=s.schedule.optimizer_state,
     )
 
 
@@ -76,4 +76,4 @@ def _optimizer_part(loaded: LoadedSchedule, total_steps: int) -> OptimizerPart:
     return OptimizerPart(lr=s.optimizer.lr, weight_decay=s.optimizer.weight_decay, betas=tuple(s.optimizer.betas),
                          eps=s.optimizer.eps, grad_clip=s.optimizer.grad_clip, lr_kind=s.lr_schedule.kind,
                          warmup_steps=s.lr_schedule.warmup_steps, total_steps=total_steps,
-                         warmup_from=s.lr_schedule.warmup_from)
+                         warmup_from=s.lr_schedule.warmup_from, phase_warmup_steps=s.lr_schedule.phase_warmup_steps)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
+from orchestrator.choose import chooser, drawable
 from orchestrator.errors import ScheduleError
 from orchestrator.schedule import DataSection, LoadedSchedule, Phase
 from orchestrator.sections import MAX_STEPS
@@ -73,15 +73,26 @@ def plan_phases(loaded: LoadedSchedule) -> list[Phase]:
     if count * k > MAX_PLANNED_LAYERS:
         raise ScheduleError(f"{loaded.source}: schedule.layers_per_phase: expected at most {MAX_PLANNED_LAYERS:,} "
                             f"layers over all phases, got {count:,} phases x {k:,}")
-    rng = random.Random(f"relayer-lisa-{s.run.seed}")
+    layers_of = chooser(sc.strategy, n, k, s.run.seed, _weights(loaded, n, k), sc.window)
     phases, step, i = [], 0, 0
     while step < total:
-        if sc.strategy == "lisa":
-            layers = tuple(sorted(rng.sample(range(n), k)))
-        else:
-            walk = ((i * k + j) % n for j in range(k))
-            layers = tuple(sorted(walk if sc.strategy == "ascending" else (n - 1 - x for x in walk)))
         end = min(step + sc.interval, total)
-        phases.append(Phase(index=i, start_step=step, end_step=end, layers=layers, nproc=nproc_default))
+        phases.append(Phase(index=i, start_step=step, end_step=end, layers=layers_of(i), nproc=nproc_default))
         step, i = end, i + 1
     return phases
+
+
+def _weights(loaded: LoadedSchedule, n: int, k: int) -> list[float] | None:
+    """schedule.layer_weights as a list (None: uniform), checked against the model's layers and
+    schedule.window."""
+    sc, source = loaded.schedule.schedule, loaded.source
+    weights = None if sc.layer_weights in (None, "uniform") else list(sc.layer_weights)
+    if weights is not None and len(weights) != n:
+        raise ScheduleError(f"{source}: schedule.layer_weights: expected a weight per body layer, {n}, "
+                            f"got {len(weights)}")
+    need, key = k * (sc.window or 1), "schedule.window" if sc.window else "schedule.layer_weights"
+    if drawable(n, weights) < need:
+        what = f"window x layers_per_phase = {sc.window} x {k}" if sc.window else f"layers_per_phase = {k}"
+        raise ScheduleError(f"{source}: {key}: expected at most {drawable(n, weights)} layers drawn "
+                            f"{'per window' if sc.window else 'per phase'} (the layers of weight > 0), got {what}")
+    return weights

@@ -102,6 +102,10 @@ class LrScheduleSection(Section):
     """zero: step s of the warm-up trains at lr x s / warmup_steps, so step 0 at 0, as Hugging
     Face's get_scheduler; one_step: at lr x (s + 1) / warmup_steps, so step 0 already at lr /
     warmup_steps (relayer's only warm-up before this key: runs started then resume with it)."""
+    phase_warmup_steps: NonNegInt = 0
+    """A warm-up after each switch: step s of every phase (from 0, the first phase too) trains at
+    the lr above x (s + 1) / (phase_warmup_steps + 1) while s < phase_warmup_steps, so the new
+    layers' fresh Adam state takes small steps first; 0: none."""
 
 
 class PhaseEntry(Section):
@@ -124,8 +128,11 @@ class PhaseEntry(Section):
 class ScheduleSection(Section):
     phases: list[PhaseEntry] | None = None
     """Explicit phases, in order: [{ steps = 10, layers = [0] }, ...]; or use strategy."""
-    strategy: Literal["lisa", "ascending", "descending"] | None = None
-    """lisa: layers sampled at random each phase (seeded by run.seed); ascending / descending: in turn."""
+    strategy: Literal["lisa", "ascending", "descending", "badam"] | None = None
+    """lisa: layers sampled at random each phase (seeded by run.seed; LISA, Pan et al. 2024);
+    ascending / descending: in turn; badam: the layers cut into blocks of layers_per_phase
+    consecutive layers, each pass over all blocks in a seeded order reshuffled every pass (BAdam,
+    Luo et al. 2024, switch_mode "random"; with optimizer_state = "drop-all" as BAdam)."""
     total_steps: Steps | None = None
     """With strategy: optimizer steps of the whole run; or epochs."""
     epochs: Annotated[float, Field(gt=0, le=1e6)] | None = None
@@ -136,12 +143,40 @@ class ScheduleSection(Section):
     """With strategy: steps per phase (the last phase may be shorter)."""
     layers_per_phase: PositiveInt | None = None
     """With strategy: body layers trained per phase."""
+    layer_weights: list[Annotated[float, Field(ge=0)]] | Literal["uniform"] | None = None
+    """With strategy lisa: a weight per body layer (as many as the model has), layers drawn in
+    proportion to it without replacement within a phase (OwLore, Li et al. 2024, samples by its
+    outlier ratios; give them here); 0 never draws a layer; "uniform" or None: all alike."""
+    window: PositiveInt | None = None
+    """With strategy lisa: phases per window (0-based phases [0, window), [window, 2 x window) ...)
+    within which no layer is drawn twice; window x layers_per_phase must not pass the layers drawable."""
+    optimizer_state: Literal["reset", "drop-all"] = "reset"
+    """What the optimizer's state does at a switch. reset (LISA): the body's layers start each
+    phase with new Adam state (step 0), the head's carries on; drop-all (BAdam): the head's restarts
+    too. Resuming inside a phase restores both, whichever. Which head modules train: model.persistent."""
 
     _epochs_float = field_validator("epochs", mode="before")(int_is_float)
+
+    @field_validator("layer_weights", mode="before")
+    @classmethod
+    def _weights(cls, v: Any) -> Any:
+        """One message naming the key (or the weight), not one per member of the union."""
+        if isinstance(v, list):
+            for i, x in enumerate(v):
+                if isinstance(x, bool) or not isinstance(x, int | float) or not x >= 0:
+                    raise KeyProblem(f"schedule.layer_weights[{i}]", f"expected a non-negative number, got {_show(x)}")
+            return [int_is_float(x) for x in v]
+        if v is not None and v != "uniform":
+            raise KeyProblem("schedule.layer_weights", f'expected a list of weights or "uniform", got {_show(v)}')
+        return v
 
     @model_validator(mode="after")
     def _one_form(self) -> ScheduleSection:
         strategy_keys = {k: getattr(self, k) for k in ("total_steps", "interval", "layers_per_phase")}
+        for key in ("layer_weights", "window"):
+            if getattr(self, key) is not None and self.strategy != "lisa":
+                raise KeyProblem(f"schedule.{key}", f'takes schedule.strategy = "lisa", got strategy '
+                                 f"{_show(self.strategy) if self.strategy else 'none (explicit phases)'}")
         if self.phases is not None:
             given = [k for k in ("strategy", *strategy_keys, "epochs") if getattr(self, k) is not None]
             if given:

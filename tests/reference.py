@@ -42,14 +42,17 @@ def sample_index(g: int, n: int, seed: int) -> int:
 def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]]], *, seed: int = 0,
                   lr: float = 1e-3, batch: int = 8, micro: int = 4, grad_clip: float = 1.0,
                   weight_decay: float = 0.0, carry_body: bool = False, reset_head: bool = False,
-                  grad_scale: float = 1.0, mean_of_means: bool = False,
+                  grad_scale: float = 1.0, mean_of_means: bool = False, phase_warmup: int = 0,
+                  head_modules: tuple[str, ...] = ("model.embed_tokens", "lm_head", "model.norm"),
                   losses: list[float] | None = None) -> dict[str, torch.Tensor]:
     """Final weights (fp32, by parameter name) of the LISA schedule ``phases`` = [(steps, layers)];
-    each step's loss is appended to ``losses`` when given."""
+    each step's loss is appended to ``losses`` when given. ``reset_head``: a new AdamW for the head
+    every phase too (BAdam's "drop-all"); ``phase_warmup``: step s of each phase at lr x (s + 1) /
+    (phase_warmup + 1) while s < phase_warmup; ``head_modules``: the head's modules that train."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids, labels, mask = load_tokens(data)
     params = dict(model.named_parameters())
-    head = [n for n in params if n.startswith(("model.embed_tokens", "lm_head", "model.norm"))]
+    head = [n for n in params if n.startswith(tuple(f"{m}." for m in head_modules))]
 
     def adamw(names: list[str]) -> torch.optim.AdamW:
         decay = [params[n] for n in names if params[n].ndim >= 2]
@@ -71,7 +74,9 @@ def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]
         body_opt = body_opts.get(key) if carry_body else None
         if body_opt is None:
             body_opt = body_opts[key] = adamw(body)
-        for _ in range(steps):
+        for s in range(steps):
+            for g in (*head_opt.param_groups, *body_opt.param_groups):
+                g["lr"] = lr * (s + 1) / (phase_warmup + 1) if s < phase_warmup else lr
             rows = [sample_index(g, len(ids), seed) for g in range(step * batch, (step + 1) * batch)]
             targets = int((labels[rows, 1:] != -100).sum())
             step_loss = 0.0

@@ -41,6 +41,7 @@ class OptimizerPart(_Spec):
     total_steps: int
     """The run's last global step, for the decay schedules."""
     warmup_from: Literal["zero", "one_step"] = "zero"  # lr_schedule.warmup_from
+    phase_warmup_steps: int = 0  # lr_schedule.phase_warmup_steps: a warm-up after each switch
 
 
 class HandoverPart(_Spec):
@@ -97,6 +98,8 @@ class PhaseSpec(_Spec):
     """Where orchestrator_pid lives: ranks on other nodes cannot watch it (their launcher does)."""
     handover: HandoverPart = HandoverPart()
     """The device handover at this phase's start (``take``) and end (``offer``)."""
+    optimizer_state: Literal["reset", "drop-all"] = "reset"
+    """schedule.optimizer_state: "drop-all" starts the head's Adam state anew at the phase's start too."""
 
     @classmethod
     def read(cls, path: str | Path) -> PhaseSpec:
@@ -108,8 +111,17 @@ class PhaseSpec(_Spec):
         return self.model_validate(self.model_dump() | update)
 
 
-def lr_at(step: int, opt) -> float:
-    """Step ``step``'s lr (from 0; "zero": transformers' get_scheduler's); ``opt``: an OptimizerPart."""
+def lr_at(step: int, opt, phase_start: int = 0) -> float:
+    """Step ``step``'s lr (from 0; "zero": transformers' get_scheduler's); ``opt``: an OptimizerPart;
+    ``phase_start``: the first step of the step's phase, for ``phase_warmup_steps``."""
+    lr = _schedule_lr(step, opt)
+    in_phase = step - phase_start
+    if 0 <= in_phase < opt.phase_warmup_steps:
+        lr *= (in_phase + 1) / (opt.phase_warmup_steps + 1)
+    return lr
+
+
+def _schedule_lr(step: int, opt) -> float:
     if opt.warmup_steps and step < opt.warmup_steps:
         return opt.lr * (step + (opt.warmup_from == "one_step")) / opt.warmup_steps
     if opt.lr_kind == "constant":

@@ -133,7 +133,7 @@ BAD = [
     ("no-schedule", setting("schedule", phases=None), "schedule: expected schedule.phases or schedule.strategy"),
     ("unknown-strategy", setting("schedule", **strategy(strategy="random", total_steps=20, interval=10,
                                                         layers_per_phase=1)),
-     "schedule.strategy: expected 'lisa', 'ascending' or 'descending', got 'random'"),
+     "schedule.strategy: expected 'lisa', 'ascending', 'descending' or 'badam', got 'random'"),
     ("more-layers-per-phase-than-layers", setting("schedule", **strategy(strategy="lisa", total_steps=20, interval=10,
                                                                          layers_per_phase=5)),
      "schedule.layers_per_phase: expected at most the model's 4 layers, got 5"),

@@ -1,0 +1,116 @@
+"""The LISA family's runs (issue 46) equal the independent plain-PyTorch reference
+(``tests.reference``), which takes explicit phases: a strategy reduces to its phase table
+(``orchestrator plan``'s, checked against the run's manifests), the optimizer-state policy and the
+warm-up after each switch are the reference's own.
+
+One run per variant, several checks on each: BAdam's block walk with its "drop-all" policy and a
+warm-up after each switch on one process (ZeRO-2, each switch through the checkpoint), then stopped
+mid-phase and resumed (bitwise); weighted, windowed lisa with "drop-all" on two processes of
+relayer's own optimizer (ZeRO 0) handing each phase's state over (through the host here).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from orchestrator.plan import plan_phases
+from orchestrator.validate import load_schedule
+from shard_tools.manifest import read_manifest
+from shard_tools.store import Checkpoints
+from tests.conftest import cli, schedule_dict, write_schedule
+from tests.reference import bitwise_equal, composed, max_abs_diff, reference_run
+
+TOL = 1e-5  # tests/launch/test_equivalence.py says why
+WARMUP = 2
+
+pytestmark = pytest.mark.multiprocess
+
+
+def strategy_schedule(path: Path, model_dir: Path, data_path: Path, schedule: dict, **sections) -> Path:
+    raw = schedule_dict(model_dir, data_path, lr_schedule={"phase_warmup_steps": WARMUP},
+                        schedule={"phases": None, "total_steps": 30, "interval": 5, "layers_per_phase": 1,
+                                  "optimizer_state": "drop-all", **schedule}, **sections)
+    del raw["schedule"]["phases"]
+    return write_schedule(path, raw)
+
+
+def planned(sched: Path) -> list[tuple[int, list[int]]]:
+    return [(p.steps, list(p.layers)) for p in plan_phases(load_schedule(sched))]
+
+
+def trained(run: Path) -> list[tuple[int, list[int]]]:
+    """Each phase's steps and layers, as its phase-end manifest says."""
+    ends = sorted((m.phase, m) for m in map(read_manifest, Checkpoints(run).all()) if m.phase_complete)
+    return [(m.body_step, m.layers) for _, m in ends]
+
+
+@pytest.fixture(scope="module")
+def badam(tmp_path_factory, tiny_model, tiny_data) -> tuple[Path, Path]:
+    """(schedule, run): BAdam's walk, drop-all, a warm-up after each switch; a checkpoint every 3 steps."""
+    d = tmp_path_factory.mktemp("badam")
+    sched = strategy_schedule(d / "s.toml", tiny_model, tiny_data, {"strategy": "badam"},
+                              checkpoint={"every_steps": 3, "keep_last": 100})
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    return sched, d / "run"
+
+
+def test_badam_with_drop_all_and_a_warm_up_after_switches_matches_reference(badam, tiny_model, tiny_data):
+    sched, run = badam
+    phases = planned(sched)
+    assert sorted(layers for _, layers in phases[:4]) == [[0], [1], [2], [3]]  # a pass: each block once
+    assert trained(run) == phases
+    ref = reference_run(tiny_model, tiny_data, phases, reset_head=True, phase_warmup=WARMUP)
+    assert max_abs_diff(ref, composed(tiny_model, run)) <= TOL
+    # The policy and the warm-up are each seen: LISA's head carried, or no warm-up, is far off.
+    carried = reference_run(tiny_model, tiny_data, phases, phase_warmup=WARMUP)
+    assert max_abs_diff(ref, carried) > 10 * TOL
+    assert max_abs_diff(ref, reference_run(tiny_model, tiny_data, phases, reset_head=True)) > 10 * TOL
+    # Every phase's head state started anew: its step counts this phase's steps only.
+    ends = sorted((m.phase, m.head_step) for m in map(read_manifest, Checkpoints(run).all()) if m.phase_complete)
+    assert [s for _, s in ends] == [5] * 6
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["lr"] for m in logged[5:11]] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3, 1e-3, 1e-3 / 3])
+
+
+def test_badam_stopped_mid_phase_resumes_bitwise(badam, tmp_path, tiny_model):
+    """A stop at step 6 (phase 1, one step past its switch): the resume restores the head's state
+    from the phase's own checkpoint (not reset again) and ends bitwise as the uninterrupted run."""
+    sched, whole = badam
+    run = tmp_path / "run"
+    shutil.copytree(whole, run)
+    for ckpt in Checkpoints(run).all():
+        if read_manifest(ckpt).global_step > 6:
+            shutil.rmtree(ckpt)
+    mid = read_manifest(Checkpoints(run).newest_whole()[0])
+    assert (mid.global_step, mid.phase, mid.phase_complete, mid.head_step) == (6, 1, False, 1)
+    r = cli("orchestrator", "run", str(shutil.copy(sched, tmp_path / "s.toml")))
+    assert r.returncode == 0, r.stderr
+    assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, whole))
+
+
+def test_weighted_windowed_lisa_with_drop_all_on_two_processes_handing_over(tmp_path, tiny_model, tiny_data):
+    """Also a head option: the embeddings frozen (``model.persistent`` names the head's modules
+    that train), as the reference's head."""
+    head = ("lm_head", "model.norm")
+    sched = strategy_schedule(tmp_path / "s.toml", tiny_model, tiny_data, {
+        "strategy": "lisa", "total_steps": 20, "layer_weights": [1, 0, 3, 2], "window": 3},
+        model={"persistent": list(head)}, deepspeed={"zero_stage": 0}, launch={"nproc": 2, "handover": "on"})
+    phases = planned(sched)
+    assert all(layers != [1] for _, layers in phases)
+    assert len({layers[0] for _, layers in phases[:3]}) == 3  # no layer twice within a window
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / "run"
+    taken = [json.loads((run / "phases" / f"phase-{i:04d}" / "records.json").read_text()).get("handover")
+             for i in range(1, 4)]
+    assert taken == ["device"] * 3
+    assert trained(run) == phases
+    ref = reference_run(tiny_model, tiny_data, phases, reset_head=True, phase_warmup=WARMUP, head_modules=head)
+    weights = composed(tiny_model, run)
+    assert max_abs_diff(ref, weights) <= TOL
+    assert torch.equal(weights["model.embed_tokens.weight"], ref["model.embed_tokens.weight"])  # untrained

@@ -1,0 +1,148 @@
+"""The LISA family's choices the orchestrator makes (issue 46): weighted and windowed lisa
+(OwLore), BAdam's block order, the warm-up after each switch, the optimizer-state policy; each a
+deterministic function of the schedule and the seed, checked as the phase table and the spec say.
+Their runs against the plain-PyTorch reference are tests/launch/test_lisa_family_runs.py."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from launch.contract.spec import lr_at
+from orchestrator import phasespec
+from orchestrator.changes import changed_lr
+from orchestrator.errors import ScheduleError
+from orchestrator.groups import Work
+from orchestrator.plan import plan_phases
+from orchestrator.validate import validate_schedule
+from tests.orchestrator.test_cli_plan import invoke
+from tests.orchestrator.test_schedule import LAYERS, layers, plan, strategy_raw
+
+
+def test_badam_walks_each_block_once_a_pass_in_an_order_reshuffled_every_pass(tmp_path, tiny_data):
+    raw = strategy_raw(tiny_data, "badam", total_steps=20 * 16, interval=20, layers_per_phase=3)
+    chosen = layers(plan(raw, tmp_path))
+    blocks = [(0, 1, 2), (3, 4, 5), (6, 7)]  # consecutive layers; the last block shorter
+    passes = [chosen[i:i + 3] for i in range(0, 15, 3)]
+    assert all(sorted(p) == blocks for p in passes)
+    assert len({tuple(p) for p in passes}) > 1  # reshuffled, not one order repeated
+    assert chosen[15] in blocks
+    assert chosen == layers(plan(raw, tmp_path))  # same seed, same walk
+    other = layers(plan(strategy_raw(tiny_data, "badam", seed=1, total_steps=20 * 16, interval=20,
+                                     layers_per_phase=3), tmp_path))
+    assert other != chosen
+
+
+def test_badam_and_windowed_weighted_lisa_are_pinned(tmp_path, tiny_data):
+    """A resume replans in a new process, maybe after an upgrade: the tables must not move."""
+    assert layers(plan(strategy_raw(tiny_data, "badam", layers_per_phase=2), tmp_path)) == \
+        [(2, 3), (0, 1), (6, 7), (4, 5), (6, 7)]
+    raw = strategy_raw(tiny_data, "lisa", layer_weights=[1, 2, 3, 4, 0, 0, 1, 1], window=2)
+    assert layers(plan(raw, tmp_path)) == [(3, 6), (2, 7), (2, 3), (0, 1), (2, 3)]
+
+
+def test_weighted_lisa_draws_in_proportion_and_never_a_zero_weight(tmp_path, tiny_data):
+    weights = [8, 4, 2, 1, 1, 0, 0, 0]
+    raw = strategy_raw(tiny_data, "lisa", layer_weights=weights, total_steps=3000, interval=1, layers_per_phase=1)
+    counts = Counter(x for p in plan(raw, tmp_path) for x in p.layers)
+    assert set(counts) == {0, 1, 2, 3, 4}
+    assert counts[0] > 1.6 * counts[1] > 2.56 * counts[2] and counts[2] > 1.6 * counts[3]
+    assert abs(counts[0] / 3000 - 0.5) < 0.04
+    raw = strategy_raw(tiny_data, "lisa", layer_weights=weights, total_steps=400, interval=1, layers_per_phase=3)
+    assert all(len(set(p.layers)) == 3 and max(p.layers) <= 4 for p in plan(raw, tmp_path))
+
+
+def test_a_window_draws_no_layer_twice(tmp_path, tiny_data):
+    raw = strategy_raw(tiny_data, "lisa", window=4, total_steps=24 * 10, interval=10, layers_per_phase=2)
+    chosen = layers(plan(raw, tmp_path))
+    for w in range(0, 24, 4):
+        assert sorted(x for p in chosen[w:w + 4] for x in p) == list(range(LAYERS))
+    assert len({tuple(chosen[w:w + 4]) for w in range(0, 24, 4)}) > 1
+
+
+def test_uniform_weights_and_no_window_are_plain_lisa(tmp_path, tiny_data):
+    """Runs planned before these keys resume with the same layers."""
+    assert layers(plan(strategy_raw(tiny_data, "lisa", layer_weights="uniform"), tmp_path)) == \
+        layers(plan(strategy_raw(tiny_data, "lisa"), tmp_path))
+
+
+@pytest.mark.parametrize("keys,message", [
+    ({"layer_weights": [1, 1]}, "schedule.layer_weights: expected a weight per body layer, 8, got 2"),
+    ({"layer_weights": [1, 0, 0, 0, 0, 0, 0, 0]},
+     "schedule.layer_weights: expected at most 1 layers drawn per phase (the layers of weight > 0), "
+     "got layers_per_phase = 2"),
+    ({"window": 5}, "schedule.window: expected at most 8 layers drawn per window (the layers of weight > 0), "
+     "got window x layers_per_phase = 5 x 2"),
+])
+def test_weights_and_windows_the_model_cannot_meet_are_refused(tmp_path, tiny_data, keys, message):
+    with pytest.raises(ScheduleError) as e:
+        plan(strategy_raw(tiny_data, "lisa", **keys), tmp_path)
+    assert e.value.exit_code == 2 and str(e.value) == f"{tmp_path / 'schedule.toml'}: {message}"
+
+
+@pytest.mark.parametrize("strategy,keys,message", [
+    ("badam", {"layer_weights": [1] * 8},
+     "schedule.layer_weights: takes schedule.strategy = \"lisa\", got strategy 'badam'"),
+    (None, {"window": 2}, 'schedule.window: takes schedule.strategy = "lisa", got strategy none (explicit phases)'),
+    ("lisa", {"layer_weights": [1, -1] + [1] * 6}, "schedule.layer_weights[1]: expected a non-negative number, got -1"),
+    ("lisa", {"layer_weights": "owlore"}, 'schedule.layer_weights: expected a list of weights or "uniform", got \'owlore\''),
+    ("lisa", {"optimizer_state": "keep-some"}, "schedule.optimizer_state: expected 'reset' or 'drop-all'"),
+])
+def test_keys_in_the_wrong_place_name_the_key(tmp_path, tiny_data, strategy, keys, message):
+    raw = strategy_raw(tiny_data, strategy or "lisa", **keys)
+    if strategy is None:
+        raw["schedule"] = {"phases": [{"steps": 5, "layers": [0]}], **keys}
+    with pytest.raises(ScheduleError) as e:
+        validate_schedule(raw, tmp_path / "schedule.toml")
+    assert e.value.exit_code == 2 and message in str(e.value)
+
+
+def warmup(**keys) -> SimpleNamespace:
+    base = dict(lr=1.0, lr_kind="constant", warmup_steps=0, total_steps=100, warmup_from="zero", phase_warmup_steps=3)
+    return SimpleNamespace(**(base | keys))
+
+
+def test_the_warm_up_after_a_switch_restarts_in_every_phase():
+    assert [lr_at(s, warmup(), 10) for s in range(10, 15)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert [lr_at(s, warmup(), 0) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    # On top of the run's own schedule (here its warm-up), and never before its phase's start.
+    assert lr_at(1, warmup(warmup_steps=4), 0) == pytest.approx(0.25 * 0.5)
+    assert lr_at(9, warmup(), 10) == 1.0 and lr_at(12, warmup(phase_warmup_steps=0), 10) == 1.0
+
+
+def test_the_spec_carries_the_policy_and_the_warm_up(tmp_path, tiny_data):
+    raw = strategy_raw(tiny_data, "badam", optimizer_state="drop-all")
+    raw["lr_schedule"] = {"phase_warmup_steps": 2}
+    loaded = validate_schedule(raw, tmp_path / "schedule.toml")
+    phases = plan_phases(loaded)
+    spec = phasespec.phase_spec(loaded, phases, Work(phases[1], 20, None), tmp_path / "pd", None)
+    assert (spec.optimizer_state, spec.optimizer.phase_warmup_steps, spec.phase_start_step) == ("drop-all", 2, 20)
+
+
+def test_a_new_warm_up_after_switches_changes_the_lr_of_steps_taken(tmp_path, tiny_data):
+    raw = strategy_raw(tiny_data, "lisa")
+    old = validate_schedule(raw, tmp_path / "schedule.toml")
+    new = validate_schedule({**raw, "lr_schedule": {"phase_warmup_steps": 2}}, tmp_path / "schedule.toml")
+    assert changed_lr(old, plan_phases(old), new, plan_phases(new), done_step=20) == (
+        "lr of step 0, already taken, would change: 0.001 -> 0.000333333 (lr 0.001, constant, warmup_steps 0 "
+        "from zero, total_steps 100 -> lr 0.001, constant, warmup_steps 0 from zero, total_steps 100, "
+        "phase_warmup_steps 2)")
+    late = validate_schedule({**raw, "lr_schedule": {"phase_warmup_steps": 2}}, tmp_path / "schedule.toml")
+    assert changed_lr(old, plan_phases(old), late, plan_phases(late), done_step=0) is None
+
+
+def test_plan_shows_the_choice_the_policy_and_the_largest_phase(tmp_path, tiny_model, tiny_data):
+    from tests.conftest import schedule_dict, write_schedule
+
+    sched = schedule_dict(tiny_model, tiny_data, lr_schedule={"phase_warmup_steps": 2}, schedule={
+        "phases": None, "strategy": "lisa", "total_steps": 20, "interval": 10, "layers_per_phase": 1,
+        "layer_weights": [0, 1, 0, 1], "window": 2, "optimizer_state": "drop-all"})
+    del sched["schedule"]["phases"]
+    r = invoke("plan", str(write_schedule(tmp_path / "schedule.toml", sched)))
+    assert r.exit_code == 0, r.output
+    assert ("layers: strategy lisa weighted 0/1/0/1, no layer twice within 2 phases; optimizer state (drop-all): "
+            "the body's and the head's new each phase; lr warm-up of 2 steps after each switch") in r.stdout
+    assert "largest phase: 0 (layers " in r.output and " per process" in r.output
