@@ -4,12 +4,15 @@ running), and running again resumes. A scheduler's repeated SIGTERM only says wh
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import time
 
 import psutil
 import pytest
 
+from orchestrator import backstop
 from orchestrator.runner import Runner
 from orchestrator.validate import load_schedule
 from tests.conftest import cli, faults_env, schedule_dict, write_schedule
@@ -40,6 +43,7 @@ def test_a_second_ctrl_c_ends_the_run_at_once_saying_what_it_waited_for(tmp_path
         if orch.poll() is None:
             orch.kill()
     assert orch.returncode == 75, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert time.time() - t0 < 30, "the second Ctrl-C did not end the run at once"
     assert "a second Ctrl-C ends the run at once" in err  # said at the first
     assert ("ended at once by a second Ctrl-C (SIGINT), while waiting for phase 0 to finish its step and write its "
@@ -68,3 +72,21 @@ def test_a_repeated_sigterm_or_sigusr1_waits_for_the_checkpoint_saying_what_it_w
                     for s in (signal.SIGTERM, signal.SIGUSR1)]
     runner._on_signal(signal.SIGINT, None)
     assert ended == [signal.SIGINT]
+
+
+def test_a_second_stop_signal_writes_no_broken_pipe_traceback(tmp_path, monkeypatch):
+    """Seen: a second Ctrl-C printed "Exception ignored when trying to write to the signal wakeup
+    fd ... BrokenPipeError" before its message: the backstop had closed the pipe after the first."""
+    ignored = []
+    monkeypatch.setattr(sys, "unraisablehook", ignored.append)
+    got = []
+    old = signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
+    disarm = backstop.arm(tmp_path, 1000, (signal.SIGUSR1,))
+    try:
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.3)  # the backstop's thread reads the first
+    finally:
+        disarm()
+        signal.signal(signal.SIGUSR1, old)
+    assert got == [signal.SIGUSR1] * 2 and not ignored, [u.exc_value for u in ignored]
