@@ -24,7 +24,10 @@ class _Group(click.Group):
 
 
 def _fail(error: Exception, code: int) -> None:
-    click.echo(f"orchestrator: {error}", err=True)
+    try:
+        click.echo(f"orchestrator: {error}", err=True)
+    except OSError:  # the terminal closed (SIGHUP): the exit code and the journal still say it
+        pass
     sys.exit(code)
 
 
@@ -100,8 +103,8 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
         click.echo(f"orchestrator: warning: no memory estimate: {failure}", err=True)
         return
     print_plan(loaded, phases, switches, estimate, device, here=here)
-    _echo_data_line(loaded, phases, data)
     _warn_what_will_not_fit(phases, estimate, device)
+    _echo_data_line(loaded, phases, data)
 
 
 def _warn_what_will_not_fit(phases, estimate, device: int) -> None:
@@ -143,7 +146,10 @@ LAYOUTS = {"pad": "one example a row, padded or cut to", "stream": "one stream c
 
 
 def _echo_data_line(loaded, phases, data: dict) -> None:
-    from orchestrator.space import data_cache_bytes, describe, disk_need, file_system_of, write_rate
+    """The data's line, the disk's and the checkpoints' write rate; ScheduleError (exit 2) after
+    them where ``run`` would refuse the disk."""
+    from orchestrator.errors import ScheduleError
+    from orchestrator.space import data_cache_bytes, describe, disk_need, file_system_of, shortfall, write_rate
 
     st, train = data["stats"], data["stats"]["train"]
     click.echo(f"data: {train['examples']} examples, {train['rows']} rows of {st['seq_len']} tokens "
@@ -160,6 +166,8 @@ def _echo_data_line(loaded, phases, data: dict) -> None:
         click.echo(describe(need, file_system_of(loaded.output_dir)))
     if (rate := write_rate(loaded, phases)) is not None:
         click.echo(rate)
+    if need is not None and (why := shortfall(loaded, need)) is not None:
+        raise ScheduleError(why)
 
 
 def _source_line(src: dict) -> str:

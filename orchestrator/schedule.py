@@ -236,7 +236,7 @@ class CheckpointSection(Section):
     every_seconds: Annotated[float, Field(ge=0)] = 300.0
     """Where a phase hands its state over to its successor (``launch.handover``), its end writes a
     checkpoint only once this long has passed since the last one; the successor carries what it
-    trained on to the next. A stop (SIGTERM, SIGINT, SIGUSR1) and the run's end always write one; a
+    trained on to the next. A stop (SIGTERM, SIGINT, SIGUSR1, SIGHUP) and the run's end always write one; a
     crash (SIGKILL, a lost node) costs the phases since the last, which the rerun trains again.
     0: a checkpoint at every phase end; where the state goes through the checkpoint (no handover),
     every phase end writes one anyway."""

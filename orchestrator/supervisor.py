@@ -398,7 +398,8 @@ class Supervisor:
         ph, sig = self.phase, self.ctx.stop_signal()
         kept, manifest, _ = self.ctx.checkpoints.newest_whole(checksums=False)
         step = manifest.global_step if manifest else 0
-        self.ctx.event("preempted", phase=ph.index, step=step, signal=sig, rc=self.rc)
+        self.ctx.event("preempted", phase=ph.index, step=step, signal=sig, rc=self.rc,
+                       **({"checkpoint": str(kept)} if kept else {}))  # named to the user: retention keeps it
         by = f"signal {sig}" if sig is not None else "a signal to its ranks"
         return Preempted(f"preempted by {by} in phase {ph.index}; kept: the checkpoint at "
                         f"step {step} ({kept}); run the same command again to resume" if kept else
