@@ -28,6 +28,7 @@ from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.record import Assembled, Phase, Prepared, Source
 from launch.save import prepare_files
 from launch.staging import Staging
+from launch.templates import trained_template
 from launch.train import packed_attention, token_loss
 from launch.zero_state import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DECAY
 from shard_tools.later import Later
@@ -109,7 +110,8 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     persistent, layers_attr = detect_parts(model, m.persistent, m.layers)
     origin = Origin(base_model=model_spec(spec), tokenizer=m.tokenizer, persistent=persistent,
-                    layers_attr=layers_attr, world_size=ph.world, zero_stage=spec.zero_stage)
+                    layers_attr=layers_attr, world_size=ph.world, zero_stage=spec.zero_stage,
+                    chat_template=trained_template(spec.data))
     head_names = head_param_names(model, persistent)
     body_names = [n for i in spec.layers for n in layer_param_names(model, layers_attr, i)]
     preload = spec.preload or spec.restore
