@@ -99,6 +99,9 @@ class Observer:
     def on_metric(self, record: dict) -> None:
         """A line appended to the run's metrics.jsonl since the phase started."""
 
+    def on_poll(self) -> None:
+        """Each time the supervisor looks at the phase (about ten times a second)."""
+
 
 @dataclass
 class Context:
@@ -286,6 +289,7 @@ class Supervisor:
             if m.get("phase") == self.phase.index and "loss" in m:
                 self.logged_step = max(self.logged_step, m["step"])
                 self.watchdog.moved()
+        self.ctx.observer.on_poll()
 
     def _stalled(self) -> bool:
         """No progress for too long, a stop aside: the ranks' stacks are written, the group is to be
