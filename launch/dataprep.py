@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from launch import mix, rows as layouts
-from launch.contract.data import DataPart, SourcePart
+from launch.contract.data import ALPACA_PROMPT, DataPart, SourcePart
 from launch.formats import MARKINGS, Encoder, StoppedAt
 from launch.records import DataError, find_bad_record, read_records, where
 from launch.rows import IGNORE, gather, ragged, starts_of
@@ -108,7 +108,8 @@ def read_stats(cache_dir: Path) -> dict[str, Any]:
     (tokens that carry loss, in the rows), truncated (examples cut to seq_len), dropped_tokens,
     rows, padding_tokens, rows_without_targets; ``sources`` and ``validation_files``, one object a
     file (key, path, format, weight, records, held_out, examples, tokens, target_tokens, truncated,
-    template, marking: ``_source_stats``)."""
+    without_targets (examples none of whose tokens carries loss in its row), template, marking:
+    ``_source_stats``)."""
     return json.loads((Path(cache_dir) / STATS).read_text())
 
 
@@ -227,6 +228,11 @@ def load_tokenizer(source: SourcePart, tokenizer: str | None):
     if template is not None:
         tok.chat_template = template
         check_markers(source, tok)
+    if source.chat_template == ALPACA_PROMPT:
+        if source.format != "instruction":
+            raise DataError(f'{source.key}.chat_template: "{ALPACA_PROMPT}" (the Alpaca prompt) is for '
+                            f'format = "instruction", not "{source.format}"')
+        tok.chat_template = None
     if source.format == "chat" and not tok.chat_template:
         raise DataError(f'{source.key}: format = "chat" needs a chat template: the tokenizer has none; set '
                         f"{source.key}.chat_template", tokenizer)
@@ -288,7 +294,7 @@ def _source_stats(data: DataPart, enc: Encoded, picks: np.ndarray, held: int) ->
     return {"key": s.key, "path": str(Path(s.path).resolve()), "format": s.format, "weight": s.weight,
             "records": len(enc.lengths), "held_out": held, "examples": len(picks), "tokens": int(lengths.sum()),
             "target_tokens": int(targets.sum()), "truncated": int((lengths > kept).sum()),
-            "template": enc.template, "marking": enc.markings}
+            "without_targets": int((targets == 0).sum()), "template": enc.template, "marking": enc.markings}
 
 
 def _write_rows(data: DataPart, encs: list[Encoded], picks: list[np.ndarray], order: np.ndarray,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from launch.contract.data import TEMPLATE_NAMES, DataPart, SourcePart, is_template_path
+from launch.contract.data import ALPACA_PROMPT, TEMPLATE_NAMES, DataPart, SourcePart, is_template_path
 from launch.records import DataError
 
 _SYSTEM_FIRST = "{% set system = messages[0].content if messages[0].role == 'system' else none %}"
@@ -57,6 +57,8 @@ assert set(TEMPLATES) == set(MARKERS) == set(TEMPLATE_NAMES)
 def template_text(source: SourcePart) -> str | None:
     """The Jinja text of ``source.chat_template`` (a name, a file or the template itself), or None."""
     t = source.chat_template
+    if t == ALPACA_PROMPT:
+        return None
     if t is None or not is_template_path(t):
         return TEMPLATES.get(t, t)
     try:
@@ -69,7 +71,8 @@ def trained_template(data: DataPart) -> str | None:
     """The chat template a run trains with where the schedule names one (``data.chat_template``, a
     source's own): the first training source's that renders through one; saved with the run's
     checkpoints for its final model and every export. None: the tokenizer's own (copied anyway)."""
-    named = [s for s in data.sources if s.format in ("chat", "instruction") and s.chat_template is not None]
+    named = [s for s in data.sources
+             if s.format in ("chat", "instruction") and s.chat_template not in (None, ALPACA_PROMPT)]
     return template_text(named[0]) if named else None
 
 

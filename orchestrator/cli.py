@@ -166,8 +166,22 @@ def _echo_data_line(loaded, phases, data: dict) -> None:
         click.echo(describe(need, file_system_of(loaded.output_dir)))
     if (rate := write_rate(loaded, phases)) is not None:
         click.echo(rate)
+    _warn_without_targets(st)
     if need is not None and (why := shortfall(loaded, need)) is not None:
         raise ScheduleError(why)
+
+
+def _warn_without_targets(stats: dict) -> None:
+    """A warning where training rows carry no target token (they train nothing and take their share
+    of a step's batch), with the counts, per source where a source's examples carry none."""
+    train = stats["train"]
+    if not train.get("rows_without_targets"):
+        return
+    per_source = [f"{s['key']}: {s['without_targets']:,} of {s['examples']:,} examples"
+                  for s in stats["sources"] if s.get("without_targets")]
+    click.echo(f"orchestrator: warning: {train['rows_without_targets']:,} of {train['rows']:,} training rows carry no "
+               f"target token (nothing to learn: their targets cut by data.seq_len = {stats['seq_len']}, or none "
+               "rendered)" + (f"; {'; '.join(per_source)}" if per_source else ""), err=True)
 
 
 def _source_line(src: dict) -> str:
@@ -215,6 +229,7 @@ def data(schedule: Path, show: int | None, as_json: bool, overrides: tuple[str, 
                            ("truncated examples", "truncated"), ("rows", "rows"), ("padding tokens", "padding_tokens"),
                            ("dropped tokens", "dropped_tokens"), ("rows without targets", "rows_without_targets")):
             click.echo(f"  {label:<21} {split[key]:>12,}")
+    _warn_without_targets(st)
     for i, row in enumerate(out["rows"]):
         text = row["text"] if row["text"] is not None else " ".join(map(str, row["input_ids"]))
         target = row["target"] if row["target"] is not None else " ".join(map(str, row["target_ids"]))

@@ -183,7 +183,8 @@ def _check_sources(data: DataSection, base: Path, source: Path) -> None:
     for key, template in templates:
         if template is not None and is_template_path(template):
             need_file(resolve_path(base, template), f"{key}.chat_template",
-                      f"a Jinja template, one named {', '.join(TEMPLATE_NAMES)}, or a file holding one", source)
+                      f"a Jinja template, one named {', '.join(TEMPLATE_NAMES)}, \"alpaca\" (the Alpaca prompt), or a "
+                      "file holding one", source)
 
 
 def wandb_can_log() -> bool:
