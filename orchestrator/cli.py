@@ -42,9 +42,13 @@ set_option = click.option("--set", "overrides", multiple=True, metavar="KEY=VALU
                                "--set schedule.phases[0].steps=5. Repeatable.")
 
 
+output_dir_option = click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path),
+                                 help="Run directory (overrides run.output_dir); plan and data read its prepared data.")
+
+
 @main.command()
 @schedule_arg
-@click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path), help="Run directory (overrides run.output_dir).")
+@output_dir_option
 @click.option("--nproc", type=int, help="Processes for every phase (overrides launch.nproc and per-phase nproc).")
 @click.option("--force", is_flag=True, help="Resume even though the schedule changed completed work.")
 @set_option
@@ -67,13 +71,15 @@ def run(schedule: Path, output_dir: Path | None, nproc: int | None, force: bool,
 
 @main.command()
 @schedule_arg
+@output_dir_option
 @click.option("--nproc", type=int, help="Processes for every phase.")
 @click.option("--device-memory", metavar="SIZE",
               help="Memory of one device (80GiB, 80GB, 141e9): adds each phase's estimated memory per process, "
                    "warns where a phase will not fit, and shows a switch whose handover would not fit as going "
                    "through the checkpoint.")
 @set_option
-def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides: tuple[str, ...]) -> None:
+def plan(schedule: Path, output_dir: Path | None, nproc: int | None, device_memory: str | None,
+         overrides: tuple[str, ...]) -> None:
     """Print the phase table of SCHEDULE, how each switch hands over, and check the file, without
     starting anything."""
     from orchestrator.display import print_plan
@@ -85,7 +91,7 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
     from orchestrator.datastep import check_data
 
     device = size_option(device_memory, "--device-memory") if device_memory is not None else None
-    loaded = load_schedule(schedule, nproc=nproc, overrides=overrides)
+    loaded = load_schedule(schedule, output_dir=output_dir, nproc=nproc, overrides=overrides)
     phases = plan_phases(loaded)
     data = check_data(loaded)
     try:
@@ -199,11 +205,12 @@ def _source_line(src: dict) -> str:
 
 @main.command()
 @schedule_arg
+@output_dir_option
 @click.option("--show", type=click.IntRange(min=1), metavar="N", help="Also print the first N training rows, in the run's order.")
 @click.option("--json", "as_json", is_flag=True,
               help="JSON: with --show, a list of the rows ({text, target, input_ids, target_ids}); else the statistics.")
 @set_option
-def data(schedule: Path, show: int | None, as_json: bool, overrides: tuple[str, ...]) -> None:
+def data(schedule: Path, output_dir: Path | None, show: int | None, as_json: bool, overrides: tuple[str, ...]) -> None:
     """The training data of SCHEDULE as the run will see it: statistics and, with --show N, rows
     with their decoded input and the tokens that carry loss. Writes nothing."""
     import json
@@ -211,7 +218,7 @@ def data(schedule: Path, show: int | None, as_json: bool, overrides: tuple[str, 
     from orchestrator.datastep import check_data
     from orchestrator.validate import load_schedule
 
-    out = check_data(load_schedule(schedule, overrides=overrides), show or 0)
+    out = check_data(load_schedule(schedule, output_dir=output_dir, overrides=overrides), show or 0)
     st = out["stats"]
     if as_json:
         if show:  # one row a line

@@ -67,8 +67,13 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switc
 
 def _switch_sections(loaded: LoadedSchedule, switches: list[Switch], device_memory: int | None,
                      here: tuple[str, list[Switch]] | None) -> list[str]:
-    """How the switches go on this machine (``here``), then on a GPU where that differs."""
+    """How the switches go on this machine (``here``), then on a GPU where that differs; on a
+    machine without one, only with --device-memory (a GPU's overlap peak is mostly its processes'
+    CUDA contexts, 2.6 GB each, a puzzle beside a CPU run of a small model)."""
     sections = [] if here is None else [(f"on this machine ({here[0]})", here[1], loaded.schedule.launch.handover == "on")]
+    if here is not None and here[0].startswith("no GPU") and device_memory is None and switches != here[1]:
+        return [line for title, listed, host in sections for line in [f"{title}:", *(f"  {x}" for x in
+                switch_lines(listed, host=host))]] + ["on a GPU: --device-memory SIZE shows how each switch goes there"]
     if here is None or switches != here[1]:
         size = f" of {format_bytes(device_memory)} (--device-memory)" if device_memory is not None else \
             " (--device-memory SIZE checks each overlap against it)"
@@ -232,7 +237,9 @@ class Display(Observer):
 
     def on_metric(self, m: dict) -> None:
         if "eval_loss" in m:
-            self.say(f"step {m['step']}: eval loss {m['eval_loss']:.4f}")
+            sources = ", ".join(f"{k.removeprefix('eval_loss/')} {v:.4f}" for k, v in m.items()
+                                if k.startswith("eval_loss/"))
+            self.say(f"step {m['step']}: eval loss {m['eval_loss']:.4f}" + (f" ({sources})" if sources else ""))
             return
         phase, start_step = self._group.work.phase, self._group.work.start_step
         self._waiting = ""
@@ -292,8 +299,8 @@ def print_status(run_dir: Path) -> None:
     table = Table(title="last events")
     table.add_column("time")
     table.add_column("event")
-    table.add_column("details")
+    table.add_column("details", overflow="fold")  # whole: a failure's reason is what status is read for
     for e in events[-8:]:
         details = {k: v for k, v in e.items() if k not in ("time", "event", "records")}
-        table.add_row(time.strftime("%H:%M:%S", time.localtime(e["time"])), e["event"], json.dumps(details)[:100])
+        table.add_row(time.strftime("%H:%M:%S", time.localtime(e["time"])), e["event"], json.dumps(details))
     out.print(table)

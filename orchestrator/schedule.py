@@ -230,6 +230,15 @@ class LaunchSection(Section):
         return self
 
 
+class EvalSection(Section):
+    prompts: list[str] = Field(default_factory=list)
+    """Prompts whose greedy continuations are generated at each evaluation (data.eval_every) and
+    logged with it (metrics.jsonl's "generations", TensorBoard's text, W&B's table): each a user
+    turn through the run's chat template where there is one, else the text as it is. Off: []."""
+    max_new_tokens: PositiveInt = 16
+    """Tokens generated for each prompt (greedy, ending early at the end-of-sequence token)."""
+
+
 class CheckpointSection(Section):
     every_steps: NonNegInt = 0
     """Mid-phase checkpoints for preemption; 0: only at phase ends."""
@@ -256,6 +265,7 @@ class Schedule(Section):
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
     launch: LaunchSection = Field(default_factory=LaunchSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
 
     @model_validator(mode="after")
     def _stage_zero(self) -> Schedule:

@@ -166,6 +166,8 @@ def _check_inputs(sched: Schedule, base: Path, source: Path) -> Path:
                             "(pip install 'relayer[tensorboard]')")
     if d.validation_path is not None:
         _need_data(resolve_path(base, d.validation_path), "data.validation_path", source)
+    if sched.eval.prompts and not d.eval_every:
+        raise ScheduleError(f"{source}: eval.prompts: generated at each evaluation: needs data.eval_every")
     if d.eval_every and d.validation_path is None and d.validation_split is None:
         raise ScheduleError(f"{source}: data.eval_every: needs data.validation_path or data.validation_split, "
                             "which are missing")

@@ -43,13 +43,13 @@ def test_display_follows_a_phase_from_the_supervisors_events(tmp_path, tiny_mode
     display.on_state(State.STARTING, group(first, prewarmed=False))
     display.on_stage({"stage": "loading the model"})
     display.on_metric(metric(1, 0, [0]))
-    display.on_metric({"step": 1, "eval_loss": 2.25})
+    display.on_metric({"step": 1, "eval_loss": 2.25, "eval_loss/alpaca": 2.0, "eval_loss/chats": 2.5})
     display.on_state(State.ENDING, group(first, prewarmed=False))
     assert lines(capsys) == ["phase 0: starting its processes (importing torch and DeepSpeed)",
                              "phase 0: loading the model",
                              "step 1/30  phase 0  layers [0]  loss 2.5000  lr 1.00e-03  tok/s after a steady step  "
                              "ETA --:--",
-                             "step 1: eval loss 2.2500"]
+                             "step 1: eval loss 2.2500 (alpaca 2.0000, chats 2.5000)"]
     # A pre-warmed phase prepared before its turn: that is no news when it starts.
     display.on_state(State.STARTING, group(second, prewarmed=True))
     display.on_stage({"stage": "loading the model"})
@@ -110,3 +110,19 @@ def test_an_80_column_bar_keeps_the_step_counter_and_says_what_it_waits_for(tmp_
     display.on_metric({**metric(18, 1, [1]), "loss": 4.58164, "tokens_per_s": 12345.0})
     line = bar()
     assert line.startswith("18/30 phase 0 layers [0]  loss 4.5816  lr 1.00e-03") and len(line) <= 80, line
+
+
+def test_status_shows_each_events_details_whole(tmp_path):
+    """Seen: status's events table cut every event's details at 100 characters (a failure's reason)."""
+    from orchestrator.display import print_status
+
+    reason = "rank 0: " + " ".join(f"word{i}" for i in range(60)) + " THE END"
+    (tmp_path / "journal.jsonl").write_text(json.dumps({"time": 0, "event": "phase_failed", "phase": 0,
+                                                        "reason": reason}) + "\n")
+    out = io.StringIO()
+    from contextlib import redirect_stdout
+
+    with redirect_stdout(out):
+        print_status(tmp_path)
+    flat = re.sub(r"[\s│|]+", " ", out.getvalue())
+    assert "word59 THE END" in flat, out.getvalue()

@@ -63,3 +63,10 @@ def test_coming_from_maps_the_peers_lisa_keys_to_keys_that_exist():
     for row in re.findall(r"^\| `(?:lisa_|--lisa_)[^|]*\| ([^|]*)\|", text, re.M):
         for named in re.findall(r"`([a-z_]+\.[a-z_]+)", row):
             assert named in keys, (named, row)
+
+
+def test_the_readme_says_what_relayer_is_not():
+    """Asked by users of the peers: LoRA and QLoRA stay with peft-based tools."""
+    text = (ROOT / "README.md").read_text()
+    head = text[:text.index("## Install")]
+    assert "**What relayer is not.**" in head and "LoRA, QLoRA" in head and "peft" in head
