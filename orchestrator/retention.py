@@ -30,10 +30,12 @@ def retain(store: Checkpoints, keep_last: int, protect: set[Path], event: Callab
 
 def named_at_stop(store: Checkpoints) -> set[Path]:
     """The checkpoint the run's last stop named to the user (a ``preempted`` event with a
-    ``checkpoint``, at its ``step``), where the run has not ended since; else none."""
+    ``checkpoint``, at its ``step``), where the run has not ended since and it is still there (not
+    set aside by --resume-from); else none."""
     for e in reversed(read_journal(store.run_dir)):
         if e.get("event") == "run_done":
             return set()
-        if e.get("event") == "preempted" and e.get("checkpoint"):
-            return {store.at(e["step"])}
+        if e.get("event") == "preempted" and e.get("checkpoint") and isinstance(e.get("step"), int):
+            named = store.at(e["step"])
+            return {named} if named.is_dir() else set()
     return set()

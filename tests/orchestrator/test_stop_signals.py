@@ -123,6 +123,8 @@ def test_the_checkpoint_a_stop_named_is_protected_until_a_later_stop_or_the_runs
     lines = [{"event": "preempted", "step": 25, "checkpoint": str(store.at(25))},
              {"event": "resumed", "step": 25}, {"event": "checkpoint_committed", "step": 30}]
     (tmp_path / "journal.jsonl").write_text("".join(json.dumps({"time": 0, **e}) + "\n" for e in lines))
+    assert named_at_stop(store) == set()  # not there (set aside by --resume-from): nothing to keep
+    store.at(25).mkdir(parents=True)
     assert named_at_stop(store) == {store.at(25)}
     more = [{"event": "preempted", "step": 30}, {"event": "resumed", "step": 30}]  # named none: 25 still
     with open(tmp_path / "journal.jsonl", "a") as f:
