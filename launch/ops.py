@@ -16,30 +16,26 @@ torch builds into one folder per user (``~/.cache/torch_extensions/py311_cpu``) 
 environment, and a build from another virtual environment (other include paths) makes ninja
 build again: two checkouts on one machine would rebuild the op for each other all day, each
 build minutes on a busy CPU. Each environment builds into a folder of its own instead, unless
-``TORCH_EXTENSIONS_DIR`` says where.
+``TORCH_EXTENSIONS_DIR`` says where (``launch.contract.ops``), once: a process that finds the
+op built there loads its library without ninja.
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
+import importlib.util
+import json
 import os
 import sys
+import time
 from pathlib import Path
+
+from launch.contract.ops import BUILT, built, extensions_dir
+from shard_tools.files import write_atomic
 
 COMM_BUFFER = "deepspeed_allreduce_buffer"
 _loaded = False
 """The comm op is loaded in this process (or in the fork server it was forked from)."""
-
-
-def extensions_dir() -> Path:
-    """Where this environment's JIT builds go: ``TORCH_EXTENSIONS_DIR``, else a folder of torch's
-    default root named after this environment (``sys.prefix``)."""
-    if "TORCH_EXTENSIONS_DIR" in os.environ:
-        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
-    from torch.utils.cpp_extension import get_default_build_root
-
-    return Path(get_default_build_root()) / f"relayer-{hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]}"
 
 
 def load_comm_ops() -> None:
@@ -56,8 +52,46 @@ def load_comm_ops() -> None:
         with open(build_lock(builder.NAME), "w") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
-            build_shm_op()
+            if not _load_built(builder):
+                _build(build_shm_op, build_dir, builder.NAME)
     _loaded = True
+
+
+def _build(build_shm_op, build_dir: Path, name: str) -> None:
+    """The op built by torch's JIT build with this environment's ninja where it has one: whether the
+    shell had the environment activated made the build use the system's ninja or its own, each
+    finding the other's build log of another version and starting over."""
+    path, here = os.environ.get("PATH", ""), Path(sys.executable).parent
+    if (here / "ninja").is_file():
+        os.environ["PATH"] = f"{here}{os.pathsep}{path}"
+    t0 = time.time()
+    try:
+        build_shm_op()
+    finally:
+        os.environ["PATH"] = path
+    _record_build(build_dir, name, time.time() - t0)
+
+
+def _load_built(builder) -> bool:
+    """Loads the op's library built before in this environment (``launch.contract.ops.built``)
+    into DeepSpeed's cache of loaded ops, which its own load then returns; False where there is none."""
+    record = built(builder.NAME)
+    if record is None:
+        return False
+    spec = importlib.util.spec_from_file_location(builder.NAME, build_directory(builder.NAME) / record["library"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    owner = next(c for c in type(builder).__mro__ if "_loaded_ops" in vars(c))
+    owner._loaded_ops[builder.NAME] = module
+    return True
+
+
+def _record_build(build_dir: Path, name: str, seconds: float) -> None:
+    library = build_dir / f"{name}.so"
+    if library.is_file():  # else DeepSpeed found the op incompatible and built nothing
+        record = {"library": library.name, "size": library.stat().st_size, "seconds": round(seconds, 1),
+                  "built": time.time(), "python": sys.executable}
+        write_atomic(build_dir / BUILT, json.dumps(record), durable=False)
 
 
 def build_directory(name: str) -> Path:

@@ -8,12 +8,14 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from launch import handover, prepare, procs, save, switch, train
 from launch.profiling import switch_profile
 from launch.contract.spec import PhaseSpec
 from launch.record import Phase
+from launch.threads import FreeCores
 
 PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint was written, run again to go on
 
@@ -32,9 +34,11 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict,
         phase.timeline.add(gc_collections_before_switch=procs.gc_collections())
         restore = Path(spec.restore) if spec.restore else None
         go, delta = switch.await_go(phase) if spec.prewarm else (switch.Go(restore), None)
+        cores = FreeCores()
         with switch_profile(Path(spec.phase_dir) / f"switch-profile-rank{rank}.txt"):
             phase.built = switch.assemble(phase, go, delta)
             switch.restore(phase)
+        _set_threads(phase, cores)
         done = train.train(phase, stop)
         snap, write = handover.offer(phase) if done else (None, True)
         if write:  # else its successor took its state and carries it on to its own checkpoint
@@ -47,3 +51,10 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict,
     phase.write_records()
     return 0 if done else PREEMPTED
 
+
+
+def _set_threads(phase: Phase, cores: FreeCores) -> None:
+    """Torch's threads for training (``launch.threads``), in the phase's records."""
+    threads, why = cores.threads(max(1, phase.world // phase.spec.nnodes), torch.get_num_threads())
+    torch.set_num_threads(threads)
+    phase.timeline.add(threads=threads, threads_why=why)

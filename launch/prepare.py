@@ -26,6 +26,7 @@ from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.record import Phase, Prepared
 from launch.save import prepare_files
 from launch.staging import Staging
+from launch.data.templates import trained_template
 from launch.train import token_loss
 from shard_tools.later import Later
 from shard_tools.model import (
@@ -102,7 +103,8 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
     model = setup_model(build_skeleton(model_spec(spec)) if skeleton else base_model(model_spec(spec), ph.prebuilt), spec)
     persistent, layers_attr = detect_parts(model, m.persistent, m.layers)
     origin = Origin(base_model=model_spec(spec), tokenizer=m.tokenizer, persistent=persistent,
-                    layers_attr=layers_attr, world_size=ph.world, zero_stage=ph.backend.stage)
+                    layers_attr=layers_attr, world_size=ph.world, zero_stage=ph.backend.stage,
+                    chat_template=trained_template(spec.data))
     head_names = head_param_names(model, persistent)
     body_names = [n for i in spec.layers for n in layer_param_names(model, layers_attr, i)]
     preload = spec.preload or spec.restore

@@ -24,7 +24,14 @@ class WandbReport:
                               name=Path(run_dir).name, dir=str(run_dir), config=config, job_type=f"phase-{phase}")
 
     def log(self, record: dict) -> None:
-        self.run.log({k: record[k] for k in KEYS if k in record}, step=record["step"])
+        """The scalars, each source's evaluation loss, and the generations as a table."""
+        import wandb
+
+        logged = {k: v for k, v in record.items() if k in KEYS or k.startswith("eval_loss/")}
+        if record.get("generations"):
+            logged["generations"] = wandb.Table(columns=["prompt", "text"],
+                                                data=[[g["prompt"], g["text"]] for g in record["generations"]])
+        self.run.log(logged, step=record["step"])
 
     def finish(self) -> None:
         self.run.finish()

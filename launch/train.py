@@ -19,6 +19,7 @@ from launch.contract import faults
 from launch.contract.files import RunDir
 from launch.contract.spec import lr_at
 from launch.data.examples import micro_batch, rows, step_targets
+from launch.evaluation import BySource, generations, source_keys
 from launch.profiling import step_profile
 from launch.record import Phase
 from launch.save import prepare_files, save
@@ -139,19 +140,25 @@ def evaluate(ph: Phase, metrics: Path) -> None:
     val, mb, engine = ph.made.validation, ph.spec.data.micro_batch_size, ph.built.engine
     per_round = mb * ph.world
     total = torch.zeros(2, device=ph.device, dtype=torch.float64)
+    by_source = BySource(ph, val)
     engine.eval()
     with torch.no_grad():
         for first in range(0, len(val), per_round):
             idx = list(range(first + ph.rank * mb, min(first + (ph.rank + 1) * mb, len(val))))
-            mean, count = token_loss(engine, rows(val, idx or [0]), ph.device)
+            batch = rows(val, idx or [0])
+            mean, count, logits = token_loss(engine, batch, ph.device, logits=True)
             if idx:
                 total += torch.stack([mean.double() * count, torch.tensor(float(count), device=ph.device,
                                                                           dtype=torch.float64)])
+                by_source.add(logits, batch, idx)
+        generated = generations(ph)
     engine.train()
     torch.distributed.all_reduce(total)
+    sources = by_source.result()
     if ph.rank == 0 and total[1] > 0:
         log(ph, metrics, {"time": time.time(), "step": ph.step, "phase": ph.spec.phase,
-                          "eval_loss": (total[0] / total[1]).item()})
+                          "eval_loss": (total[0] / total[1]).item(), **sources,
+                          **({"generations": generated} if generated else {})})
 
 
 def log(ph: Phase, metrics: Path, record: dict) -> None:
@@ -165,9 +172,11 @@ def log(ph: Phase, metrics: Path, record: dict) -> None:
             # What an earlier attempt logged from this phase's first step on (a branch --resume-from
             # set aside, steps a kill made train again) is hidden: the curves show one history.
             ph.tb = SummaryWriter(str(ph.run_dir / "tensorboard"), purge_step=ph.spec.start_step + 1)
-        for key in ("loss", "eval_loss", "lr", "tokens_per_s", "step_seconds"):
+        for key in ("loss", "eval_loss", "lr", "tokens_per_s", "step_seconds", *source_keys(record)):
             if key in record:
                 ph.tb.add_scalar(key, record[key], record["step"], walltime=record["time"])
+        for i, g in enumerate(record.get("generations", [])):
+            ph.tb.add_text(f"generations/{i}", f"{g['prompt']}\n\n{g['text']}", record["step"], walltime=record["time"])
         ph.tb.flush()
     if ph.spec.wandb:
         if ph.wandb is None:
@@ -177,13 +186,15 @@ def log(ph: Phase, metrics: Path, record: dict) -> None:
         ph.wandb.log(record)
 
 
-def token_loss(engine, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
+def token_loss(engine, batch: dict[str, torch.Tensor], device: torch.device, logits: bool = False) -> tuple:
     """(the mean token loss of a micro-batch, its target tokens), the model's own loss with the
-    batch's labels. Without targets the mean is 0 times the logits: a zero gradient, but every
-    parameter's backward hook still runs (ZeRO reduces gradients in them, collectively)."""
+    batch's labels (``logits``: and the logits, third). Without targets the mean is 0 times the
+    logits: a zero gradient, but every parameter's backward hook still runs (ZeRO reduces
+    gradients in them, collectively)."""
     count = int((batch["labels"][:, 1:] != -100).sum())
     batch = {k: v.to(device) for k, v in batch.items()}
     if count:
-        return engine(**batch).loss, count
-    logits = engine(**{k: v for k, v in batch.items() if k != "labels"}).logits
-    return logits.sum() * 0.0, 0
+        out = engine(**batch)
+        return (out.loss, count, out.logits) if logits else (out.loss, count)
+    made = engine(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    return (made.sum() * 0.0, 0, made) if logits else (made.sum() * 0.0, 0)

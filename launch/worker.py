@@ -7,7 +7,7 @@ It builds the model as of the checkpoint it restores from (base weights, each la
 trained weights, the head), freezes all but the head and the phase's layers, builds a fresh
 DeepSpeed engine, injects the head's optimizer state (and, mid-phase, the body's), trains to the
 phase's end and writes a checkpoint. It never outlives the orchestrator, and on SIGTERM / SIGINT /
-SIGUSR1 it finishes the current step, writes a checkpoint and exits with PREEMPTED.
+SIGUSR1 / SIGHUP it finishes the current step, writes a checkpoint and exits with PREEMPTED.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def main(argv: list[str], prebuilt: dict | None = None) -> int:
     def _request_stop(signum, _frame):
         stop["signal"] = signum
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, _request_stop)
     try:
         from launch.phase import run_phase

@@ -38,20 +38,22 @@ def arm(run_dir: Path, grace: float, signals: tuple[int, ...]) -> Callable[[], N
                      daemon=True, name="stop-backstop").start()
 
     def disarm() -> None:
+        signal.set_wakeup_fd(previous)  # before the reader goes: a signal's byte always has one
         disarmed.set()
-        signal.set_wakeup_fd(previous)
         os.close(write)  # a thread still waiting for a signal reads the end of the pipe and returns
 
     return disarm
 
 
 def _watch(fd: int, signals: set[int], run_dir: Path, seconds: float, disarmed: threading.Event) -> None:
+    # The read end stays open until disarmed: a second signal's byte written to a pipe without a
+    # reader would print a BrokenPipeError traceback from the handler (a second Ctrl-C did).
     with os.fdopen(fd, "rb", buffering=0) as wakeups:
         while not signals & set(got := wakeups.read(64)):
             if not got:
                 return
-    if disarmed.wait(seconds):
-        return
+        if disarmed.wait(seconds):
+            return
     left = run_processes(run_dir)
     procs.signal_all(left, signal.SIGKILL)
     procs.wait_gone(left, timeout=KILL_WAIT_SECONDS)  # their memory is back before the exit says so

@@ -21,7 +21,7 @@ from shard_tools.store import Checkpoints
 # data), reporting and retention; phases and the lr are compared apart.
 HARMLESS = ("schedule.", "launch.", "checkpoint.", "deepspeed.zero_stage", "lr_schedule.", "optimizer.lr:",
             "run.final_model", "run.group_readable", "run.report_to", "run.tensorboard",
-            "data.eval_every", "data.validation_path")
+            "data.eval_every", "data.validation_path", "eval.")
 
 
 def schedule_differences(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -31,7 +31,10 @@ class _Group(click.Group):
 
 
 def _fail(error: Exception, code: int) -> None:
-    click.echo(f"orchestrator: {error}", err=True)
+    try:
+        click.echo(f"orchestrator: {error}", err=True)
+    except OSError:  # the terminal closed (SIGHUP): the exit code and the journal still say it
+        pass
     sys.exit(code)
 
 
@@ -46,9 +49,13 @@ set_option = click.option("--set", "overrides", multiple=True, metavar="KEY=VALU
                                "--set schedule.phases[0].steps=5. Repeatable.")
 
 
+output_dir_option = click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path),
+                                 help="Run directory (overrides run.output_dir); plan and data read its prepared data.")
+
+
 @main.command()
 @schedule_arg
-@click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path), help="Run directory (overrides run.output_dir).")
+@output_dir_option
 @click.option("--nproc", type=int, help="Processes for every phase (overrides launch.nproc and per-phase nproc).")
 @click.option("--force", is_flag=True, help="Resume even though the schedule changed completed work.")
 @set_option
@@ -71,13 +78,15 @@ def run(schedule: Path, output_dir: Path | None, nproc: int | None, force: bool,
 
 @main.command()
 @schedule_arg
+@output_dir_option
 @click.option("--nproc", type=int, help="Processes for every phase.")
 @click.option("--device-memory", metavar="SIZE",
               help="Memory of one device (80GiB, 80GB, 141e9): adds each phase's estimated memory per process, "
                    "warns where a phase will not fit, and shows a switch whose handover would not fit as going "
                    "through the checkpoint.")
 @set_option
-def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides: tuple[str, ...]) -> None:
+def plan(schedule: Path, output_dir: Path | None, nproc: int | None, device_memory: str | None,
+         overrides: tuple[str, ...]) -> None:
     """Print the phase table of SCHEDULE, how each switch hands over, and check the file, without
     starting anything."""
     from orchestrator.display import largest_phase, print_plan
@@ -89,7 +98,7 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
     from orchestrator.datastep import check_data
 
     device = size_option(device_memory, "--device-memory") if device_memory is not None else None
-    loaded = load_schedule(schedule, nproc=nproc, overrides=overrides)
+    loaded = load_schedule(schedule, output_dir=output_dir, nproc=nproc, overrides=overrides)
     phases = plan_phases(loaded)
     data = check_data(loaded)
     try:
@@ -109,8 +118,8 @@ def plan(schedule: Path, nproc: int | None, device_memory: str | None, overrides
         click.echo(f"orchestrator: warning: no memory estimate: {failure}", err=True)
         return
     print_plan(loaded, phases, switches, estimate, device, here=here)
-    _echo_data_line(loaded, phases, data)
     _warn_what_will_not_fit(phases, estimate, device)
+    _echo_data_line(loaded, phases, data)
 
 
 def _warn_what_will_not_fit(phases, estimate, device: int) -> None:
@@ -152,7 +161,10 @@ LAYOUTS = {"pad": "one example a row, padded or cut to", "stream": "one stream c
 
 
 def _echo_data_line(loaded, phases, data: dict) -> None:
-    from orchestrator.space import data_cache_bytes, describe, disk_need, file_system_of, write_rate
+    """The data's line, the disk's and the checkpoints' write rate; ScheduleError (exit 2) after
+    them where ``run`` would refuse the disk."""
+    from orchestrator.errors import ScheduleError
+    from orchestrator.space import data_cache_bytes, describe, disk_need, file_system_of, shortfall, write_rate
 
     st, train = data["stats"], data["stats"]["train"]
     click.echo(f"data: {train['examples']} examples, {train['rows']} rows of {st['seq_len']} tokens "
@@ -169,6 +181,22 @@ def _echo_data_line(loaded, phases, data: dict) -> None:
         click.echo(describe(need, file_system_of(loaded.output_dir)))
     if (rate := write_rate(loaded, phases)) is not None:
         click.echo(rate)
+    _warn_without_targets(st)
+    if need is not None and (why := shortfall(loaded, need)) is not None:
+        raise ScheduleError(why)
+
+
+def _warn_without_targets(stats: dict) -> None:
+    """A warning where training rows carry no target token (they train nothing and take their share
+    of a step's batch), with the counts, per source where a source's examples carry none."""
+    train = stats["train"]
+    if not train.get("rows_without_targets"):
+        return
+    per_source = [f"{s['key']}: {s['without_targets']:,} of {s['examples']:,} examples"
+                  for s in stats["sources"] if s.get("without_targets")]
+    click.echo(f"orchestrator: warning: {train['rows_without_targets']:,} of {train['rows']:,} training rows carry no "
+               f"target token (nothing to learn: their targets cut by data.seq_len = {stats['seq_len']}, or none "
+               "rendered)" + (f"; {'; '.join(per_source)}" if per_source else ""), err=True)
 
 
 def _source_line(src: dict) -> str:
@@ -186,11 +214,12 @@ def _source_line(src: dict) -> str:
 
 @main.command()
 @schedule_arg
+@output_dir_option
 @click.option("--show", type=click.IntRange(min=1), metavar="N", help="Also print the first N training rows, in the run's order.")
 @click.option("--json", "as_json", is_flag=True,
               help="JSON: with --show, a list of the rows ({text, target, input_ids, target_ids}); else the statistics.")
 @set_option
-def data(schedule: Path, show: int | None, as_json: bool, overrides: tuple[str, ...]) -> None:
+def data(schedule: Path, output_dir: Path | None, show: int | None, as_json: bool, overrides: tuple[str, ...]) -> None:
     """The training data of SCHEDULE as the run will see it: statistics and, with --show N, rows
     with their decoded input and the tokens that carry loss. Writes nothing."""
     import json
@@ -198,7 +227,7 @@ def data(schedule: Path, show: int | None, as_json: bool, overrides: tuple[str, 
     from orchestrator.datastep import check_data
     from orchestrator.validate import load_schedule
 
-    out = check_data(load_schedule(schedule, overrides=overrides), show or 0)
+    out = check_data(load_schedule(schedule, output_dir=output_dir, overrides=overrides), show or 0)
     st = out["stats"]
     if as_json:
         if show:  # one row a line
@@ -216,6 +245,7 @@ def data(schedule: Path, show: int | None, as_json: bool, overrides: tuple[str, 
                            ("truncated examples", "truncated"), ("rows", "rows"), ("padding tokens", "padding_tokens"),
                            ("dropped tokens", "dropped_tokens"), ("rows without targets", "rows_without_targets")):
             click.echo(f"  {label:<21} {split[key]:>12,}")
+    _warn_without_targets(st)
     for i, row in enumerate(out["rows"]):
         text = row["text"] if row["text"] is not None else " ".join(map(str, row["input_ids"]))
         target = row["target"] if row["target"] is not None else " ".join(map(str, row["target_ids"]))

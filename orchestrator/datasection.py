@@ -55,7 +55,9 @@ class DataSection(Section):
     chat_template: str | None = None
     """A Jinja chat template, a template by name (llama3, chatml, qwen2.5, mistral, gemma, phi3:
     docs/data.md), or a file holding one (relative to the schedule file), used
-    instead of the tokenizer's; a value without "{" that is not a name is a file. It renders in
+    instead of the tokenizer's; a value without "{" that is not a name is a file. "alpaca": an
+    instruction source renders through the Alpaca prompt, not a chat template (a source's own
+    chat_template = "alpaca" keeps it beside a data-level template, as axolotl's type: alpaca). It renders in
     transformers' sandbox under a budget: 5 s and about 1 MiB (plus 8 characters per character of
     the text) per conversation; a template past it, or one that fails (syntax, `raise_exception`, an
     undefined attribute, a blocked call) is exit 2 naming `data.chat_template`. Data in which no

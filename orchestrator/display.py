@@ -9,8 +9,10 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
+
+from launch.contract import ops
 
 from orchestrator.errors import ScheduleError
 from orchestrator.estimate import PlanEstimate
@@ -88,8 +90,13 @@ def _choice_line(s) -> str:
 
 def _switch_sections(loaded: LoadedSchedule, switches: list[Switch], device_memory: int | None,
                      here: tuple[str, list[Switch]] | None) -> list[str]:
-    """How the switches go on this machine (``here``), then on a GPU where that differs."""
+    """How the switches go on this machine (``here``), then on a GPU where that differs; on a
+    machine without one, only with --device-memory (a GPU's overlap peak is mostly its processes'
+    CUDA contexts, 2.6 GB each, a puzzle beside a CPU run of a small model)."""
     sections = [] if here is None else [(f"on this machine ({here[0]})", here[1], loaded.schedule.launch.handover == "on")]
+    if here is not None and here[0].startswith("no GPU") and device_memory is None and switches != here[1]:
+        return [line for title, listed, host in sections for line in [f"{title}:", *(f"  {x}" for x in
+                switch_lines(listed, host=host))]] + ["on a GPU: --device-memory SIZE shows how each switch goes there"]
     if here is None or switches != here[1]:
         size = f" of {format_bytes(device_memory)} (--device-memory)" if device_memory is not None else \
             " (--device-memory SIZE checks each overlap against it)"
@@ -135,27 +142,62 @@ class Display(Observer):
 
     # Preparing: what a pre-warmed phase did before its turn, not worth a line when it starts.
     PREPARATION = ("starting the process group", "loading the model", "preparing data", "warming up")
+    WIDE = 110
+    """Columns from which the bar and the time elapsed fit beside the counter and the numbers."""
+    QUIET = 60.0
+    """Seconds without a line before a start says it still waits, and for what."""
 
-    def __init__(self, loaded: LoadedSchedule):
+    def __init__(self, loaded: LoadedSchedule, machine_has_gpu: bool | None = None):
         phases = plan_phases(loaded)
         self.total = phases[-1].end_step
         self.pace = Pace(phases)
         self.live = console.is_terminal
         # The ETA is the pace's (it counts the switches ahead); rich's own swings with every switch.
-        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-                                  console=console, disable=not self.live)
+        # The step counter comes first and is never cut: the rest, cut at its end where it does not fit.
+        rest = TextColumn("{task.description}  {task.fields[info]}", table_column=Column(no_wrap=True, overflow="ellipsis"))
+        wide = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
+        self._progress = Progress(MofNCompleteColumn(table_column=Column(no_wrap=True, min_width=2 * len(str(self.total)) + 1)),
+                                  *(wide if console.width >= self.WIDE else [rest]), console=console,
+                                  disable=not self.live)
         self._task = self._progress.add_task("steps", total=self.total, info="")
-        self._last_plain = 0.0
+        self._last_plain = self._last_said = self._started = time.time()
         self._group: Group | None = None
         """The phase running now."""
+        self._waiting = ""
+        """What the phase running now waits for before its first step; "" once it trains."""
+        gpu = machine_has_gpu if machine_has_gpu is not None else _has_gpu()
+        self._op_ahead = not gpu and ops.built() is None
+        """DeepSpeed's CPU comm op is built for this environment by this run's first process (minutes)."""
 
     def say(self, text: str) -> None:
         """A line above the bar; off a terminal, a log line with the time."""
+        self._last_said = time.time()
         if self.live:
             self._progress.console.print(text, highlight=False)
         else:
             console.print(f"{time.strftime('%H:%M:%S')} {text}", highlight=False)
+
+    def _wait_for(self, what: str) -> None:
+        """What the bar, still before the phase's first step, says it waits for."""
+        self._waiting = what
+        self._progress.update(self._task, info=f"waiting for: {what}" if what else "")
+
+    def on_poll(self) -> None:
+        """A start that says nothing for ``QUIET`` seconds says what it still waits for."""
+        if not self._waiting or time.time() - self._last_said < self.QUIET:
+            return
+        news = self._op_news()
+        self.say(news or f"phase {self._group.work.phase.index}: still waiting for {self._waiting} "
+                         f"({clock(time.time() - self._started)} so far)" + (f"; {OP_BUILD}" if self._op_ahead else ""))
+
+    def _op_news(self) -> str | None:
+        """Once, where this run built DeepSpeed's CPU comm op: how long that took."""
+        record = ops.built() if self._op_ahead else None
+        if record is None:
+            return None
+        self._op_ahead = False
+        return (f"DeepSpeed's CPU comm op built in {record.get('seconds', 0):.0f} s, once for this environment "
+                f"({ops.extensions_dir()}); later runs load it")
 
     def __enter__(self) -> Display:
         self._progress.start()
@@ -198,22 +240,32 @@ class Display(Observer):
     def on_state(self, state: State, group: Group) -> None:
         if state is not State.STARTING:
             return
-        self._group = group
+        self._group, self._started = group, time.time()
         phase = group.work.phase
+        if (news := self._op_news()) is not None:
+            self.say(news)
         if not group.prewarmed:
-            self.say(f"phase {phase.index}: starting its processes (importing torch and DeepSpeed)")
+            self.say(f"phase {phase.index}: starting its processes (importing torch and DeepSpeed)"
+                     + (f"; {OP_BUILD}" if self._op_ahead else ""))
         self._progress.update(self._task, completed=group.work.start_step,
                               description=f"phase {phase.index} layers {list(phase.layers)}")
+        self._wait_for("the go" if group.prewarmed else "its processes to start")
 
     def on_stage(self, stage: dict) -> None:
+        if (news := self._op_news()) is not None:
+            self.say(news)
         if not (self._group.prewarmed and stage["stage"] in self.PREPARATION):
             self.say(f"phase {self._group.work.phase.index}: {stage['stage']}")
+        self._wait_for(stage["stage"])
 
     def on_metric(self, m: dict) -> None:
         if "eval_loss" in m:
-            self.say(f"step {m['step']}: eval loss {m['eval_loss']:.4f}")
+            sources = ", ".join(f"{k.removeprefix('eval_loss/')} {v:.4f}" for k, v in m.items()
+                                if k.startswith("eval_loss/"))
+            self.say(f"step {m['step']}: eval loss {m['eval_loss']:.4f}" + (f" ({sources})" if sources else ""))
             return
         phase, start_step = self._group.work.phase, self._group.work.start_step
+        self._waiting = ""
         self.pace.add(m)
         tps = self.pace.tokens_per_s
         info = (f"loss {m['loss']:.4f}  lr {m['lr']:.2e}  "
@@ -223,6 +275,16 @@ class Display(Observer):
         if not self.live and (time.time() - self._last_plain > 5 or m["step"] in (phase.end_step, start_step + 1)):
             self.say(f"step {m['step']}/{self.total}  phase {m['phase']}  layers {m['layers']}  {info}")
             self._last_plain = time.time()
+
+
+OP_BUILD = ("first DeepSpeed's CPU comm op is built for this environment (once: a few minutes on a busy "
+            "2-core machine; the next runs load it)")
+
+
+def _has_gpu() -> bool:
+    from orchestrator.machine import this_machine
+
+    return this_machine().gpus > 0
 
 
 def run_state(run_dir: Path, events: list[dict]) -> str:
@@ -260,8 +322,8 @@ def print_status(run_dir: Path) -> None:
     table = Table(title="last events")
     table.add_column("time")
     table.add_column("event")
-    table.add_column("details")
+    table.add_column("details", overflow="fold")  # whole: a failure's reason is what status is read for
     for e in events[-8:]:
         details = {k: v for k, v in e.items() if k not in ("time", "event", "records")}
-        table.add_row(time.strftime("%H:%M:%S", time.localtime(e["time"])), e["event"], json.dumps(details)[:100])
+        table.add_row(time.strftime("%H:%M:%S", time.localtime(e["time"])), e["event"], json.dumps(details))
     out.print(table)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.contract.dsconfig import by_dotted_key, derived
+from orchestrator.dsauto import accept_trainer_blocks
 from orchestrator.errors import ScheduleError
 from orchestrator.libfacts import deepspeed_refusal
 from orchestrator.modelcheck import need_file, resolve_path
@@ -60,6 +61,7 @@ def deepspeed_config(sched: Schedule, base: Path, source: Path, phases: list[Pha
     for section in MERGED_TABLES:
         if section in table and not isinstance(table[section], dict):
             raise ScheduleError(f"{where}{section}: expected a table (merged into relayer's), got {_show(table[section])}")
+    table = accept_trainer_blocks(table, sched, phases, where)  # a Trainer-style file's, "auto" or agreeing
     ours = planned(sched, phases)
     for key, by in DERIVED.items():
         value = _get(table, key)

@@ -2,8 +2,10 @@
 
 import signal
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-"""What stops a command: a run writes a checkpoint first; every command exits 75 (``Preempted``)."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+"""What stops a command: a run writes a checkpoint first; every command exits 75 (``Preempted``).
+SIGHUP is the terminal closing: a stop like SIGTERM, not the end of the work done since the last
+checkpoint."""
 
 
 class RelayerError(Exception):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -30,6 +31,22 @@ def recorded(phase_dir: Path, prefix: str = "") -> list[psutil.Process]:
 def recorded_pids(phase_dir: Path) -> set[int]:
     """Every pid ever recorded for the phase, alive or not."""
     return {rec.pid for rec in PhaseDir(phase_dir).pid_records()}
+
+
+def drop_terminal() -> None:
+    """Points stdout and stderr at /dev/null where they are a terminal (a character device: one
+    hung up fails tcgetattr, so isatty no longer says so), as nohup does: once the terminal has
+    closed, a write to it raises EIO. A file or a pipe keeps its output."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            try:
+                if stat.S_ISCHR(os.fstat(fd).st_mode):
+                    os.dup2(null, fd)
+            except OSError:
+                continue
+    finally:
+        os.close(null)
 
 
 COMM_BUFFER = "deepspeed_allreduce_buffer"

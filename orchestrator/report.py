@@ -27,7 +27,7 @@ from launch.contract.files import RunDir
 from orchestrator.errors import RelayerError, ScheduleError
 from orchestrator.journal import open_run_file
 from shard_tools.files import kind_of, open_regular, write_atomic
-from shard_tools.history import PhaseRow, read_history
+from shard_tools.history import PhaseRow, read_history, read_journal
 
 REPORT = "report.png"
 MARK = "relayer orchestrator report"
@@ -47,6 +47,10 @@ class RunReport:
     """Global step -> mean loss over the validation data, where it was evaluated."""
     lr: dict[int, float] = field(default_factory=dict)
     """Global step -> the lr its step trained at."""
+    stops: list[int] = field(default_factory=list)
+    """Steps at which the run was stopped (its ``preempted`` events: the checkpoint kept)."""
+    resumes: list[int] = field(default_factory=list)
+    """Steps from which it was resumed (its ``resumed`` events)."""
 
     @property
     def switch_seconds(self) -> dict[int, float]:
@@ -78,8 +82,14 @@ def read_run(run_dir: Path) -> RunReport:
     loss = read_metrics(run_dir)
     if not loss:
         raise ScheduleError(f"{run_dir}: no training steps recorded yet ({RunDir(run_dir).metrics} is missing or empty)")
+    events = read_journal(run_dir)
     return RunReport(loss=loss, phases=phases, eval_loss=read_metrics(run_dir, "eval_loss"),
-                     lr=read_metrics(run_dir, "lr"))
+                     lr=read_metrics(run_dir, "lr"), stops=_steps_of(events, "preempted"),
+                     resumes=_steps_of(events, "resumed"))
+
+
+def _steps_of(events: list[dict[str, Any]], kind: str) -> list[int]:
+    return [e["step"] for e in events if e.get("event") == kind and isinstance(e.get("step"), int)]
 
 
 def history_json(run_dir: Path) -> dict[str, Any]:
@@ -138,7 +148,11 @@ def _plot_loss(ax, report: RunReport) -> None:
         ax.text((row.start_step + row.end_step + 1) / 2, 0.98, _layers_label(row.layers),
                 transform=ax.get_xaxis_transform(), ha="center", va="top",
                 fontsize=7 if many else 9, rotation=90 if many else 0, color="tab:gray")
-
+    # An interrupted run: where it stopped (the step its checkpoint kept) and where it went on from.
+    for steps, colour, style, what in ((report.stops, "tab:red", ":", "stopped at step"),
+                                       (report.resumes, "tab:purple", "-.", "resumed from step")):
+        for step in steps:
+            ax.axvline(step + 0.5, color=colour, linestyle=style, linewidth=1.2, label=f"{what} {step}")
 
 def _plot_curves(ax_loss, report: RunReport) -> None:
     """The loss and the eval loss on one axis, the lr on one of its own (right)."""

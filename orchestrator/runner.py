@@ -27,7 +27,7 @@ from orchestrator.commit import Cadence, Committer
 from orchestrator.journal import Journal
 from orchestrator.quiet import Pauser
 from orchestrator.resume import next_work, restore_point, resume_point, set_aside_after
-from orchestrator.retention import retain
+from orchestrator.retention import named_at_stop, retain
 from orchestrator.rundir import (SCHEDULE_COPY, RunLock, check_entries, create_run_dir, prune_phase_dirs, read_copy,
                                  write_copy)
 from orchestrator.phasespec import phase_spec, plan_estimate
@@ -37,7 +37,6 @@ from orchestrator.space import check_space
 from orchestrator.supervisor import Context, Observer, State, Supervisor
 from shard_tools.history import read_journal, replay
 from shard_tools.store import Checkpoints
-
 
 
 @dataclass
@@ -176,6 +175,8 @@ class Runner:
             pass  # the journal is what failed (a full disk): the message still reaches the user
 
     def _on_signal(self, signum, _frame) -> None:
+        if signum == signal.SIGHUP:  # the terminal is gone: writing to it would fail the stop
+            procs.drop_terminal()
         if self.stop_signal is None:
             self.stop_signal = signum
         elif signum == signal.SIGINT:  # Ctrl-C again: the user means it, as torchrun takes it (issue #24)
@@ -195,9 +196,9 @@ class Runner:
         what = self._waiting_for()
         for files in RunDir(self.run_dir).phase_dirs():
             procs.signal_all(procs.recorded(files.path), signal.SIGKILL)
-        _, manifest, _ = self.checkpoints.newest_whole(checksums=False)
-        step = manifest.global_step if manifest else 0
-        self._event("preempted", step=step, signal=signum, forced=True, waiting_for=what)
+        ckpt, manifest, _ = self.checkpoints.newest_whole(checksums=False)
+        step, named = (manifest.global_step, {"checkpoint": str(ckpt)}) if manifest else (0, {})
+        self._event("preempted", step=step, signal=signum, forced=True, waiting_for=what, **named)
         kept = f"the checkpoints up to step {step}" if manifest else "no checkpoint yet (it starts again from step 0)"
         raise Preempted(f"ended at once by a second Ctrl-C (SIGINT), while waiting for {what}; kept: {kept}; "
                         "run the same command again to resume")
@@ -253,7 +254,7 @@ class Runner:
     def _start_point(self, fresh: bool) -> Work | None:
         """The run's first work, from the newest whole checkpoint; the run journaled started or resumed."""
         ckpt, manifest = restore_point(self.checkpoints, self._event)
-        step = manifest.global_step if manifest else 0
+        step, self.named = (manifest.global_step if manifest else 0), named_at_stop(self.checkpoints)
         warmup_from = self.loaded.schedule.lr_schedule.warmup_from  # for changes.warmup_ran
         if fresh:
             self._event("run_started", phases=len(self.phases), total_steps=self.phases[-1].end_step, pid=os.getpid(),
@@ -284,7 +285,9 @@ class Runner:
         self.committer.poll(block=True)
         if switch.work is None:
             self._final_model()
-            self._event("run_done", step=self.phases[-1].end_step)
+            self._event("run_done", step=self.phases[-1].end_step)  # names the last: a stop's goes now
+            if self.named:
+                retain(self.checkpoints, self.loaded.schedule.checkpoint.keep_last, set(), self._event)
             return
         self._event("preempted", step=switch.work.start_step, signal=self.stop_signal)
         raise Preempted(f"stopped by signal {self.stop_signal} before phase {switch.work.phase.index}; "
@@ -349,7 +352,7 @@ class Runner:
         self.undurable = []
         finished.end = None
         self._event("device_after_phase", phase=ph.index, nvml=devmem.snapshot(finished.pids))
-        protect = {g.preload for g in (current, *self.ahead) if g is not None and g.preload}
+        protect = {g.preload for g in (current, *self.ahead) if g is not None and g.preload} | self.named
         retain(self.checkpoints, self.loaded.schedule.checkpoint.keep_last, protect, self._event)
         prune_phase_dirs(self.run_dir, ph.index)
 

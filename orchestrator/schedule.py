@@ -281,13 +281,22 @@ class LaunchSection(Section):
         return self
 
 
+class EvalSection(Section):
+    prompts: list[str] = Field(default_factory=list)
+    """Prompts whose greedy continuations are generated at each evaluation (data.eval_every) and
+    logged with it (metrics.jsonl's "generations", TensorBoard's text, W&B's table): each a user
+    turn through the run's chat template where there is one, else the text as it is. Off: []."""
+    max_new_tokens: PositiveInt = 16
+    """Tokens generated for each prompt (greedy, ending early at the end-of-sequence token)."""
+
+
 class CheckpointSection(Section):
     every_steps: NonNegSteps = 0
     """Mid-phase checkpoints for preemption; 0: only at phase ends."""
     every_seconds: NonNegSeconds = 300.0
     """Where a phase hands its state over to its successor (``launch.handover``), its end writes a
     checkpoint only once this long has passed since the last one; the successor carries what it
-    trained on to the next. A stop (SIGTERM, SIGINT, SIGUSR1) and the run's end always write one; a
+    trained on to the next. A stop (SIGTERM, SIGINT, SIGUSR1, SIGHUP) and the run's end always write one; a
     crash (SIGKILL, a lost node) costs the phases since the last, which the rerun trains again.
     0: a checkpoint at every phase end; where the state goes through the checkpoint (no handover),
     every phase end writes one anyway."""
@@ -307,6 +316,7 @@ class Schedule(Section):
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
     launch: LaunchSection = Field(default_factory=LaunchSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
 
     @model_validator(mode="after")
     def _stage_zero(self) -> Schedule:

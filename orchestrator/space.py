@@ -177,13 +177,19 @@ def check_space(loaded: LoadedSchedule, phases: list[Phase], staged: Path | None
     needs; ``staged``: the data a new run prepared (else the run directory's data cache counts)."""
     data = held_bytes(staged) if staged else held_bytes(loaded.output_dir / DATA_CACHE)
     need = disk_need(loaded, phases, data)
-    if need is None:
-        return
+    if need is not None and (why := shortfall(loaded, need, staged)) is not None:
+        raise ScheduleError(why)
+
+
+def shortfall(loaded: LoadedSchedule, need: DiskNeed, staged: Path | None = None) -> str | None:
+    """Why ``run`` refuses (``plan`` too, with exit 2) where the run directory's file system cannot
+    take ``need`` beyond what the run directory (and ``staged``) holds already; None where it can."""
     fs = file_system_of(loaded.output_dir)
     run = loaded.output_dir
     more = need.total - held_bytes(run / CHECKPOINTS, run / DATA_CACHE, run / FINAL, *([staged] if staged else []))
-    if more > fs.free:
-        raise ScheduleError(f"{loaded.output_dir}: the run needs {format_bytes(more)} more disk space at its peak "
-                            f"({format_bytes(need.total)} in all: checkpoints {format_bytes(need.checkpoints)}, data "
-                            f"cache {format_bytes(need.data_cache)}, final model {format_bytes(need.final)}); "
-                            f"{fs.mount} has {format_bytes(fs.free)} free")
+    if more <= fs.free:
+        return None
+    return (f"{loaded.output_dir}: the run needs {format_bytes(more)} more disk space at its peak "
+            f"({format_bytes(need.total)} in all: checkpoints {format_bytes(need.checkpoints)}, data "
+            f"cache {format_bytes(need.data_cache)}, final model {format_bytes(need.final)}); "
+            f"{fs.mount} has {format_bytes(fs.free)} free")

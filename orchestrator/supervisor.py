@@ -99,6 +99,9 @@ class Observer:
     def on_metric(self, record: dict) -> None:
         """A line appended to the run's metrics.jsonl since the phase started."""
 
+    def on_poll(self) -> None:
+        """Each time the supervisor looks at the phase (about ten times a second)."""
+
 
 @dataclass
 class Context:
@@ -286,6 +289,7 @@ class Supervisor:
             if m.get("phase") == self.phase.index and "loss" in m:
                 self.logged_step = max(self.logged_step, m["step"])
                 self.watchdog.moved()
+        self.ctx.observer.on_poll()
 
     def _stalled(self) -> bool:
         """No progress for too long, a stop aside: the ranks' stacks are written, the group is to be
@@ -398,7 +402,8 @@ class Supervisor:
         ph, sig = self.phase, self.ctx.stop_signal()
         kept, manifest, _ = self.ctx.checkpoints.newest_whole(checksums=False)
         step = manifest.global_step if manifest else 0
-        self.ctx.event("preempted", phase=ph.index, step=step, signal=sig, rc=self.rc)
+        self.ctx.event("preempted", phase=ph.index, step=step, signal=sig, rc=self.rc,
+                       **({"checkpoint": str(kept)} if kept else {}))  # named to the user: retention keeps it
         by = f"signal {sig}" if sig is not None else "a signal to its ranks"
         return Preempted(f"preempted by {by} in phase {ph.index}; kept: the checkpoint at "
                         f"step {step} ({kept}); run the same command again to resume" if kept else

@@ -170,6 +170,8 @@ def _check_inputs(sched: Schedule, base: Path, source: Path) -> Path:
                             "(pip install 'relayer[tensorboard]')")
     if d.validation_path is not None:
         _need_data(resolve_path(base, d.validation_path), "data.validation_path", source)
+    if sched.eval.prompts and not d.eval_every:
+        raise ScheduleError(f"{source}: eval.prompts: generated at each evaluation: needs data.eval_every")
     if d.eval_every and d.validation_path is None and d.validation_split is None:
         raise ScheduleError(f"{source}: data.eval_every: needs data.validation_path or data.validation_split, "
                             "which are missing")
@@ -189,7 +191,8 @@ def _check_sources(data: DataSection, base: Path, source: Path) -> None:
     for key, template in templates:
         if template is not None and is_template_path(template):
             need_file(resolve_path(base, template), f"{key}.chat_template",
-                      f"a Jinja template, one named {', '.join(TEMPLATE_NAMES)}, or a file holding one", source)
+                      f"a Jinja template, one named {', '.join(TEMPLATE_NAMES)}, \"alpaca\" (the Alpaca prompt), or a "
+                      "file holding one", source)
 
 
 def wandb_can_log() -> bool:

@@ -33,7 +33,7 @@ from shard_tools.shards import parallel_shards
 from shard_tools.sizes import parse_size
 from shard_tools.state import run_weights
 from shard_tools.store import Checkpoints
-from shard_tools.tokenizer import TOKENIZER_FILES
+from shard_tools.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILES
 from shard_tools.verify import trusted_checkpoint
 
 COPIED_FILES = (*TOKENIZER_FILES, "generation_config.json")
@@ -210,6 +210,9 @@ def _add_files(tmp: Path, run_dir: Path, ckpt: Path, manifest: Manifest, dtype: 
         if (Path(tokenizer) / name).is_file():
             # The bytes alone: the export's modes are the umask's (the run's), not the source's.
             shutil.copyfile(Path(tokenizer) / name, tmp / name)
+    trained = manifest.extra.get("chat_template")
+    if isinstance(trained, str) and trained:  # the run's data.chat_template: transformers reads this file first
+        (tmp / CHAT_TEMPLATE_FILE).write_text(trained, encoding="utf-8")
     (tmp / EXPORT_MARKER).write_text(json.dumps({
         "export": "relayer", "run": str(run_dir.resolve()), "checkpoint": str(ckpt.resolve()),
         "global_step": manifest.global_step, "phase": manifest.phase, "dtype": dtype,

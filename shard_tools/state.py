@@ -106,6 +106,9 @@ class Origin:
     """Where the model keeps its layers (``model.layers``)."""
     world_size: int
     zero_stage: int
+    chat_template: str | None = None
+    """The Jinja chat template the run trained with where it is not the tokenizer's own
+    (``data.chat_template``): every export saves it beside the tokenizer (``chat_template.jinja``)."""
 
 
 def save_state(run_dir: Path, state: PhaseState, origin: Origin, *, durable: bool = True,
@@ -124,7 +127,8 @@ def save_state(run_dir: Path, state: PhaseState, origin: Origin, *, durable: boo
         zero_stage=origin.zero_stage, dtype=origin.base_model.dtype, files={}, versions=versions(), created=0.0,
         extra={"data_position": state.run.data_position, "persistent": origin.persistent,
                "base_model": asdict(origin.base_model), "tokenizer": origin.tokenizer,
-               "layers_attr": origin.layers_attr, "lr": state.lr})
+               "layers_attr": origin.layers_attr, "lr": state.lr,
+               **({"chat_template": origin.chat_template} if origin.chat_template is not None else {})})
     files_ahead = prepared.release() if prepared is not None else None
     return write_checkpoint(run_dir, manifest, files, _metadata(state.stored_layers, origin.layers_attr), durable=durable,
                             prepared=files_ahead, on_file_written=on_file_written)

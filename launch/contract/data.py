@@ -20,6 +20,10 @@ FIELDS: dict[DataFormat, tuple[str, ...]] = {
 TEMPLATE_NAMES = ("llama3", "chatml", "qwen2.5", "mistral", "gemma", "phi3")
 """``data.chat_template`` values that name a template written here (``launch.data.templates``), for base
 models whose tokenizer has none."""
+ALPACA_PROMPT = "alpaca"
+"""``chat_template = "alpaca"`` on an instruction source: the Alpaca prompt ("Below is an
+instruction ... ### Response:"), not a chat template, whatever the tokenizer or data.chat_template
+has (axolotl's ``type: alpaca``)."""
 Layout = Literal["pad", "stream", "whole"]
 
 
@@ -81,5 +85,5 @@ class DataPart(_Spec):
 
 def is_template_path(value: str) -> bool:
     """``data.chat_template`` names a file unless it holds Jinja (every template has ``{``) or
-    names a template of ``TEMPLATE_NAMES``."""
-    return "{" not in value and value not in TEMPLATE_NAMES
+    names a template of ``TEMPLATE_NAMES`` (or is ``ALPACA_PROMPT``)."""
+    return "{" not in value and value not in (*TEMPLATE_NAMES, ALPACA_PROMPT)

@@ -61,6 +61,9 @@ class PhaseSpec(_Spec):
     run_dir: str
     tensorboard: bool = False
     wandb: bool = False
+    eval_prompts: list[str] = []
+    """``eval.prompts``: generated from, greedily, at each evaluation."""
+    eval_max_new_tokens: int = 16
     phase_dir: str
     """Where this phase's processes record their pids and the launcher its log."""
     seed: int

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from launch.data import mix, rows as layouts
-from launch.contract.data import DataPart, SourcePart
+from launch.contract.data import ALPACA_PROMPT, DataPart, SourcePart
 from launch.data.formats import MARKINGS, Encoder, StoppedAt
 from launch.data.records import DataError, find_bad_record, read_records, where
 from launch.data.rows import IGNORE, gather, ragged, starts_of
@@ -108,7 +108,8 @@ def read_stats(cache_dir: Path) -> dict[str, Any]:
     (tokens that carry loss, in the rows), truncated (examples cut to seq_len), dropped_tokens,
     rows, padding_tokens, rows_without_targets; ``sources`` and ``validation_files``, one object a
     file (key, path, format, weight, records, held_out, examples, tokens, target_tokens, truncated,
-    template, marking: ``_source_stats``)."""
+    without_targets (examples none of whose tokens carries loss in its row), template, marking:
+    ``_source_stats``)."""
     return json.loads((Path(cache_dir) / STATS).read_text())
 
 
@@ -227,6 +228,11 @@ def load_tokenizer(source: SourcePart, tokenizer: str | None):
     if template is not None:
         tok.chat_template = template
         check_markers(source, tok)
+    if source.chat_template == ALPACA_PROMPT:
+        if source.format != "instruction":
+            raise DataError(f'{source.key}.chat_template: "{ALPACA_PROMPT}" (the Alpaca prompt) is for '
+                            f'format = "instruction", not "{source.format}"')
+        tok.chat_template = None
     if source.format == "chat" and not tok.chat_template:
         raise DataError(f'{source.key}: format = "chat" needs a chat template: the tokenizer has none; set '
                         f"{source.key}.chat_template", tokenizer)
@@ -255,8 +261,8 @@ def _build(data: DataPart, tokenizer: str | None, out: Path, vocab_size: int | N
     stats["train"] = _write_rows(data, sources, train_picks, order, out / ROWS)
     everything = sources + files
     total = sum(len(p) for p in held_picks)
-    stats["validation"] = _write_rows(data, everything, held_picks, np.arange(total), out / VALIDATION) \
-        if total else None
+    stats["validation"] = _write_rows(data, everything, held_picks, np.arange(total), out / VALIDATION,
+                                      by_source=len(everything) > 1) if total else None
     save_file({f"max_id.{i}": e.max_ids for i, e in enumerate(everything)}, str(out / RECORDS))
     for name in (ROWS, VALIDATION, RECORDS):
         if (out / name).exists():
@@ -291,12 +297,14 @@ def _source_stats(data: DataPart, enc: Encoded, picks: np.ndarray, held: int) ->
     return {"key": s.key, "path": str(Path(s.path).resolve()), "format": s.format, "weight": s.weight,
             "records": len(enc.lengths), "held_out": held, "examples": len(picks), "tokens": int(lengths.sum()),
             "target_tokens": int(targets.sum()), "truncated": int((lengths > kept).sum()),
-            "template": enc.template, "marking": enc.markings}
+            "without_targets": int((targets == 0).sum()), "template": enc.template, "marking": enc.markings}
 
 
 def _write_rows(data: DataPart, encs: list[Encoded], picks: list[np.ndarray], order: np.ndarray,
-                path: Path) -> dict[str, Any]:
-    """The examples ``picks`` of ``encs`` in ``order``, laid into rows and saved to ``path``; their stats."""
+                path: Path, by_source: bool = False) -> dict[str, Any]:
+    """The examples ``picks`` of ``encs`` in ``order``, laid into rows and saved to ``path``; their
+    stats. ``by_source``: also ``sources``, the index in ``encs`` of each target token's source
+    (-100 elsewhere), for an evaluation loss per source (the source names in the stats)."""
     from safetensors.numpy import save_file
 
     base = np.cumsum([0] + [len(e.ids) for e in encs])[:-1]
@@ -315,8 +323,20 @@ def _write_rows(data: DataPart, encs: list[Encoded], picks: list[np.ndarray], or
                  padding_tokens=int(data.seq_len * len(input_ids) - row_lengths.sum()),
                  rows_without_targets=int((targets == 0).sum()))
     tensors = {"input_ids": input_ids, "labels": row_labels, "lengths": row_lengths, "targets": targets}
+    if by_source:  # the same layout again, each target token's label its source: the same places
+        of = np.repeat(np.concatenate([np.full(len(p), i, np.int32) for i, p in enumerate(picks)])[order], lengths)
+        tensors["sources"] = layout(ids, np.where(labels != IGNORE, of, IGNORE).astype(np.int32), lengths,
+                                    data.seq_len, {})[1]
+        stats["source_names"] = source_names([e.source for e in encs])
     save_file(tensors | ({"positions": positions} if positions is not None else {}), str(path))
     return stats
+
+
+def source_names(sources: list[SourcePart]) -> list[str]:
+    """Each source's name in the metrics (``eval_loss/NAME``): its file's stem, with its index where
+    two share one."""
+    stems = [Path(s.path).stem for s in sources]
+    return [stem if stems.count(stem) == 1 else f"{stem}-{i}" for i, stem in enumerate(stems)]
 
 
 def _as_umask_allows(path: Path) -> None:

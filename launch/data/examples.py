@@ -53,6 +53,8 @@ class Examples:
     """[rows] tokens of the row that carry loss: ``(labels[:, 1:] != -100).sum(1)``."""
     positions: np.ndarray | None = None
     """[rows, seq_len] position ids of rows packed whole (each example's from 0); None: 0..seq_len-1."""
+    sources: np.ndarray | None = None
+    """[rows, seq_len] held-out rows of several sources: the source of each target token (-100 elsewhere)."""
 
     def __len__(self) -> int:
         return len(self.input_ids)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from launch.contract.data import TEMPLATE_NAMES, SourcePart, is_template_path
+from launch.contract.data import ALPACA_PROMPT, TEMPLATE_NAMES, DataPart, SourcePart, is_template_path
 from launch.data.records import DataError
 
 _SYSTEM_FIRST = "{% set system = messages[0].content if messages[0].role == 'system' else none %}"
@@ -57,12 +57,23 @@ assert set(TEMPLATES) == set(MARKERS) == set(TEMPLATE_NAMES)
 def template_text(source: SourcePart) -> str | None:
     """The Jinja text of ``source.chat_template`` (a name, a file or the template itself), or None."""
     t = source.chat_template
+    if t == ALPACA_PROMPT:
+        return None
     if t is None or not is_template_path(t):
         return TEMPLATES.get(t, t)
     try:
         return Path(t).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"chat_template: cannot read it: {e}", t) from None
+
+
+def trained_template(data: DataPart) -> str | None:
+    """The chat template a run trains with where the schedule names one (``data.chat_template``, a
+    source's own): the first training source's that renders through one; saved with the run's
+    checkpoints for its final model and every export. None: the tokenizer's own (copied anyway)."""
+    named = [s for s in data.sources
+             if s.format in ("chat", "instruction") and s.chat_template not in (None, ALPACA_PROMPT)]
+    return template_text(named[0]) if named else None
 
 
 def check_markers(source: SourcePart, tok) -> None:

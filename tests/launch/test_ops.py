@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -40,6 +41,55 @@ def test_each_environment_builds_in_a_folder_of_its_own(monkeypatch):
     assert extensions_dir() != mine
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/chosen")
     assert extensions_dir() == Path("/chosen")
+
+
+def test_one_environment_reached_through_a_link_builds_once(monkeypatch, tmp_path):
+    """Seen: a checkout whose .venv links to another's built the op again (4 minutes), in a folder
+    named after the link."""
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    mine = extensions_dir()
+    (tmp_path / ".venv").symlink_to(os.path.realpath(sys.prefix))
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / ".venv"))
+    assert extensions_dir() == mine
+
+
+# The environment's op, once built (``launch.contract.ops.built``), is loaded without ninja: a
+# ninja on PATH that fails says whether anybody asked it.
+LOADS_BUILT = """
+import json
+from deepspeed.comm.torch import build_shm_op
+from launch.contract.ops import built
+from launch.ops import load_comm_ops
+
+load_comm_ops()
+print(json.dumps({"built": built(), "module": build_shm_op().__file__}), flush=True)
+"""
+
+
+@pytest.mark.multiprocess  # imports DeepSpeed in processes of their own
+def test_a_built_op_is_loaded_without_ninja(tmp_path):
+    """Seen: the README's first run built the op again (216 s) minutes after make demo built it: the
+    demo ran torch's build with the system's ninja 1.11 (no venv on PATH), the activated shell with
+    the venv's ninja 1.13, which found the 1.11 build log "too old" and started over."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    first = subprocess.run([sys.executable, "-c", LOADS_BUILT], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=900)  # the environment's own build, once (whoever comes first)
+    assert first.returncode == 0, first.stderr[-3000:]
+    record = json.loads(first.stdout.splitlines()[-1])["built"]
+    assert record and record["seconds"] >= 0 and record["library"] == "deepspeed_shm_comm.so", first.stdout
+    copy = tmp_path / "ext"
+    shutil.copytree(Path(json.loads(first.stdout.splitlines()[-1])["module"]).parent, copy / "deepspeed_shm_comm")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ninja").write_text(f"#!/bin/sh\ntouch {tmp_path / 'ninja-asked'}\nexit 1\n")
+    (fake / "ninja").chmod(0o755)
+    env.update(TORCH_EXTENSIONS_DIR=str(copy), PATH=f"{fake}{os.pathsep}{env['PATH']}")
+    again = subprocess.run([sys.executable, "-c", LOADS_BUILT], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout.splitlines()[-1])["module"] == str(copy / "deepspeed_shm_comm" /
+                                                                      "deepspeed_shm_comm.so")
+    assert not (tmp_path / "ninja-asked").exists()
 
 
 def waiting_on(lock: Path, pid: int) -> bool:

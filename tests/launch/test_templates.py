@@ -191,3 +191,21 @@ def test_a_template_whose_turns_cannot_be_found_is_refused():
                 "{% if not add_generation_prompt %}{{ messages | map(attribute='content') | join('+') }}{% endif %}")
     with pytest.raises(DataError, match="neither its prefixes nor a rendering turn by turn locate it"):
         render_chat(tokenizer(template), CHAT[1:])
+
+
+def test_the_template_a_run_trains_with_is_the_one_its_exports_keep(tmp_path):
+    """Seen: RUN_DIR/final had no chat template after a run with data.chat_template = "llama3"."""
+    from launch.contract.data import DataPart, SourcePart
+    from launch.data.templates import TEMPLATES, trained_template
+
+    def data(*sources: SourcePart) -> DataPart:
+        return DataPart(sources=sources, seq_len=8, batch_size=1, micro_batch_size=1, shuffle=False)
+
+    text = SourcePart(path="t.txt", format="text", chat_template="chatml")  # renders through no template
+    alpaca = SourcePart(path="a.jsonl", format="instruction")
+    chat = SourcePart(path="c.jsonl", format="chat", chat_template="llama3")
+    assert trained_template(data(text, alpaca, chat)) == TEMPLATES["llama3"]
+    assert trained_template(data(alpaca)) is None  # the tokenizer's own: copied with its files
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    assert trained_template(data(SourcePart(path="c.jsonl", format="chat",
+                                            chat_template=str(tmp_path / "t.jinja")))) == "{{ messages }}"

@@ -70,7 +70,7 @@ def missing(key: str, value: str, expected: str, **also) -> tuple:
 BAD = [
     ("unknown-section", lambda s, _: s.update(bogus={"a": 1}),
      "bogus: unknown key; expected one of run, model, data, optimizer, lr_schedule, schedule, deepspeed, launch, "
-     "checkpoint"),
+     "checkpoint, eval"),
     ("unknown-key", setting("data", seqlen=64), "data.seqlen: unknown key (did you mean seq_len?)"),
     ("unknown-key-far", setting("launch", colour="red"),
      "launch.colour: unknown key; expected one of launcher, nproc, nnodes, hostfile, master_addr, rendezvous_seconds, "
@@ -152,7 +152,8 @@ BAD = [
     ("data-format-unknown", setting("data", format="alpaca"),
      "data.format: expected 'tokens', 'text', 'instruction' or 'chat', got 'alpaca'"),
     ("chat-template-file-missing", *missing("data.chat_template", "nope.jinja", "a Jinja template, one named llama3, "
-                                            "chatml, qwen2.5, mistral, gemma, phi3, or a file holding one")),
+                                            "chatml, qwen2.5, mistral, gemma, phi3, \"alpaca\" (the Alpaca prompt), or a "
+                                            "file holding one")),
     ("model-dir-missing", *missing("model.path", "no-model", "a Hugging Face model directory")),
     ("model-without-config-json", lambda s, tmp: (tmp / "empty-model").mkdir() or s["model"].update(path="empty-model"),
      "model.path: expected a Hugging Face model directory with config.json, {tmp}/empty-model/config.json does not "
@@ -347,6 +348,8 @@ def test_the_slurm_example_plans(tmp_path, monkeypatch):
     (tmp_path / "data").mkdir()
     # Rows for one step at least: a batch larger than the data is refused.
     (tmp_path / "data" / "train.jsonl").write_text((json.dumps({"text": " ".join(["hello"] * 3000)}) + "\n") * 90)
+    # A cluster's scratch file system, with room for the 8B run's checkpoints (plan refuses a shortfall).
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 50, 0, 1 << 50))
     r = invoke("plan", str(tmp_path / "schedule.toml"))
     assert r.exit_code == 0, r.output
     assert "40 phases, 2000 steps" in r.stdout
@@ -379,3 +382,23 @@ def test_help_starts_fast():
     assert r.returncode == 0 and "plan" in r.stdout
     # The budget is "well under a second"; the bound is loose because the test machine is shared.
     assert seconds < 3, seconds
+
+
+@pytest.mark.parametrize("command", ["plan", "data"])
+def test_plan_and_data_take_the_runs_output_dir(tmp_path, tiny_model, tiny_data, monkeypatch, command):
+    """Seen: after ``run --output-dir runs/mine``, data and plan prepared the data again (20-36 s):
+    they looked for run.output_dir's cache. --output-dir names the run whose cache they read."""
+    from orchestrator import datastep
+    from orchestrator.errors import ScheduleError
+
+    seen = []
+
+    def check_data(loaded, show=0):
+        seen.append(loaded.output_dir)
+        raise ScheduleError("stop here")
+
+    monkeypatch.setattr(datastep, "check_data", check_data)
+    sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data))
+    r = invoke(command, str(sched), "--output-dir", str(tmp_path / "runs" / "mine"))
+    assert r.exit_code == 2 and "stop here" in r.output, r.output
+    assert seen == [(tmp_path / "runs" / "mine").resolve()] or seen == [tmp_path / "runs" / "mine"], seen

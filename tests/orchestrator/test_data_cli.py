@@ -107,6 +107,29 @@ def test_data_statistics(tmp_path, model):
     assert not list(tmp_path.glob("run*")) and not list(tmp_path.glob(".relayer-data-*"))
 
 
+def test_rows_without_a_target_are_warned_of_with_counts(tmp_path, model):
+    """Seen: at seq_len 128, 189 rows had no target token (prompts that fill the row) and ``data``
+    counted them without a word; ``data`` and ``plan`` warn, per source."""
+    long = [{**rec, "input": " ".join(["many words of a long prompt"] * 12)} if i % 2 else rec
+            for i, rec in enumerate(INSTRUCTIONS)]
+    path = sched(tmp_path, model, long, "instruction", seq_len=32)
+    for command in ("data", "plan"):
+        r = CliRunner().invoke(main, [command, str(path)])
+        assert r.exit_code == 0, r.output
+        assert ("orchestrator: warning: 4 of 8 training rows carry no target token (nothing to learn: their targets "
+                "cut by data.seq_len = 32, or none rendered); data: 4 of 8 examples") in r.stderr, r.stderr
+
+
+def test_an_instruction_source_keeps_the_alpaca_prompt_beside_a_chat_template(tmp_path, model):
+    """Seen: with a data-level chat_template, the Alpaca source rendered through it, where axolotl's
+    ``type: alpaca`` keeps the Alpaca prompt: a source's ``chat_template = "alpaca"`` does."""
+    rows = shown(sched(tmp_path, model, INSTRUCTIONS, "instruction", shuffle=False, chat_template="alpaca",
+                       seq_len=256))
+    for row, rec in zip(rows, INSTRUCTIONS):
+        assert row["text"].startswith("Below is an instruction") and "### Response:" in row["text"]
+        assert "<|user|>" not in row["text"] and row["target"].startswith(rec["output"])
+
+
 BAD = INSTRUCTIONS[:3] + [{"instruction": "No output here."}] + INSTRUCTIONS[3:]
 
 

@@ -124,8 +124,8 @@ def test_epochs_set_the_steps_and_plan_shows_both(tmp_path, model):
     ({"sources[1].path": "nowhere.jsonl"}, None, "data.sources[1].path: expected a data file or a "
                                                  "datasets.save_to_disk folder"),
     ({"sources[0].chat_template": "llama-3"}, None, "data.sources[0].chat_template: expected a Jinja template, one "
-                                                    "named llama3, chatml, qwen2.5, mistral, gemma, phi3, or a file "
-                                                    "holding one"),
+                                                    "named llama3, chatml, qwen2.5, mistral, gemma, phi3, \"alpaca\" "
+                                                    "(the Alpaca prompt), or a file holding one"),
     ({}, {"strategy": "lisa", "epochs": 0, "interval": 2, "layers_per_phase": 1},
      "schedule.epochs: expected a positive number, got 0"),
     ({}, {"strategy": "lisa", "epochs": 1, "total_steps": 4, "interval": 2, "layers_per_phase": 1},

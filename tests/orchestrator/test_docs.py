@@ -49,3 +49,24 @@ def test_pages_name_no_file_the_project_lacks():
             if re.fullmatch(r"[A-Za-z_]+\.md", token) and not (ROOT / token).exists() and not (ROOT / "docs" / token).exists():
                 missing.append(f"{page.name}: {token}")
     assert missing == []
+
+
+def test_coming_from_maps_the_peers_lisa_keys_to_keys_that_exist():
+    """Seen: coming-from.md mapped LMFlow's LISA flags but not axolotl's. Every schedule key a row
+    of its LISA tables names exists."""
+    text = (ROOT / "docs" / "coming-from.md").read_text()
+    for peer_key in ("lisa_n_layers", "lisa_step_interval", "lisa_layers_attribute", "--lisa_activated_layers",
+                     "--lisa_interval_steps", "--lisa_layers_attribute"):
+        assert f"`{peer_key}" in text, peer_key
+    keys = {f"{section}.{key}" for section, model in Schedule.model_fields.items()
+            for key in getattr(model.annotation, "model_fields", {})}
+    for row in re.findall(r"^\| `(?:lisa_|--lisa_)[^|]*\| ([^|]*)\|", text, re.M):
+        for named in re.findall(r"`([a-z_]+\.[a-z_]+)", row):
+            assert named in keys, (named, row)
+
+
+def test_the_readme_says_what_relayer_is_not():
+    """Asked by users of the peers: LoRA and QLoRA stay with peft-based tools."""
+    text = (ROOT / "README.md").read_text()
+    head = text[:text.index("## Install")]
+    assert "**What relayer is not.**" in head and "LoRA, QLoRA" in head and "peft" in head

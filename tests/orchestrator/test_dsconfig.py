@@ -49,6 +49,32 @@ def test_a_json_file_relative_to_the_schedule_is_merged_with_auto_left_to_relaye
     assert spec.deepspeed_config == loaded.deepspeed_config  # what the worker merges into its own
 
 
+def test_a_trainer_style_files_auto_optimizer_and_scheduler_are_relayers(tmp_path, tiny_model, tiny_data):
+    """Seen: axolotl's zero2.json was refused for its optimizer and scheduler blocks, whose values
+    are "auto" (the Hugging Face integration fills them from the trainer's arguments); relayer's
+    own AdamW and lr schedule are those, so the blocks are accepted and dropped, as are values that
+    agree with the schedule."""
+    axolotl = {"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": "auto"},
+               "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+               "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                         "weight_decay": "auto"}},
+               "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                            "warmup_num_steps": "auto"}},
+               "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+               "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}
+    (tmp_path / "zero2.json").write_text(json.dumps(axolotl))
+    loaded = load_schedule(sched_with(tmp_path, tiny_model, tiny_data, "zero2.json"))
+    assert loaded.deepspeed_config == {"zero_optimization": {"stage": 2, "overlap_comm": True}, "bf16": {},
+                                       "fp16": {}, "wall_clock_breakdown": False}
+    agreeing = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                         "weight_decay": 0.0}},
+                "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 30, "warmup_num_steps": 0}}}
+    (tmp_path / "agreeing.json").write_text(json.dumps(agreeing))
+    loaded = load_schedule(sched_with(tmp_path, tiny_model, tiny_data, "agreeing.json",
+                                      lr_schedule={"kind": "cosine"}))
+    assert loaded.deepspeed_config == {}
+
+
 def test_what_relayer_derives_may_stay_where_it_agrees(tmp_path, tiny_model, tiny_data):
     agreeing = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
                 "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}, "bf16": {"enabled": False}}
@@ -62,8 +88,15 @@ def test_what_relayer_derives_may_stay_where_it_agrees(tmp_path, tiny_model, tin
     ("batch", json.dumps({"train_batch_size": 64}), "{file}: train_batch_size: set by data.batch_size; set it there"),
     ("stage", json.dumps({"zero_optimization": {"stage": 3}}),
      "{file}: zero_optimization.stage: set by deepspeed.zero_stage; set it there"),
-    ("optimizer", json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}),
-     "{file}: optimizer: set by [optimizer] (relayer builds its own AdamW); set it there"),
+    ("optimizer", json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "eps": "auto"}}}),
+     "{file}: optimizer.params.lr: 3e-05, but relayer sets 0.001 from optimizer.lr; set it there, or say \"auto\""),
+    ("optimizer-type", json.dumps({"optimizer": {"type": "Lamb", "params": {}}}),
+     "{file}: optimizer.type: 'Lamb': relayer trains with its own AdamW ([optimizer])"),
+    ("scheduler-type", json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto"}}}),
+     "{file}: scheduler.type: 'WarmupDecayLR' is lr_schedule.kind = \"linear\"; the schedule has "
+     "lr_schedule.kind = \"constant\": set it there"),
+    ("scheduler-steps", json.dumps({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100}}}),
+     "{file}: scheduler.params.warmup_num_steps: 100, but relayer sets 0 from lr_schedule.warmup_steps"),
     ("not-a-table", json.dumps({"bf16": True}), "{file}: bf16: expected a table (merged into relayer's), got true"),
     ("list", "[1, 2]", "{file}: expected a JSON object (deepspeed.config), got list"),
     ("nan", '{"zero_optimization": {"reduce_bucket_size": NaN}}',

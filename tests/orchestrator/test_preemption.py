@@ -199,23 +199,31 @@ def test_two_processes_preempt_and_resume(tmp_path, tiny_model, tiny_data, final
 
 def test_stage_0_stopped_mid_phase_resumes_bitwise(tmp_path, tiny_model, tiny_data):
     """relayer's own optimizer (``deepspeed.zero_stage = 0``): a stop mid-phase writes the body's
-    moments and step beside the head's; the resume restores them and ends bitwise as one run."""
+    moments and step beside the head's; the resume restores them and ends bitwise as one run. The
+    stop is a SIGHUP (the terminal closed), which stops as SIGTERM does (seen: it killed the run,
+    the steps since the last checkpoint lost). The checkpoint the stop named stays until the run's
+    end (seen: "kept: step 25", which retention removed after the resume)."""
     sections = {"deepspeed": {"zero_stage": 0}}
     whole = schedule(tmp_path, tiny_model, tiny_data, "whole.toml", run={"output_dir": "whole", "seed": 0,
                                                                           "final_model": False}, **sections)
     r = cli("orchestrator", "run", str(whole))
     assert r.returncode == 0, r.stderr
-    sched = schedule(tmp_path, tiny_model, tiny_data, **sections)
+    sched = schedule(tmp_path, tiny_model, tiny_data, checkpoint={"every_steps": EVERY, "keep_last": 1}, **sections)
     run = tmp_path / "run"
     orch = start(sched)
     wait_for(lambda: metrics_steps(run) >= 14, what="step 14")
-    orch.terminate()
-    assert orch.wait(timeout=120) == 75, orch.communicate()[1]
+    orch.send_signal(signal.SIGHUP)
+    _, err = orch.communicate(timeout=120)
+    assert orch.returncode == 75, err
+    stop = [e for e in events(run) if e["event"] == "preempted"][-1]
+    assert stop["signal"] == signal.SIGHUP and f"kept: the checkpoint at step {stop['step']} (" in err
     mid = [read_manifest(c) for c in Checkpoints(run).all() if not read_manifest(c).phase_complete]
     assert mid and mid[-1].phase == 1 and mid[-1].body_step == mid[-1].global_step - 10
     r = cli("orchestrator", "run", str(sched))
     assert r.returncode == 0, r.stderr
     assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, tmp_path / "whole"))
+    after = [e["event"] for e in events(run) if e.get("path") == stop["checkpoint"] or e["event"] == "run_done"]
+    assert after == ["run_done", "checkpoint_removed"], after  # kept until the run's end named another
 
 
 def truncated_copy(src: Path, dst: Path, keep_upto: int) -> Path:

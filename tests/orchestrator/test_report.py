@@ -199,3 +199,23 @@ def test_data_and_plan_read_what_the_run_prepared_and_write_nothing(run_copy, ti
     assert r.exit_code == 0, r.output
     assert "data: 12345 examples" in r.stdout
     assert sorted((p.relative_to(run_copy), p.stat().st_mtime_ns) for p in run_copy.rglob("*")) == before
+
+
+def test_an_interrupted_run_marks_its_stop_and_its_resume(run_copy, monkeypatch):
+    """Seen: the report of a run stopped and resumed drew it as one uninterrupted run."""
+    from matplotlib.figure import Figure
+
+    journal = run_copy / "journal.jsonl"
+    events = [json.loads(line) for line in journal.read_text().splitlines()]
+    at = next(i for i, e in enumerate(events) if e["event"] == "phase_started" and e["phase"] == 2)
+    events[at:at] = [{"time": events[at]["time"], "event": "preempted", "step": 20, "signal": 2},
+                     {"time": events[at]["time"], "event": "resumed", "step": 20}]
+    journal.write_text("".join(json.dumps(e) + "\n" for e in events))
+    report = read_run(run_copy)
+    assert report.stops == [20] and report.resumes == [20]
+    drawn: list[Figure] = []
+    saved = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: (drawn.append(fig), saved(fig, *a, **kw)))
+    assert invoke("report", run_copy).exit_code == 0
+    labels = {line.get_label() for ax in drawn[0].axes for line in ax.get_lines()}
+    assert {"stopped at step 20", "resumed from step 20"} <= labels

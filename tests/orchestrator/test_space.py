@@ -63,8 +63,13 @@ def test_plan_prints_the_peak_disk_need_and_the_free_space(tmp_path, model16, ti
 
 
 def test_run_on_a_too_small_file_system_is_refused_before_anything_starts(tmp_path, tmpfs, model16, tiny_data):
+    """``plan`` exits 2 on it as well (seen: plan exited 0 on a shortfall that run then refused)."""
     disk = tmpfs("256k")
     sched = write_schedule(tmp_path / "s.toml", lisa(model16, tiny_data, disk / "run", 8))
+    r = cli("orchestrator", "plan", str(sched))
+    assert r.returncode == 2, r.stderr
+    assert "more disk space at its peak" in r.stderr and f"{disk} has " in r.stderr, r.stderr
+    assert "disk: the run directory needs" in r.stdout  # the plan is printed, then refused
     r = cli("orchestrator", "run", str(sched))
     assert r.returncode == 2, r.stderr
     assert "more disk space at its peak" in r.stderr and f"{disk} has " in r.stderr and "free" in r.stderr

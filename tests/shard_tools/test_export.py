@@ -318,6 +318,23 @@ def test_the_runs_own_tokenizer_and_chat_template_are_copied(tied_run, tmp_path)
     assert AutoTokenizer.from_pretrained(out).chat_template.startswith("{% for m in messages %}")
 
 
+def test_the_chat_template_the_run_trained_with_is_saved(tied_run, tmp_path):
+    """A run with a named ``data.chat_template`` (its checkpoints record the Jinja): the export's
+    tokenizer has it, over the tokenizer folder's own (seen: RUN_DIR/final had none)."""
+    run, _ = tied_run
+    copy, tok = tmp_path / "run", tmp_path / "tokenizer"
+    shutil.copytree(run, copy)
+    _save_tokenizer(tok)
+    (tok / "chat_template.jinja").write_text("the tokenizer's own")
+    trained = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    rewrite_manifests(copy, lambda m: m["extra"].update(tokenizer=str(tok), chat_template=trained))
+    out = tmp_path / "export"
+    export(copy, out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.chat_template == trained
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "t1"}], tokenize=False) == "<user>t1"
+
+
 def test_a_runs_own_final_folder_is_the_one_export_inside_it(tied_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(tied_run[0], run)
