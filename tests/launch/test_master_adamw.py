@@ -158,3 +158,14 @@ def test_the_kernel_steps_as_torch_adamw(accumulate):
     for p in with_kernel.params:  # the weights are the masters rounded to nearest even, as torch rounds
         assert torch.equal(p.detach(), slot_of(p).master.to(torch.bfloat16))
         assert p.grad is None
+
+
+def test_the_kernel_check_takes_a_cuda_device_without_an_index(monkeypatch):
+    """``works(torch.device("cuda"), ...)`` checks on the current device: ``torch.cuda.set_device``
+    refuses a device without an index, and the kernel's check used to fall back to torch's AdamW there."""
+    from launch import adamw_kernel
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert adamw_kernel.indexed(torch.device("cuda")) == torch.device("cuda", 3)
+    assert adamw_kernel.indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert adamw_kernel.indexed(torch.device("cpu")) == torch.device("cpu")
