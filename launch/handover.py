@@ -117,9 +117,11 @@ WEIGHTS, BUFFERS = "module", "buffer"
 its keys (``zero_state.KEYS``; "master" holds the head's and the layers' masters)."""
 
 
-def _pack(model: torch.nn.Module, snap: PhaseState) -> dict[str, torch.Tensor]:
+def _pack(model: torch.nn.Module, snap: PhaseState, on_host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the transport offers: all but the carried layers ``on_host`` (offered where they lie)."""
+    masters = {n: t for n, t in snap.masters.items() if n not in on_host}
     parts = {WEIGHTS: {n: p.data for n, p in model.named_parameters()}, BUFFERS: dict(model.named_buffers()),
-             **snap.head, "master": {**snap.head["master"], **snap.masters}}
+             **snap.head, "master": {**snap.head["master"], **masters}}
     return {f"{part}/{n}": t for part, by_name in parts.items() for n, t in by_name.items() if t.numel()}
 
 
@@ -140,14 +142,15 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
     if not ph.spec.handover.offer or transport is None:
         return None, True
     snap = snapshot(ph)  # collectives: every rank
-    tensors = _pack(ph.built.engine.module, snap)
+    tensors = _pack(ph.built.engine.module, snap, ph.made.carried)
     files = PhaseDir(ph.spec.phase_dir)
     files.handover.mkdir(mode=0o700, exist_ok=True)
     blocks, refs = _export_cuda(tensors) if transport == "cuda" else _export_host(tensors, files.blob_path(ph.rank))
     spec = ph.spec
     carried = {"head_step": snap.head_step, "body_step": snap.body_step, "phase": spec.phase,
                "global_step": ph.step, "layers": list(spec.layers), "restore": _str(ph.built.source.restore),
-               "end": str(ph.checkpoints.at(ph.step)), "scaler": snap.run.scaler}
+               "end": str(ph.checkpoints.at(ph.step)), "scaler": snap.run.scaler,
+               "host_layers": ph.made.host.refs(ph.made.carried)}
     files.write_offer(ph.rank, Offer(pid=os.getpid(), device=device_id(ph.device), transport=transport,
                                      blocks=blocks, tensors=refs, carried=carried))
     ph.timeline.mark("t_offered")
@@ -257,6 +260,7 @@ def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False) -> 
     _layers_trained_between(ph, offered.carried, frozenset(carried.masters))
     if not keep:
         return carried, restore
+    ph.made.host.hold_later(ph.made.carried, ph.device, ph.made.staging)
     ph.timeline.add(predecessor_wrote=False, carried_layers=sorted({carried_layer(ph, n) for n in ph.made.carried}))
     return carried, Path(offered.carried["restore"]) if offered.carried.get("restore") else None
 
@@ -285,6 +289,7 @@ def _all_keep(ph: Phase, took: bool, kept: bool) -> bool:
     every = bool(flag.item())
     if not every:
         ph.made.carried = {}
+        ph.made.host.release()
     return every
 
 
@@ -327,9 +332,7 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool = False) -> Phase
             module = made.model.get_submodule(owner)
             module._buffers[leaf] = parts[BUFFERS][name].clone()
         head = {k: {n: parts[k][n].clone() for n in made.head_names} for k in zero_state.KEYS}
-        layers = {n: t.clone() for n, t in parts["master"].items() if n in made.body_names}
-        others = sorted(set(parts["master"]) - set(made.body_names) - set(made.head_names)) if keep else []
-        made.carried = _in_one_block({n: parts["master"][n] for n in others})
+        layers = _layers_in(ph, parts["master"], offered.carried.get("host_layers", []), keep)
     del parts
     if ph.device.type == "cuda":
         torch.cuda.synchronize(ph.device)
@@ -341,6 +344,26 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool = False) -> Phase
         step=carried["global_step"], phase=carried["phase"], layers=carried["layers"], phase_complete=True,
         head_step=carried["head_step"], body_step=carried["body_step"], head=head, masters=layers,
         run=RunState(data_position=carried["global_step"] * ph.spec.data.batch_size, scaler=carried["scaler"]))
+
+
+def _layers_in(ph: Phase, offered: dict[str, torch.Tensor], host_layers: list[dict], keep: bool
+               ) -> dict[str, torch.Tensor]:
+    """This phase's layers' masters, own copies on its device: offered there, or among the layers
+    carried on the host (``launch.carried``), whose segments it maps. With ``keep``, the other
+    layers' masters become its carried ones: those on the host as they are, the offered ones
+    copied here (to the host once answered: ``HostCarry.hold_later``)."""
+    made = ph.made
+    on_host = made.host.adopt(host_layers)
+    layers = {n: t.clone() for n, t in offered.items() if n in made.body_names}
+    layers.update({n: t.to(ph.device, copy=True) for n, t in on_host.items() if n in made.body_names})
+    if not keep:
+        made.carried = {}
+        made.host.release()
+        return layers
+    others = sorted(set(offered) - set(made.body_names) - set(made.head_names))
+    made.host.fresh = _in_one_block({n: offered[n] for n in others})
+    made.carried = {**{n: t for n, t in on_host.items() if n not in made.body_names}, **made.host.fresh}
+    return layers
 
 
 def _in_one_block(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ def snapshot(ph: Phase) -> PhaseState:
     """The phase-end state on the device, full tensors on every rank (collectives): what a finished
     phase offers its successor (``launch.handover``) and, once answered, writes from its own memory."""
     built = ph.built
+    ph.timeline.add(carried_wait_seconds=ph.made.host.settle())
     zero_state.relink(built.engine)
     head = zero_state.get_state(built.head, on_device=True)
     masters = zero_state.get_masters(built.body, on_device=True)
@@ -93,6 +94,7 @@ def _gather(ph: Phase, phase_complete: bool, prepared: StateFiles | None) -> Pha
     built, writer = ph.built, ph.rank == 0
     head_into, masters_into = (prepared.head, prepared.masters) if prepared is not None else ({}, {})
     gather = {"keep": writer, "staging": ph.made.staging}
+    ph.made.host.settle()  # the carried layers on the host
     zero_state.relink(built.engine)
     head = zero_state.get_state(built.head, into=head_into, **gather)
     if phase_complete:
