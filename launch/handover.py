@@ -255,7 +255,6 @@ def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False) -> 
     checkpoint its own wait for: ``restore``, or where the predecessor writes none, the one the
     predecessor built on. Every rank calls it (the go names the offer to all): ``_all_keep`` is collective."""
     files, carried = PhaseDir(source), None
-    _upload(ph)
     offered = files.read_offer(ph.rank)
     reason = _unfit(ph, offered, files)
     keep = defer and reason is None and _can_carry(ph, offered)
@@ -270,12 +269,12 @@ def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False) -> 
     ph.timeline.add(handover="device" if reason is None else "checkpoint", handover_reason=reason)
     if reason is not None:
         return None, restore
+    _upload(ph)  # after the answer: the copies in _copy_in do not wait for it
     # After the answer: these come from committed checkpoints, not the predecessor, which need not
     # wait for them to free its device and write its own.
     _layers_trained_between(ph, offered.carried, frozenset(carried.masters))
     if not keep:
         return carried, restore
-    ph.made.host.hold_later(ph.made.carried, ph.device, ph.made.staging)
     ph.timeline.add(predecessor_wrote=False, carried_layers=sorted({carried_layer(ph, n) for n in ph.made.carried}))
     return carried, Path(offered.carried["restore"]) if offered.carried.get("restore") else None
 
@@ -366,11 +365,12 @@ def _layers_in(ph: Phase, offered: dict[str, torch.Tensor], host_layers: list[di
     """This phase's layers' masters, own copies on its device: offered there, or among the layers
     carried on the host (``launch.carried``), whose segments it maps. With ``keep``, the other
     layers' masters become its carried ones: those on the host as they are, the offered ones
-    copied here (to the host once answered: ``HostCarry.hold_later``)."""
+    copied here (to the host after the first step: ``HostCarry.hold_later``)."""
     made = ph.made
     on_host = made.host.adopt(host_layers)
     layers = {n: t.clone() for n, t in offered.items() if n in made.body_names}
-    layers.update({n: t.to(ph.device, copy=True) for n, t in on_host.items() if n in made.body_names})
+    up = made.staging.to_device if made.staging is not None else lambda t: t.to(ph.device, copy=True)
+    layers.update({n: up(t) for n, t in on_host.items() if n in made.body_names})  # pageable: through the ring
     if not keep:
         made.carried = {}
         made.host.release()

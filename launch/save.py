@@ -25,7 +25,7 @@ def snapshot(ph: Phase) -> PhaseState:
     """The phase-end state on the device, full tensors on every rank (collectives): what a finished
     phase offers its successor (``launch.handover``) and, once answered, writes from its own memory."""
     built = ph.built
-    ph.timeline.add(carried_wait_seconds=ph.made.host.settle())
+    ph.timeline.add(carried_wait_seconds=ph.made.host.flush(ph.made.carried, ph.device, ph.made.staging))
     zero_state.relink(built.engine)
     head = zero_state.get_state(built.head, on_device=True)
     masters = zero_state.get_masters(built.body, on_device=True)

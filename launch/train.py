@@ -129,6 +129,8 @@ def _first_step_done(ph: Phase, seconds: float) -> None:
     ph.timeline.add(nice=os.getpriority(os.PRIO_PROCESS, 0))  # the priority it trains at
     if ph.made.staging is not None:
         ph.made.staging.unregister_later()  # the host weights are on the device: unpinned off the switch
+    if ph.made.host.fresh:  # the layers its predecessor trained, carried on: to the host off the switch
+        ph.made.host.hold_later(ph.made.carried, ph.device, ph.made.staging)
     if ph.rank == 0 and ph.files.result() is None:
         ph.files = Later(prepare_files, ph, ph.made)  # it took over, and so made none while it waited
 
