@@ -142,7 +142,12 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
     if not ph.spec.handover.offer or transport is None:
         return None, True
     snap = snapshot(ph)  # collectives: every rank
-    tensors = _pack(ph.built.engine.module, snap, ph.made.carried)
+    ahead = ph.made.host.ahead
+    snap.masters.update(ahead)
+    if ahead:
+        ph.timeline.add(carried_ahead=sorted({carried_layer(ph, n) for n in ahead}))
+    on_host = {n: t for n, t in ph.made.carried.items() if n not in ahead}
+    tensors = _pack(ph.built.engine.module, snap, on_host)
     files = PhaseDir(ph.spec.phase_dir)
     files.handover.mkdir(mode=0o700, exist_ok=True)
     blocks, refs = _export_cuda(tensors) if transport == "cuda" else _export_host(tensors, files.blob_path(ph.rank))
@@ -150,7 +155,7 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
     carried = {"head_step": snap.head_step, "body_step": snap.body_step, "phase": spec.phase,
                "global_step": ph.step, "layers": list(spec.layers), "restore": _str(ph.built.source.restore),
                "end": str(ph.checkpoints.at(ph.step)), "scaler": snap.run.scaler,
-               "host_layers": ph.made.host.refs(ph.made.carried)}
+               "host_layers": ph.made.host.refs(on_host)}
     files.write_offer(ph.rank, Offer(pid=os.getpid(), device=device_id(ph.device), transport=transport,
                                      blocks=blocks, tensors=refs, carried=carried))
     ph.timeline.mark("t_offered")
@@ -164,6 +169,16 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
     if not write:
         ph.timeline.add(checkpoint_written=False)
     return snap, write
+
+
+def carry_on(ph: Phase) -> None:
+    """After this phase's first step: the carried layers its successor trains to the device ahead
+    of its offer (``HostCarry.upload_ahead``), and those its predecessor trained to the host."""
+    made, nxt = ph.made, set(ph.spec.handover.next_layers)
+    if nxt and made.carried and ph.spec.handover.offer:
+        made.host.upload_ahead(made.carried, {n for n in made.carried if carried_layer(ph, n) in nxt}, ph.device)
+    if made.host.fresh:
+        made.host.hold_later(made.carried, ph.device, made.staging)
 
 
 # -- the successor ------------------------------------------------------------------------------
@@ -370,7 +385,8 @@ def _layers_in(ph: Phase, offered: dict[str, torch.Tensor], host_layers: list[di
     on_host = made.host.adopt(host_layers)
     layers = {n: t.clone() for n, t in offered.items() if n in made.body_names}
     up = made.staging.to_device if made.staging is not None else lambda t: t.to(ph.device, copy=True)
-    layers.update({n: up(t) for n, t in on_host.items() if n in made.body_names})  # pageable: through the ring
+    # Not offered on the device (``upload_ahead`` did not run): pageable, through the ring.
+    layers.update({n: up(t) for n, t in on_host.items() if n in made.body_names and n not in layers})
     if not keep:
         made.carried = {}
         made.host.release()

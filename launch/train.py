@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from launch import procs, zero_state
+from launch import handover, procs, zero_state
 from launch.contract import faults
 from launch.contract.data import DataPart
 from launch.contract.files import RunDir
@@ -129,8 +129,7 @@ def _first_step_done(ph: Phase, seconds: float) -> None:
     ph.timeline.add(nice=os.getpriority(os.PRIO_PROCESS, 0))  # the priority it trains at
     if ph.made.staging is not None:
         ph.made.staging.unregister_later()  # the host weights are on the device: unpinned off the switch
-    if ph.made.host.fresh:  # the layers its predecessor trained, carried on: to the host off the switch
-        ph.made.host.hold_later(ph.made.carried, ph.device, ph.made.staging)
+    handover.carry_on(ph)  # the carried layers' copies, off the switch
     if ph.rank == 0 and ph.files.result() is None:
         ph.files = Later(prepare_files, ph, ph.made)  # it took over, and so made none while it waited
 
