@@ -148,7 +148,7 @@ def table(result: dict) -> str:
              f"- the peer: Hugging Face Trainer, optimizer {peer['optimizer']}, LISA callback {peer['callback']['name']} "
              f"{peer['callback']['version'] or ''} ({peer['callback']['how']})",
              f"- relayer: `orchestrator run` on the peer's {len(s['phases'])} phases (deepspeed.zero_stage "
-             f"{s.get('zero_stage', 2)}, 1 process, handover "
+             f"{s.get('zero_stage') if s.get('zero_stage') is not None else 'unset: relayer chose'}, 1 process, handover "
              "relayer's default unless given)",
              f"- model in {result['storage']['model']}; trained models and relayer's run in {result['storage']['outputs']}",
              f"- command: `{' '.join(result['command'])}`", "",

@@ -165,8 +165,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--handover", choices=("auto", "on", "off"), help="relayer's [launch] handover (default: relayer's)")
     ap.add_argument("--prewarm-depth", type=int, help="relayer's [launch] prewarm_depth (default: relayer's)")
     ap.add_argument("--keep-last", type=int, help="relayer's [checkpoint] keep_last (default: 2)")
-    ap.add_argument("--zero-stage", type=int, default=2, choices=(0, 1, 2, 3),
-                    help="relayer's deepspeed.zero_stage (0: its own AdamW over fp32 masters, no ZeRO)")
+    ap.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3),
+                    help="relayer's deepspeed.zero_stage (0: its own AdamW over fp32 masters, no ZeRO; default: "
+                         "relayer's, 0 on one process)")
     ap.add_argument("--every-seconds", type=float,
                     help="relayer's [checkpoint] every_seconds (default: relayer's; 0: a checkpoint at every phase end)")
     ap.add_argument("--out", help="the results folder's name (default: DATE-DEVICE-SHAPE-peer)")

@@ -53,7 +53,7 @@
 # On a CPU, for trying the script itself (tiny shapes, a few minutes each):
 #     OUT=/tmp/o DS_ACCELERATOR=cpu I29_TINY=1 bash benchmarks/run_issue29.sh peer7b
 set -uo pipefail
-STEP=${1:?usage: run_issue29.sh peer7b|peer7be|peer7b0|lisa7b|lisa7b0|step7b|diag0|stage0|step0|lisa13|big|big13|big30|long11|long11s|long11e|long7|long7c}
+STEP=${1:?usage: run_issue29.sh issue41|peer7b|peer7be|peer7b0|lisa7b|lisa7b0|step7b|diag0|stage0|step0|lisa13|big|big13|big30|long11|long11s|long11e|long7|long7c}
 : "${OUT:?set OUT to the folder the results go to}"
 T0=$(date +%s)
 S=${I29_SCRATCH:-/tmp/i29}
@@ -260,7 +260,26 @@ long7c() {
     rm -rf "$WORK_DIR/long7"
 }
 
+# Issue #41's measurement on an H100, one device command (~8 min): the GPU tests of the optimizer's
+# kernel and of the carried layers' host path; the peer job at relayer's defaults (no zero_stage,
+# cadence or handover key; 260 steps: 13 phases), beside the peer; 1.1B under LISA at the default
+# cadence (20 phases, handed over on the device), where the carried layers wait on the host.
+issue41() {
+    $PY -m pytest -q -p no:cacheprovider tests/launch/test_master_adamw.py tests/launch/test_carried.py \
+        tests/launch/test_staging.py 2>&1 | tail -3
+    space 7b --layers lisa --phases 13 --final-model --peer-output --handover || exit 3
+    timeout 420 $PY benchmarks/peer.py --shape "$(shape 7b)" --model-dir "$MODEL_DIR" --outputs "$WORK_DIR" \
+        --work "$S/work/peer7b-defaults" --micro-batch "$MICRO" --results-dir "$S/results" --out peer7b-defaults \
+        --timeout 400 --callback auto --keep-last 1 --steps 260 "${TINY_ARGS[@]}"
+    say "peer.py peer7b-defaults: rc $?"
+    rm -rf "$S/work/peer7b-defaults" "$WORK_DIR" "$SHM/model-7b"
+    space 1.1b --layers lisa --phases 20 --handover --carried 2 || exit 3
+    switch cadence11 1.1b --phases 20 --steps 20 --zero-stage 0 --timeout 150
+    rm -rf "$WORK_DIR/cadence11"
+}
+
 case "$STEP" in
+    issue41) issue41 ;;
     peer7b) peer7b ;;
     peer7be) peer7be ;;
     lisa7b) lisa7b ;;

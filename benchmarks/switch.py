@@ -187,7 +187,7 @@ def write_schedule(path: Path, setup: dict) -> None:
                       "eps": setup["eps"], "grad_clip": setup["grad_clip"]},
         "lr_schedule": {"kind": "constant"},
         "schedule": {"phases": setup["phases"]},
-        "deepspeed": {"zero_stage": setup["zero_stage"]},
+        "deepspeed": {"zero_stage": setup["zero_stage"]} if setup.get("zero_stage") is not None else {},
         "launch": {"launcher": "local", "nproc": setup["nproc"],  # relayer's defaults unless given
                    **{k: setup[k] for k in ("prewarm", "prewarm_depth", "pause_preparing_seconds", "handover")
                       if setup.get(k) is not None}},

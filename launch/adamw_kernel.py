@@ -81,7 +81,15 @@ def works(device: torch.device, weight_dtype: torch.dtype, grad_dtype: torch.dty
     or computes otherwise: ``MasterAdamW`` then steps with torch's fused AdamW. Checked once a
     process: the warm-up's (or a cold phase's compile ahead) answers the engine build at the go,
     which then neither launches nor waits for the device."""
-    return available(device) and _checked(str(device), weight_dtype, grad_dtype)
+    return available(device) and _checked(str(indexed(device)), weight_dtype, grad_dtype)
+
+
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: "cuda" alone is the current device (``torch.cuda.set_device``
+    refuses a CUDA device without one)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 @functools.cache

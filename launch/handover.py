@@ -118,9 +118,11 @@ WEIGHTS, BUFFERS = "module", "buffer"
 its keys (``engine.KEYS``; "master" holds the head's and the layers' masters)."""
 
 
-def _pack(model: torch.nn.Module, snap: PhaseState) -> dict[str, torch.Tensor]:
+def _pack(model: torch.nn.Module, snap: PhaseState, on_host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the transport offers: all but the carried layers ``on_host`` (offered where they lie)."""
+    masters = {n: t for n, t in snap.masters.items() if n not in on_host}
     parts = {WEIGHTS: {n: p.data for n, p in model.named_parameters()}, BUFFERS: dict(model.named_buffers()),
-             **snap.head, "master": {**snap.head["master"], **snap.masters}}
+             **snap.head, "master": {**snap.head["master"], **masters}}
     return {f"{part}/{n}": t for part, by_name in parts.items() for n, t in by_name.items() if t.numel()}
 
 
@@ -141,14 +143,19 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
     if not ph.spec.handover.offer or transport is None:
         return None, True
     snap = snapshot(ph)  # collectives: every rank
-    tensors = _pack(ph.built.engine.module, snap)
+    ahead = ph.made.host.ahead
+    snap.masters.update(ahead)
+    if ahead:
+        ph.timeline.add(carried_ahead=sorted({carried_layer(ph, n) for n in ahead}))
+    on_host = {n: t for n, t in ph.made.carried.items() if n not in ahead}
+    tensors = _pack(ph.built.engine.module, snap, on_host)
     files = PhaseDir(ph.spec.phase_dir)
     files.handover.mkdir(mode=0o700, exist_ok=True)
     blocks, refs = _export_cuda(tensors) if transport == "cuda" else _export_host(tensors, files.blob_path(ph.rank))
     spec = ph.spec
     carried = Carried(phase=spec.phase, global_step=ph.step, layers=list(spec.layers), head_step=snap.head_step,
                       body_step=snap.body_step, scaler=snap.run.scaler, restore=_str(ph.built.source.restore),
-                      end=str(ph.checkpoints.at(ph.step)))
+                      end=str(ph.checkpoints.at(ph.step)), host_layers=ph.made.host.refs(on_host))
     files.write_offer(ph.rank, Offer(pid=os.getpid(), device=device_id(ph.device), transport=transport,
                                      blocks=blocks, tensors=refs, carried=carried))
     ph.timeline.mark("t_offered")
@@ -162,6 +169,16 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
     if not write:
         ph.timeline.add(checkpoint_written=False)
     return snap, write
+
+
+def carry_on(ph: Phase) -> None:
+    """After this phase's first step: the carried layers its successor trains to the device ahead
+    of its offer (``HostCarry.upload_ahead``), and those its predecessor trained to the host."""
+    made, nxt = ph.made, set(ph.spec.handover.next_layers)
+    if nxt and made.carried and ph.spec.handover.offer:
+        made.host.upload_ahead(made.carried, {n for n in made.carried if carried_layer(ph, n) in nxt}, ph.device)
+    if made.host.fresh:
+        made.host.hold_later(made.carried, ph.device, made.staging)
 
 
 # -- the successor ------------------------------------------------------------------------------
@@ -181,8 +198,8 @@ def refusal(ph: Phase) -> str | None:
 
 
 def preload_layers(ph: Phase, made: Prepared) -> None:
-    """The fp32 masters of this phase's layers trained before its preload checkpoint, put on its
-    device now (the host keeps no copy); a layer its predecessor trains comes with the offer."""
+    """The fp32 masters of this phase's layers trained before its preload checkpoint, in pinned host
+    memory until its go (``_put_layers``); a layer its predecessor trains comes with the offer."""
     _put_layers(ph, made, {l: s for l, s in made.preloaded.items() if l in ph.spec.layers})
 
 
@@ -223,11 +240,25 @@ def _own_since(ph: Phase, sources: dict[int, Path]) -> dict[int, Path]:
     return {l: s for l, s in sources.items() if l in ph.spec.layers and ph.made.preloaded.get(l) != s}
 
 
-def _put_layers(ph: Phase, made: Prepared, sources: dict[int, Path], offered: frozenset[str] = frozenset()) -> None:
-    """The fp32 masters of this phase's layers in ``sources``, on its device, except ``offered`` ones."""
+def _put_layers(ph: Phase, made: Prepared, sources: dict[int, Path], offered: frozenset[str] = frozenset(),
+                now: bool = False) -> None:
+    """The fp32 masters of this phase's layers in ``sources``, except ``offered`` ones: on its
+    device ``now`` (at the go), else in pinned host memory until the go (``_upload``): a phase
+    waiting pre-warmed holds nothing large on the device (1.6 GB a phase at 7B)."""
     for name, t in layer_weights(sources, mapped=True).items():
         if name in made.body_names and name not in offered:
-            made.trained[name] = t.to(ph.device, copy=True)
+            if now or ph.device.type != "cuda":
+                made.trained[name] = t.to(ph.device, copy=True)
+            else:
+                made.trained[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+
+
+def _upload(ph: Phase) -> None:
+    """At the go: the masters ``_put_layers`` kept on the host, to the device by DMA, on the stream
+    the engine build then uses (ordered before it; the host goes on meanwhile)."""
+    for name, t in ph.made.trained.items():
+        if t.device != ph.device:
+            ph.made.trained[name] = t.to(ph.device, non_blocking=True)
 
 
 def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False) -> tuple[PhaseState | None, Path | None]:
@@ -254,6 +285,7 @@ def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False) -> 
     ph.timeline.add(handover="device" if reason is None else "checkpoint", handover_reason=reason)
     if reason is not None:
         return None, restore
+    _upload(ph)  # after the answer: the copies in _copy_in do not wait for it
     # After the answer: these come from committed checkpoints, not the predecessor, which need not
     # wait for them to free its device and write its own.
     _layers_trained_between(ph, offered.carried, frozenset(carried.masters))
@@ -287,6 +319,7 @@ def _all_keep(ph: Phase, took: bool, kept: bool) -> bool:
     every = bool(flag.item())
     if not every:
         ph.made.carried = {}
+        ph.made.host.release()
     return every
 
 
@@ -329,9 +362,7 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool = False) -> Phase
             module = made.model.get_submodule(owner)
             module._buffers[leaf] = parts[BUFFERS][name].clone()
         head = {k: {n: parts[k][n].clone() for n in made.head_names} for k in engine.KEYS}
-        layers = {n: t.clone() for n, t in parts["master"].items() if n in made.body_names}
-        others = sorted(set(parts["master"]) - set(made.body_names) - set(made.head_names)) if keep else []
-        made.carried = _in_one_block({n: parts["master"][n] for n in others})
+        layers = _layers_in(ph, parts["master"], offered.carried.host_layers, keep)
     del parts
     if ph.device.type == "cuda":
         torch.cuda.synchronize(ph.device)
@@ -343,6 +374,28 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool = False) -> Phase
         step=carried.global_step, phase=carried.phase, layers=carried.layers, phase_complete=True,
         head_step=carried.head_step, body_step=carried.body_step, head=head, masters=layers,
         run=RunState(data_position=carried.global_step * ph.spec.data.batch_size, scaler=dict(carried.scaler)))
+
+
+def _layers_in(ph: Phase, offered: dict[str, torch.Tensor], host_layers: list[dict], keep: bool
+               ) -> dict[str, torch.Tensor]:
+    """This phase's layers' masters, own copies on its device: offered there, or among the layers
+    carried on the host (``launch.carried``), whose segments it maps. With ``keep``, the other
+    layers' masters become its carried ones: those on the host as they are, the offered ones
+    copied here (to the host after the first step: ``HostCarry.hold_later``)."""
+    made = ph.made
+    on_host = made.host.adopt(host_layers)
+    layers = {n: t.clone() for n, t in offered.items() if n in made.body_names}
+    up = made.staging.to_device if made.staging is not None else lambda t: t.to(ph.device, copy=True)
+    # Not offered on the device (``upload_ahead`` did not run): pageable, through the ring.
+    layers.update({n: up(t) for n, t in on_host.items() if n in made.body_names and n not in layers})
+    if not keep:
+        made.carried = {}
+        made.host.release()
+        return layers
+    others = sorted(set(offered) - set(made.body_names) - set(made.head_names))
+    made.host.fresh = _in_one_block({n: offered[n] for n in others})
+    made.carried = {**{n: t for n, t in on_host.items() if n not in made.body_names}, **made.host.fresh}
+    return layers
 
 
 def _in_one_block(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -364,7 +417,7 @@ def _layers_trained_between(ph: Phase, carried: Carried, offered: frozenset[str]
         return
     now = ph.checkpoints.layer_sources(Path(carried.restore))
     changed = _own_since(ph, now)
-    _put_layers(ph, ph.made, changed, offered)
+    _put_layers(ph, ph.made, changed, offered, now=True)
     ph.timeline.add(layers_at_go=sorted(changed))
 
 

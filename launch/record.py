@@ -16,6 +16,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
+from launch.carried import HostCarry
 from launch.contract.files import PhaseDir
 from launch.contract.spec import PhaseSpec
 from launch.data.examples import SampleOrder
@@ -59,7 +60,10 @@ class Prepared:
     carried: dict[str, torch.Tensor] = field(default_factory=dict)
     """fp32 masters of other layers than this phase's, trained by phases since the last checkpoint
     whose ends wrote none (``checkpoint.every_seconds``), taken over from the predecessor: its
-    checkpoint, or its offer to its successor, holds them too."""
+    checkpoint, or its offer to its successor, holds them too. On the host (``launch.carried``),
+    once ``host`` has settled."""
+    host: HostCarry = field(default_factory=HostCarry)
+    """The shared host memory ``carried`` lies in."""
 
 
 @dataclass

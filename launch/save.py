@@ -24,6 +24,7 @@ def snapshot(ph: Phase) -> PhaseState:
     """The phase-end state on the device, full tensors on every rank (collectives): what a finished
     phase offers its successor (``launch.handover``) and, once answered, writes from its own memory."""
     built, backend = ph.built, ph.backend
+    ph.timeline.add(carried_wait_seconds=ph.made.host.flush(ph.made.carried, ph.device, ph.made.staging))
     backend.relink(built.engine)
     head = backend.get_state(built.head, on_device=True)
     masters = backend.get_masters(built.body, on_device=True)
@@ -92,6 +93,7 @@ def _gather(ph: Phase, phase_complete: bool, prepared: StateFiles | None) -> Pha
     built, backend, writer = ph.built, ph.backend, ph.rank == 0
     head_into, masters_into = (prepared.head, prepared.masters) if prepared is not None else ({}, {})
     gather = {"keep": writer, "staging": ph.made.staging}
+    ph.made.host.settle()  # the carried layers on the host
     backend.relink(built.engine)
     head = backend.get_state(built.head, into=head_into, **gather)
     if phase_complete:

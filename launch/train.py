@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from launch import procs
+from launch import handover, procs
 from launch.contract import faults
 from launch.contract.files import RunDir
 from launch.contract.spec import lr_at
@@ -129,6 +129,7 @@ def _first_step_done(ph: Phase, seconds: float) -> None:
     ph.timeline.add(nice=os.getpriority(os.PRIO_PROCESS, 0))  # the priority it trains at
     if ph.made.staging is not None:
         ph.made.staging.unregister_later()  # the host weights are on the device: unpinned off the switch
+    handover.carry_on(ph)  # the carried layers' copies, off the switch
     if ph.rank == 0 and ph.files.result() is None:
         ph.files = Later(prepare_files, ph, ph.made)  # it took over, and so made none while it waited
 

@@ -55,7 +55,9 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switc
     # Piped, the table keeps one line a phase (rich would wrap it at 80 columns) for scripts to read.
     out = Console(width=None if sys.stdout.isatty() else 200)
     out.print(table)
-    out.print(f"ZeRO stage {s.deepspeed.zero_stage}, {s.model.dtype}, launcher {s.launch.launcher}, "
+    chosen = "" if "zero_stage" in (loaded.raw.get("deepspeed") or {}) else (
+        " (deepspeed.zero_stage unset: 0 on one process, else 2)")
+    out.print(f"ZeRO stage {s.deepspeed.zero_stage}{chosen}, {s.model.dtype}, launcher {s.launch.launcher}, "
               f"batch {s.data.batch_size} (micro {s.data.micro_batch_size}), run directory {loaded.output_dir}")
     out.print(_choice_line(s), markup=False, highlight=False)
     for line in [*_switch_sections(loaded, switches, device_memory, here), *plan_lines(s.launch)]:

@@ -57,7 +57,8 @@ def handover_part(loaded: LoadedSchedule, phases: list[Phase], index: int,
     offer = index + 1 < len(phases) and boundary_reason(loaded, phases, index) is None
     take = index > 0 and boundary_reason(loaded, phases, index - 1) is None
     peak = estimate.overlaps[index - 1] if take and estimate is not None else 0
-    return HandoverPart(offer=offer, take=take, host=loaded.schedule.launch.handover == "on", peak_bytes=peak)
+    return HandoverPart(offer=offer, take=take, host=loaded.schedule.launch.handover == "on", peak_bytes=peak,
+                        next_layers=list(phases[index + 1].layers) if offer else [])
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from orchestrator.modelcheck import (
 )
 from orchestrator.nodes import check_hostfile, check_launch
 from orchestrator.plan import MAX_PHASES, check_batch, check_warmup, plan_phases
-from orchestrator.schedule import DataSection, LoadedSchedule, Schedule, format_validation
+from orchestrator.schedule import DataSection, LoadedSchedule, Schedule, default_zero_stage, format_validation
 from orchestrator.sections import MAX_NESTING, too_deep
 from shard_tools.tokenizer import MAIN_FILES, TOKENIZER_FILES
 
@@ -100,6 +100,10 @@ def validate_schedule(
         loaded = loaded.model_copy(update={"data_check": check_data(loaded)})
     phases = plan_phases(loaded)
     check_warmup(loaded, phases)
+    stage = default_zero_stage(sched, {ph.nproc * sched.launch.nnodes for ph in phases})
+    if stage is not None:
+        sched = sched.model_copy(update={"deepspeed": sched.deepspeed.model_copy(update={"zero_stage": stage})})
+        loaded = loaded.model_copy(update={"schedule": sched})
     for ph in phases:
         for layer in ph.layers:
             if layer >= n_layers:

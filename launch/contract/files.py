@@ -243,6 +243,9 @@ class Carried(_Record):
     predecessor's end writes none."""
     end: str
     """The checkpoint the predecessor is about to commit at its end."""
+    host_layers: list[dict] = []
+    """The carried layers the predecessor offers where they lie, in host memory
+    (``launch.carried``: a segment's pid, fd, offset, dtype and shape per tensor)."""
 
 
 class Offer(_Record):

@@ -55,6 +55,8 @@ class HandoverPart(_Spec):
     """Also without a GPU, through a file (``launch.handover = "on"``); on CUDA: CUDA IPC."""
     peak_bytes: int = 0
     """The overlap's planned peak on one device; a smaller device does not take over. 0: not planned."""
+    next_layers: list[int] = []
+    """Where it offers: the layers its successor trains (their carried masters go on the device ahead)."""
 
 
 class PhaseSpec(_Spec):

@@ -129,32 +129,50 @@ def _kernel_device() -> torch.device:
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_the_kernel_steps_as_torch_adamw(accumulate):
     """``launch.adamw_kernel`` (one pass a parameter, the bf16 weight written from the master) against
-    torch's AdamW over the flat masters, from the same bf16 weights and batches, the clip acting in
-    the last steps."""
+    torch's AdamW over the flat masters, step by step from the same state (the same bf16 weights and
+    batches), the clip acting in the last steps. Each step starts both from the kernel's state: over
+    several steps apart, a last-bit difference of one master flips a bf16 weight now and then, and
+    Adam's first steps (the update about lr times the sign of the gradient) make that 1e-3 apart on a
+    GPU, where torch's fused AdamW and the kernel round their arithmetic differently."""
     from launch import adamw_kernel
 
     device = _kernel_device()
     assert adamw_kernel.works(device, torch.bfloat16, torch.float32 if accumulate else torch.bfloat16)
 
-    def trained(kernel: bool) -> MasterAdamW:
+    def made(kernel: bool) -> tuple[nn.Sequential, MasterAdamW]:
         net = _net(torch.bfloat16).to(device)
-        opt = MasterAdamW(_groups(net, 0.1), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, grad_clip=1.0,
-                          device=device, accumulate=accumulate, kernel=kernel)
-        gen = torch.Generator().manual_seed(1)
-        for step in range(5):
-            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen) * (1e3 if step > 2 else 1)
+        return net, MasterAdamW(_groups(net, 0.1), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
+                                grad_clip=1.0, device=device, accumulate=accumulate, kernel=kernel)
+
+    (net_k, with_kernel), (net_t, with_torch) = made(True), made(False)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(5):
+        x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen) * (1e3 if step > 2 else 1)
+        for net, opt in ((net_k, with_kernel), (net_t, with_torch)):
             for m in range(2 if accumulate else 1):
                 out = net[2](net[1](net[0](x[8 * m:8 * (m + 1)].to(device, torch.bfloat16))))
                 (((out.float() - y[8 * m:8 * (m + 1)].to(device)) ** 2).mean()).backward()
             opt.step()
-        return opt
-
-    with_kernel, with_torch = trained(True), trained(False)
+        assert torch.allclose(with_kernel.master, with_torch.master, rtol=0, atol=1e-5), step
+        assert torch.allclose(with_kernel.moments, with_torch.moments, rtol=1e-4, atol=1e-7), step
+        for p in with_kernel.params:  # the weights are the masters rounded to nearest even, as torch rounds
+            assert torch.equal(p.detach(), slot_of(p).master.to(torch.bfloat16))
+            assert p.grad is None
+        with torch.no_grad():  # the next step from the same state
+            with_torch.master.copy_(with_kernel.master)
+            with_torch.moments.copy_(with_kernel.moments)
+            with_torch.refresh_lp()
     assert with_kernel.direct == (not accumulate) and not with_torch.direct
     assert with_kernel.group_steps() == with_torch.group_steps() == {0: 5, 1: 5}
     assert float(with_torch._global_grad_norm) > 10  # the clip acted
-    assert torch.allclose(with_kernel.master, with_torch.master, rtol=0, atol=1e-5)
-    assert torch.allclose(with_kernel.moments, with_torch.moments, rtol=1e-4, atol=1e-7)
-    for p in with_kernel.params:  # the weights are the masters rounded to nearest even, as torch rounds
-        assert torch.equal(p.detach(), slot_of(p).master.to(torch.bfloat16))
-        assert p.grad is None
+
+
+def test_the_kernel_check_takes_a_cuda_device_without_an_index(monkeypatch):
+    """``works(torch.device("cuda"), ...)`` checks on the current device: ``torch.cuda.set_device``
+    refuses a device without an index, and the kernel's check used to fall back to torch's AdamW there."""
+    from launch import adamw_kernel
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert adamw_kernel.indexed(torch.device("cuda")) == torch.device("cuda", 3)
+    assert adamw_kernel.indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert adamw_kernel.indexed(torch.device("cpu")) == torch.device("cpu")

@@ -73,6 +73,9 @@ def test_a_cadence_longer_than_the_run_writes_only_at_its_end_and_ends_bitwise(t
     assert [e["phase"] for e in done] == list(range(len(PHASES)))
     assert all(e["checkpoint_at"] == 12 for e in done[:-1]) and "checkpoint_at" not in done[-1]
     assert all(e["records"]["checkpoint_written"] is False for e in done[:-1])
+    # The carried layers wait on the host (launch.carried); one the successor trains goes to the
+    # device ahead of the offer: phase 1 carries layer 1 (phase 0's), which phase 2 trains.
+    assert done[1]["records"]["carried_layers"] == [1] and done[1]["records"]["carried_ahead"] == [1]
     assert cli("shard-tools", "verify", str(run)).returncode == 0
     report = cli("orchestrator", "report", "--json", str(run))
     assert [p["status"] for p in json.loads(report.stdout)["phases"]] == ["done"] * len(PHASES), report.stderr

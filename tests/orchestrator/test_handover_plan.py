@@ -78,7 +78,8 @@ def test_a_different_process_count_rules_out_only_its_own_switch(tmp_path, tiny_
 def test_on_hands_over_through_a_file_without_a_gpu(tmp_path, tiny_data):
     loaded = loaded_with(tmp_path, tiny_data, launch={"handover": "on"})
     phases = plan_phases(loaded)
-    assert handover_part(loaded, phases, 1, None) == HandoverPart(offer=True, take=True, host=True, peak_bytes=0)
+    assert handover_part(loaded, phases, 1, None) == HandoverPart(offer=True, take=True, host=True, peak_bytes=0,
+                                                                  next_layers=list(phases[2].layers))
 
 
 # The tiny Llama by hand: embedding and lm_head 96 x 32 each, the final norm 32; a layer's q and o
@@ -156,7 +157,8 @@ def test_a_model_the_estimate_cannot_size_still_hands_over_with_no_planned_peak(
     estimate = phasespec.plan_estimate(loaded, phases)
     assert estimate is None
     spec = phasespec.phase_spec(loaded, phases, Work(phases[1], 10, None), tmp_path / "pd", estimate)
-    assert spec.handover == HandoverPart(offer=True, take=True, host=False, peak_bytes=0)
+    assert spec.handover == HandoverPart(offer=True, take=True, host=False, peak_bytes=0,
+                                         next_layers=list(phases[2].layers))
 
 
 def test_plan_switches_fall_back_where_the_overlap_exceeds_the_device(tmp_path, tiny_data):

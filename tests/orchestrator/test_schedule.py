@@ -221,3 +221,19 @@ def test_the_deepspeed_config_may_add_what_relayer_does_not_derive(tmp_path, tin
 ])
 def test_num_layers_of(config, n):
     assert num_layers_of(config) == n
+
+
+@pytest.mark.parametrize("sections, stage", [
+    ({}, 0),  # one process: relayer's AdamW, no ZeRO (the fastest step on one GPU)
+    ({"launch": {"nproc": 2}}, 2),
+    ({"model": {"dtype": "float16"}}, 2),  # DeepSpeed's loss scaler
+    ({"deepspeed": {"config": {"zero_optimization": {"reduce_bucket_size": 1000}}}}, 2),
+])
+def test_an_unset_zero_stage_is_0_on_one_process(tmp_path, tiny_model, tiny_data, sections, stage):
+    raw = schedule_dict(tiny_model, tiny_data, **sections)
+    del raw["deepspeed"]["zero_stage"]
+    assert validate_schedule(raw, tmp_path / "s.toml").schedule.deepspeed.zero_stage == stage
+    assert validate_schedule(raw, tmp_path / "s.toml", nproc=2).schedule.deepspeed.zero_stage == 2
+    given = schedule_dict(tiny_model, tiny_data, **sections)
+    given["deepspeed"]["zero_stage"] = 1
+    assert validate_schedule(given, tmp_path / "s.toml").schedule.deepspeed.zero_stage == 1
