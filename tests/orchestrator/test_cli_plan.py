@@ -72,6 +72,8 @@ BAD = [
      "bogus: unknown key; expected one of run, model, data, optimizer, lr_schedule, schedule, deepspeed, launch, "
      "checkpoint, eval"),
     ("unknown-key", setting("data", seqlen=64), "data.seqlen: unknown key (did you mean seq_len?)"),
+    ("eval-prompts-without-evaluations", lambda s, _: s.update(eval={"prompts": ["Hi"]}),
+     "eval.prompts: generated at each evaluation: needs data.eval_every"),
     ("unknown-key-far", setting("launch", colour="red"),
      "launch.colour: unknown key; expected one of launcher, nproc, nnodes, hostfile, master_addr, rendezvous_seconds, "
      "grace_seconds, stall_seconds, prewarm, prewarm_depth, pause_preparing_seconds, handover"),
