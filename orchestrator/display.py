@@ -59,7 +59,8 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switc
         out.print(line, markup=False, highlight=False)
     if estimate:
         device = f", device {format_bytes(device_memory)}" if device_memory is not None else ""
-        out.print(f"estimated device memory per process: {estimate.count.total:,} parameters, activations without "
+        ckpt = "with" if s.model.gradient_checkpointing else "without"
+        out.print(f"estimated device memory per process: {estimate.count.total:,} parameters, activations {ckpt} "
                   f"gradient checkpointing; CUDA context, buffers and logits not counted{device}")
 
 
