@@ -27,7 +27,7 @@ from launch.data import SampleOrder, load_examples, load_validation, micro_batch
 from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.record import Assembled, Phase, Prepared, Source
 from launch.save import prepare_files
-from launch.staging import Staging
+from launch.staging import Staging, cap_memory
 from launch.train import packed_attention, token_loss
 from launch.zero_state import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DECAY
 from shard_tools.later import Later
@@ -87,6 +87,7 @@ def _start_group(ph: Phase) -> Staging | None:
     if ph.device.type == "cuda":
         # Before the process group, so NCCL binds each rank to its own device.
         torch.cuda.set_device(ph.device)
+        ph.timeline.add(memory_fraction=cap_memory(ph.device, ph.spec.memory_cap))
         staging = Staging(ph.device)
     ph.stage("starting the process group")
     load_comm_ops()

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launch.contract.spec import HandoverPart
+from orchestrator.budget import budget_of
 from orchestrator.estimate import PlanEstimate
 from orchestrator.nodes import cold_switch
 from orchestrator.schedule import LoadedSchedule, Phase
@@ -54,10 +55,18 @@ def handover_part(loaded: LoadedSchedule, phases: list[Phase], index: int,
     next switch hands over, and takes at its start where the previous one does. ``peak_bytes`` is
     the overlap's planned peak at the switch it takes at (0 where it takes nothing or ``estimate``
     is None: the model could not be sized)."""
-    offer = index + 1 < len(phases) and boundary_reason(loaded, phases, index) is None
-    take = index > 0 and boundary_reason(loaded, phases, index - 1) is None
+    offer = index + 1 < len(phases) and _hands_over(loaded, phases, index, estimate)
+    take = index > 0 and _hands_over(loaded, phases, index - 1, estimate)
     peak = estimate.overlaps[index - 1] if take and estimate is not None else 0
     return HandoverPart(offer=offer, take=take, host=loaded.schedule.launch.handover == "on", peak_bytes=peak)
+
+
+def _hands_over(loaded: LoadedSchedule, phases: list[Phase], index: int, estimate: PlanEstimate | None) -> bool:
+    """Whether the switch after phase ``index`` hands over on the device: the rules allow it and its
+    overlap keeps ``launch.device_memory`` (where stated and the model sized)."""
+    budget = budget_of(loaded)
+    over = budget is not None and estimate is not None and estimate.overlaps[index] > budget.size
+    return boundary_reason(loaded, phases, index) is None and not over
 
 
 @dataclass(frozen=True)

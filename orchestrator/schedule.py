@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from orchestrator.datasection import DataSection, SourceSection  # noqa: F401 - the [data] section, its own module
 from orchestrator.libfacts import deepspeed_refusal
 from orchestrator.sections import KeyProblem, NonNegInt, PositiveInt, Section, _show, int_is_float  # noqa: F401
+from shard_tools.sizes import parse_size
 
 
 class RunSection(Section):
@@ -218,9 +219,23 @@ class LaunchSection(Section):
     IPC) where the successor runs on the same GPUs with the same process count and ZeRO stage 1
     or 2 and the overlap fits, else through the checkpoint; "on" also without a GPU (through a
     file: for testing the choreography on a CPU); "off" always through the checkpoint."""
+    device_memory: str | None = None
+    """The device memory relayer's processes may hold on one GPU, all of them together: a size
+    (24GiB, 24GB, 24e9); None: the GPU's own. Each switch goes the first way that fits it: on the
+    device, through host memory, through the checkpoint (orchestrator plan shows which and why); a
+    schedule of which a phase alone does not fit is refused (exit 2) naming the keys that would
+    make it fit (model.gradient_checkpointing, data.micro_batch_size, launch.prewarm_depth). Each
+    process's allocator is capped at its share (torch.cuda.set_per_process_memory_fraction)."""
 
     _int_is_float = field_validator("grace_seconds", "stall_seconds", "pause_preparing_seconds", "rendezvous_seconds",
                                     mode="before")(int_is_float)
+
+    @field_validator("device_memory")
+    @classmethod
+    def _size(cls, v: str | None) -> str | None:
+        if v is not None and parse_size(v) is None:
+            raise KeyProblem("launch.device_memory", f"expected a size such as 24GiB, 24GB or 24e9 (bytes), got {_show(v)}")
+        return v
 
     @model_validator(mode="after")
     def _nodes(self) -> LaunchSection:

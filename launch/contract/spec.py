@@ -97,6 +97,9 @@ class PhaseSpec(_Spec):
     """Where orchestrator_pid lives: ranks on other nodes cannot watch it (their launcher does)."""
     handover: HandoverPart = HandoverPart()
     """The device handover at this phase's start (``take``) and end (``offer``)."""
+    memory_cap: int = 0
+    """Bytes this phase's caching allocator may reserve on its device (launch.device_memory less the
+    fixed part of every process beside it: orchestrator/budget.py); 0: no cap."""
 
     @classmethod
     def read(cls, path: str | Path) -> PhaseSpec:

@@ -189,16 +189,15 @@ def test_plan_counts_gradient_checkpointing(tmp_path, tiny_model, tiny_data):
     assert rows[False][5:8] == rows[True][5:8]
 
 
-def test_plan_warns_when_a_phase_will_not_fit(tmp_path, tiny_model, tiny_data):
+def test_plan_refuses_a_phase_that_will_not_fit_its_device_memory(tmp_path, tiny_model, tiny_data):
     phases = [{"steps": 10, "layers": [0]}, {"steps": 10, "layers": [0, 1, 2, 3]}, {"steps": 10, "layers": [1]}]
     path = write_schedule(tmp_path / "schedule.toml", schedule_dict(tiny_model, tiny_data, schedule={"phases": phases}))
     r = invoke("plan", str(path), "--device-memory", "1MiB")
-    assert r.exit_code == 0, r.output
-    totals = [row[9] for row in table_rows(r.stdout)]
-    # Each trained layer adds its Adam state and gradients: only the phase of all four is over 1 MiB.
-    assert totals[0] == totals[2] and totals[0] != totals[1]
-    assert r.stderr == (f"orchestrator: warning: phase 1 will not fit: estimated {totals[1]} per process, "
-                        f"more than --device-memory 1.0 MiB\n")
+    assert r.exit_code == 2, r.output
+    # Each process holds a CUDA context and more (PROCESS_BYTES): no key makes a phase fit 1 MiB.
+    assert r.stderr.startswith(f"orchestrator: {path.resolve()}: --device-memory: phase 0 needs ")
+    assert "more than 1.0 MiB; nothing relayer offers fits: " in r.stderr
+    assert r.stdout == "" and not (tmp_path / "run").exists()
 
 
 def test_plan_refuses_a_bad_size(schedule, tmp_path):
