@@ -102,7 +102,7 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
     """The model (taking every weight from its predecessor, only its structure), its parts, the
     data, and the weights known before the go."""
     spec, m = ph.spec, ph.spec.model
-    skeleton = refusal is None
+    skeleton = refusal is None and not spec.handover.shm_take  # the host path reads into a host model
     model = build_skeleton(model_spec(spec)) if skeleton else base_model(model_spec(spec), ph.prebuilt)
     model.config.use_cache = False
     packed_attention(model, spec.data, m.dtype)

@@ -12,9 +12,11 @@ What one device holds, by the formulas and constants of ``orchestrator.estimate`
 
 A switch goes, in this order, the first way that fits: on the device (the overlap fits the
 budget); else, where the rules of ``orchestrator.handover`` let a handover happen at all, through
-host memory (``HandoverPart.host``: the predecessor writes its end state to a file in shared
-memory, frees its device memory, and the successor reads it: the device then holds the end's
-peak, never two phases); else through the checkpoint (the same peak). Where a phase alone, or its
+host memory (``HandoverPart.shm_offer``/``shm_take``, launch/hostpath.py: the predecessor writes
+its fp32 end state to a file in shared memory and lets go of its device memory before the
+successor builds: the device then holds the end's peak, never two phases); else through the
+checkpoint (the same peak). Not counted: the predecessor's CUDA context (about 0.5 GB) while it
+writes its checkpoint beside the successor. Where a phase alone, or its
 end, is above the budget, no way fits: the schedule is refused (exit 2), naming the keys that
 would make it fit (``what_would_fit``).
 

@@ -214,11 +214,14 @@ class LaunchSection(Section):
     pause_preparing_seconds: Annotated[float, Field(ge=0)] = 30.0
     """While a phase switches (from the finished phase's last step to the next one's first), the
     phases still preparing further ahead are paused (SIGSTOP), for at most this long; 0: never."""
-    handover: Literal["auto", "on", "off"] = "auto"
+    handover: Literal["auto", "on", "off", "host"] = "auto"
     """How a finished phase's state reaches its pre-warmed successor: "auto" on the device (CUDA
     IPC) where the successor runs on the same GPUs with the same process count and ZeRO stage 1
-    or 2 and the overlap fits, else through the checkpoint; "on" also without a GPU (through a
-    file: for testing the choreography on a CPU); "off" always through the checkpoint."""
+    or 2 and the overlap fits, through host memory where the overlap is above launch.device_memory,
+    else through the checkpoint; "on" also without a GPU (through a file: for testing the
+    choreography on a CPU); "host" always through host memory (the predecessor's fp32 state in
+    shared memory, its device memory freed before its successor builds; for a card that cannot
+    hold two phases); "off" always through the checkpoint."""
     device_memory: str | None = None
     """The device memory relayer's processes may hold on one GPU, all of them together: a size
     (24GiB, 24GB, 24e9); None: the GPU's own. Each switch goes the first way that fits it: on the

@@ -54,6 +54,13 @@ class HandoverPart(_Spec):
     """Also without a GPU, through a file (``launch.handover = "on"``); on CUDA: CUDA IPC."""
     peak_bytes: int = 0
     """The overlap's planned peak on one device; a smaller device does not take over. 0: not planned."""
+    shm_offer: bool = False
+    """Its end goes through host memory (the host path, ``launch.handover = "host"``, or where the
+    overlap is above launch.device_memory): its fp32 state into shared memory, then its device
+    memory freed before it waits for the answer."""
+    shm_take: bool = False
+    """Its start takes the fp32 state from host memory into the host model it prepared (no
+    skeleton: the model's frozen weights never move)."""
 
 
 class PhaseSpec(_Spec):

@@ -84,16 +84,19 @@ def test_plan_device_memory_stands_in_for_the_key(tmp_path, tiny_data):
     assert "nothing relayer offers fits: " in r.stderr
 
 
-def test_a_switch_whose_overlap_is_above_the_budget_does_not_hand_over(tmp_path, tiny_data):
+def test_a_switch_whose_overlap_is_above_the_budget_goes_through_host_memory(tmp_path, tiny_data):
     loaded = load_schedule(tiny(tmp_path, tiny_data))
     phases = plan_phases(loaded)
     estimate = estimate_plan(loaded, phases)
-    # Just below the first overlap: the first switch goes through the checkpoint, the second hands over.
+    # Just below the first overlap: the first switch goes through host memory, the second hands over
+    # on the device.
     size = estimate.overlaps[0] - 1
     loaded = load_schedule(tiny(tmp_path, tiny_data, device_memory=str(size)))
     specs = [phasespec.phase_spec(loaded, phases, Work(ph, ph.start_step, None), tmp_path / f"pd{ph.index}", estimate)
              for ph in phases]
-    assert [(s.handover.offer, s.handover.take) for s in specs] == [(False, False), (True, False), (False, True)]
+    assert [(s.handover.offer, s.handover.take, s.handover.shm_offer, s.handover.shm_take) for s in specs] == [
+        (True, False, True, False), (True, True, False, True), (False, True, False, False)]
+    assert [s.handover.peak_bytes for s in specs] == [0, 0, estimate.overlaps[1]]
     # Each process's allocator: the budget less its own fixed part and the phases waiting beside it.
     assert [s.memory_cap for s in specs] == [size - k * PROCESS_BYTES for k in (3, 2, 1)]
     unbudgeted = phasespec.phase_spec(load_schedule(tiny(tmp_path, tiny_data)), phases, Work(phases[0], 0, None),
@@ -114,3 +117,16 @@ def test_the_worker_caps_its_allocator_at_its_share(monkeypatch):
     assert cap_memory(cuda, 0) is None and set_to == []
     assert cap_memory(cuda, 20 << 30) == 0.25 and set_to == [(0.25, cuda)]
     assert cap_memory(cuda, 100 << 30) == 1.0
+
+
+def test_handover_host_sends_every_switch_through_host_memory(tmp_path, tiny_data, monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # host memory needs no GPU
+    path = tiny(tmp_path, tiny_data, handover="host")
+    r = CliRunner().invoke(main, ["plan", str(path)])
+    assert r.exit_code == 0, r.output
+    assert 'switches after phases 0-1: through host memory: launch.handover = "host"' in r.stdout
+    loaded = load_schedule(path)
+    phases = plan_phases(loaded)
+    parts = [phasespec.phase_spec(loaded, phases, Work(ph, ph.start_step, None), tmp_path / f"pd{ph.index}",
+                                  None).handover for ph in phases]
+    assert [(p.shm_offer, p.shm_take) for p in parts] == [(True, False), (True, True), (False, True)]
