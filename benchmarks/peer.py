@@ -75,6 +75,7 @@ def make_setup(args: argparse.Namespace, shape: dict, work: Path, outputs: Path,
         "prewarm": None, "prewarm_depth": args.prewarm_depth, "pause_preparing_seconds": None, "handover": args.handover,
         "keep_last": args.keep_last, "every_seconds": args.every_seconds,
         "device_memory": args.device_memory, "gradient_checkpointing": args.gradient_checkpointing,
+        "offload_optimizer": args.offload_optimizer,
     }
 
 
@@ -186,6 +187,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     "peer's torch.cuda.set_per_process_memory_fraction of the same bytes (issue #42)")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="both ways: model.gradient_checkpointing, "
                     "the Trainer's gradient_checkpointing")
+    ap.add_argument("--offload-optimizer", action="store_true", help="relayer's optimizer state on the host "
+                    "(deepspeed.config.zero_optimization.offload_optimizer; with --zero-stage 1 or 2)")
     ap.add_argument("--prewarm-depth", type=int, help="relayer's [launch] prewarm_depth (default: relayer's)")
     ap.add_argument("--keep-last", type=int, help="relayer's [checkpoint] keep_last (default: 2)")
     ap.add_argument("--zero-stage", type=int, default=2, choices=(0, 1, 2, 3),

@@ -14,16 +14,20 @@
 #   plan24    ~1 min  `orchestrator plan --device-memory 24GiB` of the 7B LISA job (batch 4 x 512, 2 layers
 #                     every 20 steps, bf16, ZeRO 0) as it is, with gradient checkpointing, with micro
 #                     batch 1 too, and with prewarm_depth 1 too: each plan's table, its switches and, where
-#                     a phase is above the budget, its exit 2 naming what would fit. No GPU needed.
+#                     a phase is above the budget, its exit 2 naming what would fit. No GPU needed (on
+#                     this project's CPU machine, 2026-12-06: all four exit 2; the first names gradient
+#                     checkpointing, ZeRO 2 with offload_optimizer and prewarm_depth 1 as fitting, 23.0 GiB).
 #   host1b    ~3 min  benchmarks/switch.py at 1.1B, 10 phases x 20 steps, LISA's layers, launch.device_memory
 #                     24GiB and launch.handover = "host": every switch through host memory (the
 #                     predecessor's fp32 state in /dev/shm, its engine's memory let go); NVML every 20 ms
 #                     (the device's used bytes, every process of the run) against 24 GiB; the switch
 #                     median; records.json's device_released per phase.
-#   peer7b24  ~8 min  benchmarks/peer.py at 7B, 200 steps, --device-memory 24GiB --gradient-checkpointing
-#                     --micro-batch 1 --prewarm-depth 1: the peer under the fraction (finished or not), then
-#                     relayer, whose plan refuses the job where its estimate is above 24 GiB (today's: every
-#                     optimizer state on the device, 34.7 GiB at least), said in the log.
+#   peer7b24  ~9 min  benchmarks/peer.py at 7B, 200 steps, batch 4 x 512, --device-memory 24GiB
+#                     --gradient-checkpointing --zero-stage 2 --offload-optimizer --prewarm-depth 1 (what
+#                     plan24's first plan names as fitting, 23.0 GiB): the peer under the fraction
+#                     (finished or not), then relayer (its plan refuses it, exit 2, where its estimate is
+#                     above the budget: said in the log). The optimizer's step on the host is torch's
+#                     AdamW over 0.67 B parameters: seconds a step, not measured yet.
 #
 # $OUT gets STEP.log, results-STEP.tgz (results.json, table.md, the plan texts, journals and records;
 # no checkpoints) and, per run, the NVML peak beside the budget (budget.txt).
@@ -119,8 +123,8 @@ host1b() {
 peer7b24() {
     local name=peer7b-$BUDGET
     $PY benchmarks/peer.py --shape "$(shape 7b)" --model-dir "$SHM/m7b" --work "$S/work/$name" --results-dir "$S/results" \
-        --out "$name" --device-memory "$BUDGET" --gradient-checkpointing --micro-batch 1 --prewarm-depth 1 \
-        --callback auto --keep-last 1 --timeout 420
+        --out "$name" --device-memory "$BUDGET" --gradient-checkpointing --zero-stage 2 --offload-optimizer \
+        --prewarm-depth 1 --callback auto --keep-last 1 --timeout 420
     say "peer.py $name: rc $?"
     grep -h "orchestrator:" "$S/work/$name"/relayer/orchestrator.log 2>/dev/null | tail -3
     [ -f "$S/results/$name/results.json" ] && budget_check "$S/results/$name/results.json"

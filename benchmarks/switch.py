@@ -188,7 +188,9 @@ def write_schedule(path: Path, setup: dict) -> None:
                       "eps": setup["eps"], "grad_clip": setup["grad_clip"]},
         "lr_schedule": {"kind": "constant"},
         "schedule": {"phases": setup["phases"]},
-        "deepspeed": {"zero_stage": setup["zero_stage"]},
+        "deepspeed": {"zero_stage": setup["zero_stage"],
+                      **({"config": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}}
+                         if setup.get("offload_optimizer") else {})},
         "launch": {"launcher": "local", "nproc": setup["nproc"],  # relayer's defaults unless given
                    **{k: setup[k] for k in ("prewarm", "prewarm_depth", "pause_preparing_seconds", "handover",
                                             "device_memory") if setup.get(k) is not None}},
@@ -377,6 +379,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--handover", choices=("auto", "on", "off", "host"), help="relayer's [launch] handover (default: relayer's)")
     ap.add_argument("--device-memory", help="relayer's launch.device_memory, such as 24GiB (issue #42)")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="relayer's model.gradient_checkpointing")
+    ap.add_argument("--offload-optimizer", action="store_true", help="relayer's optimizer state on the host "
+                    "(deepspeed.config.zero_optimization.offload_optimizer, ZeRO 1 or 2)")
     ap.add_argument("--model-dir", type=Path,
                     help="the generated model: reused where it holds this shape, else made there (and kept)")
     ap.add_argument("--bare-json", type=Path, help="the bare phase process's memory: read from here, else measured "
@@ -436,7 +440,7 @@ def make_setup(args: argparse.Namespace, shape: dict, work: Path, cuda: bool) ->
         "prewarm_depth": args.prewarm_depth, "pause_preparing_seconds": args.pause_preparing_seconds,
         "handover": args.handover, "seq_len": shape["seq_len"], "every_seconds": args.every_seconds,
         "keep_last": args.keep_last, "device_memory": args.device_memory,
-        "gradient_checkpointing": args.gradient_checkpointing,
+        "gradient_checkpointing": args.gradient_checkpointing, "offload_optimizer": args.offload_optimizer,
         # The shape's batch is a process's: the global batch grows with the processes, the work of each stays.
         "batch_size": shape["batch_size"] * args.nproc, "micro_batch_size": args.micro_batch or shape["micro_batch_size"],
         "prewarm": None if args.prewarm is None else args.prewarm == "on",

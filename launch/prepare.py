@@ -331,7 +331,8 @@ def make_optimizer(groups: list[dict], spec: PhaseSpec, device: torch.device, wo
         return MasterAdamW(groups, lr=o.lr if lr is None else lr, betas=o.betas, eps=o.eps,
                            weight_decay=o.weight_decay, grad_clip=o.grad_clip, device=device, world=world,
                            accumulate=_accumulates(spec, world))
-    return adamw(groups, o, device, lr)
+    # Offloaded, it steps the partitions on the host: not fused for the device.
+    return adamw(groups, o, torch.device("cpu") if _offloads(spec.deepspeed_config) else device, lr)
 
 
 def _accumulates(spec: PhaseSpec, world: int) -> bool:
@@ -400,7 +401,15 @@ def deepspeed_config(spec: PhaseSpec, world: int, trainable_numel: int) -> dict:
         "wall_clock_breakdown": False,
     }
     merged = _merge(cfg, spec.deepspeed_config)
+    if _offloads(merged):  # torch's AdamW steps the fp32 partitions on the host (orchestrator.libfacts)
+        merged.setdefault("zero_force_ds_cpu_optimizer", False)
     return without_zero(merged) if spec.zero_stage == 0 else merged
+
+
+def _offloads(cfg: dict) -> bool:
+    zero = cfg.get("zero_optimization")
+    return isinstance(zero, dict) and isinstance(zero.get("offload_optimizer"), dict) \
+        and zero["offload_optimizer"].get("device") == "cpu"
 
 
 def without_zero(cfg: dict) -> dict:

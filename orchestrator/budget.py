@@ -31,12 +31,14 @@ where it does not fit beside the phase).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from orchestrator.errors import ScheduleError
 from orchestrator.estimate import (
     PROCESS_BYTES, RESERVE, EstimateError, PlanEstimate, estimate_plan, offered_bytes, on_device, trained_head,
 )
+from orchestrator.libfacts import offloads_optimizer
 from orchestrator.schedule import LoadedSchedule, Phase
 from shard_tools.sizes import format_bytes, parse_size
 
@@ -71,8 +73,8 @@ def waiting_during(loaded: LoadedSchedule, phases: list[Phase], index: int) -> i
 def phase_peak(loaded: LoadedSchedule, phases: list[Phase], estimate: PlanEstimate, index: int) -> int:
     """Bytes on one device while phase ``index`` trains and ends: its own, what it gathers at its
     end (ZeRO >= 1), and the fixed part of each phase waiting beside it."""
-    gathered = 0
-    if loaded.schedule.deepspeed.zero_stage > 0:
+    gathered = 0  # at ZeRO 0 the optimizer's own memory; offloaded, on the host (assumed: not measured on a GPU)
+    if loaded.schedule.deepspeed.zero_stage > 0 and not offloads_optimizer(loaded.deepspeed_config):
         gathered = offered_bytes(estimate.count, trained_head(loaded, estimate.count), len(phases[index].layers))
     return on_device(estimate.phases[index]) + gathered + waiting_during(loaded, phases, index) * PROCESS_BYTES
 
@@ -113,46 +115,60 @@ def _parts(loaded: LoadedSchedule, phases: list[Phase], estimate: PlanEstimate, 
             + (f", {waiting} phase{'s' * (waiting > 1)} waiting pre-warmed" if waiting else ""))
 
 
-# What may make a phase smaller, in the order a user would try them; each a --set of schedule keys.
-_REMEDIES = (
-    {"model.gradient_checkpointing": True},
-    {"data.micro_batch_size": 1},
-    {"launch.prewarm_depth": 1},
-)
+OFFLOAD = "deepspeed.config.zero_optimization.offload_optimizer"
+
+
+def _remedies(loaded: LoadedSchedule) -> list[dict]:
+    """What may make a phase smaller, in the order a user would try them; each schedule keys and
+    their values: the optimizer's state on the host needs ZeRO 1 or 2 (orchestrator.libfacts)."""
+    stage = loaded.schedule.deepspeed.zero_stage
+    offload = {**({"deepspeed.zero_stage": 2} if stage not in (1, 2) else {}), OFFLOAD: {"device": "cpu"}}
+    return [{"model.gradient_checkpointing": True}, {"data.micro_batch_size": 1}, offload, {"launch.prewarm_depth": 1}]
 
 
 def what_would_fit(loaded: LoadedSchedule, size: int) -> str:
-    """The fewest of ``_REMEDIES`` (those not set already) under which every phase fits ``size``,
-    in words; or what is left above it with all of them."""
+    """The fewest of ``_remedies`` (those not set already) under which every phase fits ``size``,
+    the optimizer's state on the host (a step on the host's cores: the slowest) only where nothing
+    else does; in words; or what is left above it with all of them."""
     from itertools import combinations
 
-    todo = [r for r in _REMEDIES if any(_current(loaded, k) != v for k, v in r.items())]
-    for n in range(1, len(todo) + 1):
-        for combo in combinations(todo, n):
-            peak = _worst_peak(_changed(loaded, combo))
-            if peak <= size:
-                return f"would fit ({format_bytes(peak)}): {_words(combo)}"
+    todo = [r for r in _remedies(loaded) if any(_current(loaded, k) != v for k, v in r.items())]
+    combos = [c for n in range(1, len(todo) + 1) for c in combinations(todo, n)]
+    for combo in sorted(combos, key=lambda c: (any(OFFLOAD in r for r in c), len(c))):
+        peak = _worst_peak(_changed(loaded, combo))
+        if peak <= size:
+            return f"would fit ({format_bytes(peak)}): {_words(combo)}"
     peak = _worst_peak(_changed(loaded, todo))
     tried = f" even with {_words(todo)}" if todo else ""
     return f"nothing relayer offers fits: {format_bytes(peak)}{tried} (a smaller data.seq_len, or a larger device)"
 
 
 def _words(combo) -> str:
-    return " and ".join(f"{k} = {str(v).lower()}" for r in combo for k, v in r.items())
+    def toml(v) -> str:
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {toml(x)}" for k, x in v.items()) + " }"
+        return json.dumps(v)
+
+    return " and ".join(f"{k} = {toml(v)}" for r in combo for k, v in r.items())
 
 
 def _current(loaded: LoadedSchedule, key: str):
+    if key == OFFLOAD:
+        return loaded.deepspeed_config.get("zero_optimization", {}).get("offload_optimizer")
     section, _, name = key.partition(".")
     return getattr(getattr(loaded.schedule, section), name)
 
 
 def _changed(loaded: LoadedSchedule, combo) -> LoadedSchedule:
-    s = loaded.schedule
+    s, ds = loaded.schedule, loaded.deepspeed_config
     for remedy in combo:
         for key, value in remedy.items():
+            if key == OFFLOAD:
+                ds = {**ds, "zero_optimization": {**ds.get("zero_optimization", {}), "offload_optimizer": value}}
+                continue
             section, _, name = key.partition(".")
             s = s.model_copy(update={section: getattr(s, section).model_copy(update={name: value})})
-    return loaded.model_copy(update={"schedule": s})
+    return loaded.model_copy(update={"schedule": s, "deepspeed_config": ds})
 
 
 def _worst_peak(loaded: LoadedSchedule) -> int:

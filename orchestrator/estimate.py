@@ -5,7 +5,8 @@
 Per process, for one phase of a model with P parameters of which T train (head + the phase's layers):
 
     weights      P x dtype bytes; partitioned over the processes under ZeRO-3
-    optimizer    T x 12 bytes (fp32 master weights, Adam exp_avg, exp_avg_sq); partitioned under ZeRO >= 1
+    optimizer    T x 12 bytes (fp32 master weights, Adam exp_avg, exp_avg_sq); partitioned under ZeRO >= 1;
+                 none on the device where deepspeed.config offloads it (zero_optimization.offload_optimizer)
     gradients    T x dtype bytes; partitioned under ZeRO >= 2; under ZeRO 0 (relayer's MasterAdamW)
                  T x (dtype + 4) bytes: its fp32 gradient buffer beside the gradients as they come
                  (a bound: with one micro-batch a step on one GPU its kernel needs no buffer)
@@ -55,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.errors import ScheduleError
+from orchestrator.libfacts import offloads_optimizer
 from orchestrator.modelcheck import CONFIG, num_layers_of
 from orchestrator.schedule import LoadedSchedule, Phase
 from shard_tools.sizes import parse_size
@@ -193,11 +195,11 @@ def activation_bytes(count: ParamCount, *, width: int, micro_batch: int, seq_len
 
 
 def phase_memory(count: ParamCount, trainable: int, *, dtype: str, zero_stage: int, world: int,
-                 micro_batch: int, seq_len: int, checkpointing: bool = False) -> PhaseMemory:
+                 micro_batch: int, seq_len: int, checkpointing: bool = False, offload: bool = False) -> PhaseMemory:
     width = DTYPE_BYTES[dtype]
     return PhaseMemory(
         weights=math.ceil(count.total * width / (world if zero_stage >= 3 else 1)),
-        optimizer=math.ceil(trainable * ADAM_BYTES / (world if zero_stage >= 1 else 1)),
+        optimizer=0 if offload else math.ceil(trainable * ADAM_BYTES / (world if zero_stage >= 1 else 1)),
         gradients=(math.ceil(trainable * width / (world if zero_stage >= 2 else 1)) if zero_stage
                    else trainable * (width + MASTER_BYTES)),
         activations=activation_bytes(count, width=width, micro_batch=micro_batch, seq_len=seq_len,
@@ -267,7 +269,8 @@ def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
     out = [phase_memory(count, head + len(ph.layers) * count.per_layer, dtype=s.model.dtype,
                         zero_stage=s.deepspeed.zero_stage, world=ph.nproc * s.launch.nnodes,
                         micro_batch=s.data.micro_batch_size, seq_len=s.data.seq_len,
-                        checkpointing=s.model.gradient_checkpointing) for ph in phases]
+                        checkpointing=s.model.gradient_checkpointing,
+                        offload=offloads_optimizer(loaded.deepspeed_config)) for ph in phases]
     overlaps = [overlap_peak(out[i], out[i + 1], offered_bytes(count, head, len(phases[i].layers)),
                              waiting_beside(loaded, phases, i + 1), gathered=s.deepspeed.zero_stage > 0)
                 for i in range(len(phases) - 1)]

@@ -174,13 +174,15 @@ class DeepSpeedSection(Section):
     the schedule (train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
     gradient_clipping, optimizer, scheduler, zero_optimization.stage, bf16.enabled, fp16.enabled)
     may appear only as "auto" or as relayer sets it; any other "auto" is dropped (relayer's or
-    DeepSpeed's default stands)."""
+    DeepSpeed's default stands). zero_optimization.offload_optimizer = { device = "cpu" } (ZeRO 1
+    or 2) keeps the optimizer's state on the host, where torch's AdamW steps it: no optimizer state
+    on the device, a slower step, the same AdamW (bitwise on the CPU)."""
 
     @model_validator(mode="after")
     def _engine_takes(self) -> DeepSpeedSection:
         """What DeepSpeed would refuse (or quietly ignore) once the first phase builds its engine."""
         # A file's table is checked where it is read (orchestrator.dsconfig), naming the file.
-        if isinstance(self.config, dict) and (problem := deepspeed_refusal(self.config)):
+        if isinstance(self.config, dict) and (problem := deepspeed_refusal(self.config, self.zero_stage)):
             raise KeyProblem(*problem)
         return self
 

@@ -110,8 +110,9 @@ def validate_schedule(
                                     f"layers (0..{n_layers - 1})")
         check_batch(sched.data, ph.nproc, source, ph.index, nnodes=sched.launch.nnodes)
     check_launch(sched.launch, source)
+    loaded = loaded.model_copy(update={"deepspeed_config": deepspeed_config(sched, base, source, phases)})
     check_budget(loaded, phases, device_memory)
-    return loaded.model_copy(update={"deepspeed_config": deepspeed_config(sched, base, source, phases)})
+    return loaded
 
 
 def _parse(raw: dict[str, Any], source: Path, nproc: int | None) -> Schedule:
