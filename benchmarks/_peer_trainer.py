@@ -143,13 +143,18 @@ def arguments(setup: dict, cuda: bool, out: Path) -> LisaArguments:
         logging_steps=1, save_strategy="no", report_to="none", seed=setup["seed"], disable_tqdm=True,
         train_sampling_strategy="sequential", dataloader_num_workers=0,
         lisa_n_layers=setup["layers_per_phase"], lisa_step_interval=setup["interval"],
-        lisa_layers_attribute=LAYERS_ATTRIBUTE)
+        lisa_layers_attribute=LAYERS_ATTRIBUTE, gradient_checkpointing=bool(setup.get("gradient_checkpointing")))
 
 
 def main(argv: list[str]) -> int:
     setup = json.loads(Path(argv[1]).read_text())
     out = Path(setup["peer_dir"])
     cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu"
+    if cuda and setup.get("device_memory"):  # issue #42: the peer held to the same budget as relayer
+        from shard_tools.sizes import parse_size
+
+        budget = parse_size(setup["device_memory"])
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / torch.cuda.get_device_properties(0).total_memory))
     model = AutoModelForCausalLM.from_pretrained(setup["model_dir"], dtype=getattr(torch, setup["dtype"]),
                                                  use_safetensors=True)
     t_loaded = time.time()

@@ -74,6 +74,8 @@ def make_setup(args: argparse.Namespace, shape: dict, work: Path, outputs: Path,
         "callback": args.callback, "final_model": True, "shuffle": False,
         "prewarm": None, "prewarm_depth": args.prewarm_depth, "pause_preparing_seconds": None, "handover": args.handover,
         "keep_last": args.keep_last, "every_seconds": args.every_seconds,
+        "device_memory": args.device_memory, "gradient_checkpointing": args.gradient_checkpointing,
+        "offload_optimizer": args.offload_optimizer,
     }
 
 
@@ -110,12 +112,30 @@ def run_peer(setup: dict, devices: Devices | None, timeout: float, cuda: bool) -
     d = Path(setup["peer_dir"])
     d.mkdir(parents=True)
     t0 = time.time()
-    wall, trace, _ = traced(devices, None, [sys.executable, str(PEER), setup["setup_path"]], d / "trainer.log",
-                            "the peer (HF Trainer)", timeout, cuda)
+    try:
+        wall, trace, _ = traced(devices, None, [sys.executable, str(PEER), setup["setup_path"]], d / "trainer.log",
+                                "the peer (HF Trainer)", timeout, cuda)
+    except BenchmarkError as e:
+        if not setup.get("device_memory"):
+            raise
+        # Under a budget the peer may not fit (out of memory): said, and relayer runs LISA's layers alone.
+        print(f"[peer] the peer did not finish: {e}", flush=True)
+        return {"finished": False, "error": str(e), "wall_seconds": time.time() - t0, "t_command": t0, "trace": [],
+                "phases": lisa_phases(setup)}
     records = json.loads((d / "records.json").read_text())
     model_bytes = sum(f.stat().st_size for f in Path(setup["peer_model"]).rglob("*") if f.is_file())
     shutil.rmtree(setup["peer_model"], ignore_errors=True)  # the disk holds one trained model at a time
     return {"wall_seconds": wall, "t_command": t0, "trace": trace, "model_bytes": model_bytes, **records}
+
+
+def lisa_phases(setup: dict) -> list[dict]:
+    """LISA's phases drawn here (seeded) where the peer did not finish to say which layers it trained."""
+    rng, layers = random.Random(setup["seed"]), setup["model_config"]["num_hidden_layers"]
+    steps, out = setup["total_steps"], []
+    for start in range(0, steps, setup["interval"]):
+        out.append({"steps": min(setup["interval"], steps - start),
+                    "layers": sorted(rng.sample(range(layers), setup["layers_per_phase"]))})
+    return out
 
 
 def relayer_phases(peer: dict) -> list[dict]:
@@ -162,7 +182,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model-dir", type=Path, help="the generated model: reused where it is there, else made there")
     ap.add_argument("--outputs", type=Path, help="where the trained models and relayer's run go (default: --work)")
     ap.add_argument("--micro-batch", type=int, help="examples a forward pass takes (default: the shape's)")
-    ap.add_argument("--handover", choices=("auto", "on", "off"), help="relayer's [launch] handover (default: relayer's)")
+    ap.add_argument("--handover", choices=("auto", "on", "off", "host"), help="relayer's [launch] handover (default: relayer's)")
+    ap.add_argument("--device-memory", help="a device budget such as 24GiB: relayer's launch.device_memory, and the "
+                    "peer's torch.cuda.set_per_process_memory_fraction of the same bytes (issue #42)")
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="both ways: model.gradient_checkpointing, "
+                    "the Trainer's gradient_checkpointing")
+    ap.add_argument("--offload-optimizer", action="store_true", help="relayer's optimizer state on the host "
+                    "(deepspeed.config.zero_optimization.offload_optimizer; with --zero-stage 1 or 2)")
     ap.add_argument("--prewarm-depth", type=int, help="relayer's [launch] prewarm_depth (default: relayer's)")
     ap.add_argument("--keep-last", type=int, help="relayer's [checkpoint] keep_last (default: 2)")
     ap.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3),
@@ -217,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     result["load_average"]["end"] = os.getloadavg()
     result["seconds_total"] = time.time() - t_start
+    for way in result["ways"].values():  # NVML's used bytes of the device every 20 ms: the budget's check (#42)
+        way["device_peak"] = max((u for _, u in way["trace"]), default=None)
+    if result["ways"]["peer"].get("finished") is False:
+        result["summary"] = {"peer_finished": False, "relayer_wall_seconds": result["ways"]["relayer"]["wall_seconds"]}
+        write_atomic(out / "results.json", json.dumps(result, indent=1))
+        print(f"[peer] the peer did not finish; wrote {out}/results.json", flush=True)
+        return 0
     result["summary"] = summarise(result)
     write_atomic(out / "results.json", json.dumps(result, indent=1))
     write_atomic(out / "table.md", table(result))

@@ -179,7 +179,8 @@ def write_schedule(path: Path, setup: dict) -> None:
     sections = {
         # No final HF model unless asked (peer.py): it is no part of a switch, and at 30B it is 65 GB of writing.
         "run": {"output_dir": "run", "seed": setup["seed"], "final_model": setup.get("final_model", False)},
-        "model": {"path": setup["model_dir"], "dtype": setup["dtype"]},
+        "model": {"path": setup["model_dir"], "dtype": setup["dtype"],
+                  **({"gradient_checkpointing": True} if setup.get("gradient_checkpointing") else {})},
         "data": {"path": setup["data_path"], "format": "tokens", "seq_len": setup["seq_len"],
                  "batch_size": setup["batch_size"], "micro_batch_size": setup["micro_batch_size"],
                  "shuffle": setup.get("shuffle", True)},
@@ -187,10 +188,12 @@ def write_schedule(path: Path, setup: dict) -> None:
                       "eps": setup["eps"], "grad_clip": setup["grad_clip"]},
         "lr_schedule": {"kind": "constant"},
         "schedule": {"phases": setup["phases"]},
-        "deepspeed": {"zero_stage": setup["zero_stage"]} if setup.get("zero_stage") is not None else {},
+        "deepspeed": {**({"zero_stage": setup["zero_stage"]} if setup.get("zero_stage") is not None else {}),
+                      **({"config": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}}
+                         if setup.get("offload_optimizer") else {})},
         "launch": {"launcher": "local", "nproc": setup["nproc"],  # relayer's defaults unless given
-                   **{k: setup[k] for k in ("prewarm", "prewarm_depth", "pause_preparing_seconds", "handover")
-                      if setup.get(k) is not None}},
+                   **{k: setup[k] for k in ("prewarm", "prewarm_depth", "pause_preparing_seconds", "handover",
+                                            "device_memory") if setup.get(k) is not None}},
         "checkpoint": {"every_steps": 0, "keep_last": setup.get("keep_last") or 2,
                        **({"every_seconds": setup["every_seconds"]} if setup.get("every_seconds") is not None else {})},
     }
@@ -373,7 +376,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, help="optimizer steps a phase (default: the shape's)")
     ap.add_argument("--ways", default="a,b,c", help="which ways, of a (relayer), b (inprocess), c (naive)")
     ap.add_argument("--nproc", type=int, default=1, help="relayer's processes (GPUs) a phase; b and c need 1")
-    ap.add_argument("--handover", choices=("auto", "on", "off"), help="relayer's [launch] handover (default: relayer's)")
+    ap.add_argument("--handover", choices=("auto", "on", "off", "host"), help="relayer's [launch] handover (default: relayer's)")
+    ap.add_argument("--device-memory", help="relayer's launch.device_memory, such as 24GiB (issue #42)")
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="relayer's model.gradient_checkpointing")
+    ap.add_argument("--offload-optimizer", action="store_true", help="relayer's optimizer state on the host "
+                    "(deepspeed.config.zero_optimization.offload_optimizer, ZeRO 1 or 2)")
     ap.add_argument("--model-dir", type=Path,
                     help="the generated model: reused where it holds this shape, else made there (and kept)")
     ap.add_argument("--bare-json", type=Path, help="the bare phase process's memory: read from here, else measured "
@@ -432,7 +439,8 @@ def make_setup(args: argparse.Namespace, shape: dict, work: Path, cuda: bool) ->
         "dtype": "bfloat16" if cuda else "float32", "zero_stage": args.zero_stage, "nproc": args.nproc,
         "prewarm_depth": args.prewarm_depth, "pause_preparing_seconds": args.pause_preparing_seconds,
         "handover": args.handover, "seq_len": shape["seq_len"], "every_seconds": args.every_seconds,
-        "keep_last": args.keep_last,
+        "keep_last": args.keep_last, "device_memory": args.device_memory,
+        "gradient_checkpointing": args.gradient_checkpointing, "offload_optimizer": args.offload_optimizer,
         # The shape's batch is a process's: the global batch grows with the processes, the work of each stays.
         "batch_size": shape["batch_size"] * args.nproc, "micro_batch_size": args.micro_batch or shape["micro_batch_size"],
         "prewarm": None if args.prewarm is None else args.prewarm == "on",

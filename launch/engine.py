@@ -173,11 +173,15 @@ class ZeroBackend(Backend):
     def config(self, spec: PhaseSpec, world: int, trainable_numel: int) -> dict:
         zero = {"stage3_prefetch_bucket_size": bucket_size(trainable_numel), "stage3_param_persistence_threshold": 0,
                 "memory_efficient_linear": False} if self.stage == 3 else {}
-        return deepspeed_config(spec, world, trainable_numel, zero)
+        cfg = deepspeed_config(spec, world, trainable_numel, zero)
+        if offloads(cfg):  # torch's AdamW steps the fp32 partitions on the host (orchestrator.libfacts)
+            cfg.setdefault("zero_force_ds_cpu_optimizer", False)
+        return cfg
 
     def optimizer(self, groups: list[dict], spec: PhaseSpec, device: torch.device, world: int,
                   lr: float | None = None) -> torch.optim.Optimizer:
-        return adamw(groups, spec.optimizer, device, lr)
+        # Offloaded, it steps the partitions on the host: not fused for the device.
+        return adamw(groups, spec.optimizer, torch.device("cpu") if offloads(spec.deepspeed_config) else device, lr)
 
     def param_groups(self, engine) -> list[dict]:
         return engine.optimizer.optimizer.param_groups
@@ -297,6 +301,13 @@ def _accumulates(spec: PhaseSpec, world: int) -> bool:
     """Whether a step sums the gradients of several micro-batches or ranks (in fp32, ``MasterAdamW``)."""
     d = spec.data
     return accumulation_steps(d.batch_size, d.micro_batch_size, world) > 1 or world > 1
+
+
+def offloads(cfg: dict) -> bool:
+    """Whether ``cfg`` offloads ZeRO's optimizer state to the host (``offload_optimizer``)."""
+    zero = cfg.get("zero_optimization")
+    return isinstance(zero, dict) and isinstance(zero.get("offload_optimizer"), dict) \
+        and zero["offload_optimizer"].get("device") == "cpu"
 
 
 def without_zero(cfg: dict) -> dict:

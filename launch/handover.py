@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 import torch
 
-from launch import engine
+from launch import engine, hostpath
 from launch.contract import faults
 from launch.contract.cadence import end_writes
 from launch.contract.files import Answer, Carried, Offer, PhaseDir, TensorRef
@@ -43,10 +43,14 @@ _IPC_FIELDS = ("device", "handle", "size", "offset", "rc_handle", "rc_offset", "
 
 
 # -- the transports ---------------------------------------------------------------------------
-def transport_of(ph: Phase) -> str | None:
+def transport_of(ph: Phase, taking: bool = True) -> str | None:
+    """How this phase takes its predecessor's state (``taking``) or offers its own."""
+    h = ph.spec.handover
+    if h.shm_take if taking else h.shm_offer:
+        return "shm"
     if ph.device.type == "cuda":
         return "cuda"
-    return "host" if ph.spec.handover.host else None
+    return "host" if h.host else None
 
 
 def device_id(device: torch.device) -> str:
@@ -139,7 +143,7 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
     """Offers this finished phase's state to its successor and waits for the answer; the snapshot
     to write the checkpoint from (None where this phase does not hand over), and whether to write
     it: not where the successor took the state and carries it on to its own (``Answer.write``)."""
-    transport = transport_of(ph)
+    transport = transport_of(ph, taking=False)
     if not ph.spec.handover.offer or transport is None:
         return None, True
     snap = snapshot(ph)  # collectives: every rank
@@ -148,23 +152,34 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
     if ahead:
         ph.timeline.add(carried_ahead=sorted({carried_layer(ph, n) for n in ahead}))
     on_host = {n: t for n, t in ph.made.carried.items() if n not in ahead}
-    tensors = _pack(ph.built.engine.module, snap, on_host)
     files = PhaseDir(ph.spec.phase_dir)
     files.handover.mkdir(mode=0o700, exist_ok=True)
-    blocks, refs = _export_cuda(tensors) if transport == "cuda" else _export_host(tensors, files.blob_path(ph.rank))
+    blob = files.shm_blob_path(ph.rank) if transport == "shm" else files.blob_path(ph.rank)
+    if transport == "shm":
+        faults.point("handover.gathered", phase=ph.spec.phase, rank=ph.rank)
+        blocks, refs = hostpath.export(hostpath.pack_state(snap), blob, ph.made.staging, phase=ph.spec.phase,
+                                       rank=ph.rank)
+    else:
+        tensors = _pack(ph.built.engine.module, snap, on_host)
+        blocks, refs = _export_cuda(tensors) if transport == "cuda" else _export_host(tensors, blob)
     spec = ph.spec
     carried = Carried(phase=spec.phase, global_step=ph.step, layers=list(spec.layers), head_step=snap.head_step,
                       body_step=snap.body_step, scaler=snap.run.scaler, restore=_str(ph.built.source.restore),
-                      end=str(ph.checkpoints.at(ph.step)), host_layers=ph.made.host.refs(on_host))
-    files.write_offer(ph.rank, Offer(pid=os.getpid(), device=device_id(ph.device), transport=transport,
-                                     blocks=blocks, tensors=refs, carried=carried))
+                      end=str(ph.checkpoints.at(ph.step)),
+                      host_layers=ph.made.host.refs(on_host) if transport != "shm" else [])
+    made = Offer(pid=os.getpid(), device="host" if transport == "shm" else device_id(ph.device), transport=transport,
+                 blocks=blocks, tensors=refs, carried=carried)
+    files.write_offer(ph.rank, made)
     ph.timeline.mark("t_offered")
     faults.point("handover.offered", rank=ph.rank)
+    if transport == "shm":  # its checkpoint comes from host memory: its device memory can go now
+        snap = hostpath.from_blob(snap, made, blob)
+        ph.timeline.add(device_released=hostpath.release_device(ph))
     while (answer := files.read_answer(ph.rank)) is None:
         time.sleep(ANSWER_POLL)
     ph.timeline.mark("t_answered")
     ph.timeline.add(handover_taken=answer.taken, handover_answer=answer.reason or answer.by)
-    files.blob_path(ph.rank).unlink(missing_ok=True)
+    blob.unlink(missing_ok=True)
     write = answer.end_written
     if not write:
         ph.timeline.add(checkpoint_written=False)
@@ -192,7 +207,7 @@ def refusal(ph: Phase) -> str | None:
         return "no GPU (launch.handover = \"on\" hands over through the host)"
     if ph.backend.refusal is not None:
         return ph.backend.refusal
-    if ph.device.type == "cuda" and h.peak_bytes > torch.cuda.mem_get_info(ph.device)[1]:
+    if ph.device.type == "cuda" and not h.shm_take and h.peak_bytes > torch.cuda.mem_get_info(ph.device)[1]:
         return f"the overlap's planned peak, {h.peak_bytes} bytes, is more than the device's memory"
     return None
 
@@ -274,21 +289,27 @@ def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False) -> 
     reason = _unfit(ph, offered, files)
     can_carry = defer and reason is None and _can_carry(ph, offered)
     keep = not end_writes(due=not defer, takes=reason is None, carries=can_carry)
+    shm = offered is not None and offered.transport == "shm"
     if reason is None:
         try:
-            carried = _copy_in(ph, offered, files.blob_path(ph.rank), keep)
+            carried = (hostpath.copy_in(ph, offered, files.shm_blob_path(ph.rank), keep) if shm
+                       else _copy_in(ph, offered, files.blob_path(ph.rank), keep))
         except (RuntimeError, OSError, KeyError) as e:  # torch.OutOfMemoryError is a RuntimeError
             reason = f"{type(e).__name__}: {e}"
     keep = _all_keep(ph, reason is None, keep)
     files.write_answer(ph.rank, Answer(taken=reason is None, by="successor", reason=reason or "", write=not keep))
     ph.timeline.mark("t_taken")
-    ph.timeline.add(handover="device" if reason is None else "checkpoint", handover_reason=reason)
+    ph.timeline.add(handover=("host" if shm else "device") if reason is None else "checkpoint", handover_reason=reason)
     if reason is not None:
         return None, restore
     _upload(ph)  # after the answer: the copies in _copy_in do not wait for it
     # After the answer: these come from committed checkpoints, not the predecessor, which need not
     # wait for them to free its device and write its own.
-    _layers_trained_between(ph, offered.carried, frozenset(carried.masters))
+    if shm:
+        hostpath.layers_between(ph, offered.carried, frozenset(r.name.partition("/")[2] for r in offered.tensors
+                                                               if r.name.startswith("master/")))
+    else:
+        _layers_trained_between(ph, offered.carried, frozenset(carried.masters))
     if not keep:
         return carried, restore
     ph.timeline.add(predecessor_wrote=False, carried_layers=sorted({carried_layer(ph, n) for n in ph.made.carried}))
@@ -303,7 +324,7 @@ def _unfit(ph: Phase, offered: Offer | None, files: PhaseDir) -> str | None:
         return f"no offer in {files.offer_path(ph.rank)}"
     if offered.transport != transport_of(ph):
         return f"offered through {offered.transport}"
-    if offered.device != device_id(ph.device):
+    if offered.transport != "shm" and offered.device != device_id(ph.device):
         return f"offered on device {offered.device}, this rank is on {device_id(ph.device)}"
     return None
 

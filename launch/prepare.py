@@ -25,7 +25,7 @@ from launch.data.examples import SampleOrder, load_examples, load_validation, mi
 from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.record import Phase, Prepared
 from launch.save import prepare_files
-from launch.staging import Staging
+from launch.staging import Staging, cap_memory
 from launch.data.templates import trained_template
 from launch.train import token_loss
 from shard_tools.later import Later
@@ -85,6 +85,7 @@ def _start_group(ph: Phase) -> Staging | None:
     if ph.device.type == "cuda":
         # Before the process group, so NCCL binds each rank to its own device.
         torch.cuda.set_device(ph.device)
+        ph.timeline.add(memory_fraction=cap_memory(ph.device, ph.spec.memory_cap))
         staging = Staging(ph.device)
     ph.stage("starting the process group")
     load_comm_ops()
@@ -99,7 +100,7 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
     """The model (taking every weight from its predecessor, only its structure), its parts, the
     data, and the weights known before the go."""
     spec, m = ph.spec, ph.spec.model
-    skeleton = refusal is None
+    skeleton = refusal is None and not spec.handover.shm_take  # the host path reads into a host model
     model = setup_model(build_skeleton(model_spec(spec)) if skeleton else base_model(model_spec(spec), ph.prebuilt), spec)
     persistent, layers_attr = detect_parts(model, m.persistent, m.layers)
     origin = Origin(base_model=model_spec(spec), tokenizer=m.tokenizer, persistent=persistent,

@@ -26,6 +26,17 @@ SLOTS = 4
 SLOT_BYTES = 32 << 20
 
 
+def cap_memory(device: torch.device, cap: int) -> float | None:
+    """Caps this process's caching allocator at ``cap`` bytes of ``device`` (``PhaseSpec.memory_cap``,
+    its share of ``launch.device_memory``): an allocation past it raises torch.OutOfMemoryError
+    instead of taking more of the device. The fraction set; None where nothing is capped (no GPU, no budget)."""
+    if device.type != "cuda" or cap <= 0:
+        return None
+    fraction = min(1.0, cap / torch.cuda.get_device_properties(device).total_memory)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 

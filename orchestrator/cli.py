@@ -81,14 +81,15 @@ def run(schedule: Path, output_dir: Path | None, nproc: int | None, force: bool,
 @output_dir_option
 @click.option("--nproc", type=int, help="Processes for every phase.")
 @click.option("--device-memory", metavar="SIZE",
-              help="Memory of one device (80GiB, 80GB, 141e9): adds each phase's estimated memory per process, "
-                   "warns where a phase will not fit, and shows a switch whose handover would not fit as going "
-                   "through the checkpoint.")
+              help="Memory of one device (80GiB, 80GB, 141e9), over launch.device_memory: adds each phase's "
+                   "estimated memory per process, shows how each switch goes within it, and exits 2 where a "
+                   "phase will not fit, naming what would.")
 @set_option
 def plan(schedule: Path, output_dir: Path | None, nproc: int | None, device_memory: str | None,
          overrides: tuple[str, ...]) -> None:
     """Print the phase table of SCHEDULE, how each switch hands over, and check the file, without
     starting anything."""
+    from orchestrator.budget import budget_line, budget_of
     from orchestrator.display import largest_phase, print_plan
     from orchestrator.estimate import EstimateError, estimate_plan, size_option
     from orchestrator.handover import plan_switches
@@ -97,16 +98,18 @@ def plan(schedule: Path, output_dir: Path | None, nproc: int | None, device_memo
 
     from orchestrator.datastep import check_data
 
-    device = size_option(device_memory, "--device-memory") if device_memory is not None else None
-    loaded = load_schedule(schedule, output_dir=output_dir, nproc=nproc, overrides=overrides)
+    option = size_option(device_memory, "--device-memory") if device_memory is not None else None
+    loaded = load_schedule(schedule, output_dir=output_dir, nproc=nproc, overrides=overrides, device_memory=option)
+    budget = budget_of(loaded, option)
+    device = budget.size if budget is not None else None
     phases = plan_phases(loaded)
     data = check_data(loaded)
     try:
         estimate, failure = estimate_plan(loaded, phases), None
     except EstimateError as e:
         estimate, failure = None, e
-    switches = plan_switches(loaded, phases, estimate, device)
-    here = _on_this_machine(loaded, phases, estimate)
+    switches = plan_switches(loaded, phases, estimate, device, memory_name=budget.name if budget else "--device-memory")
+    here = _on_this_machine(loaded, phases, estimate, budget_of(loaded))
     if device is None:
         print_plan(loaded, phases, switches, here=here)
         if estimate is not None:
@@ -118,32 +121,24 @@ def plan(schedule: Path, output_dir: Path | None, nproc: int | None, device_memo
         click.echo(f"orchestrator: warning: no memory estimate: {failure}", err=True)
         return
     print_plan(loaded, phases, switches, estimate, device, here=here)
-    _warn_what_will_not_fit(phases, estimate, device)
+    click.echo(budget_line(loaded, phases, estimate, budget))
     _echo_data_line(loaded, phases, data)
-
-
-def _warn_what_will_not_fit(phases, estimate, device: int) -> None:
-    from shard_tools.sizes import format_bytes
-
     if estimate.unsized:
         click.echo(f"orchestrator: warning: the estimate counts nothing for model.persistent "
                    f"{', '.join(estimate.unsized)}", err=True)
-    over = [(p.index, m.total) for p, m in zip(phases, estimate.phases) if m.total > device]
-    if over:
-        named = ", ".join(str(i) for i, _ in over[:10]) + (f" and {len(over) - 10} more" if len(over) > 10 else "")
-        click.echo(f"orchestrator: warning: phase{'s' if len(over) > 1 else ''} {named} will not fit: "
-                   f"estimated {format_bytes(max(t for _, t in over))} per process, more than --device-memory "
-                   f"{format_bytes(device)}", err=True)
 
 
-def _on_this_machine(loaded, phases, estimate) -> tuple[str, list]:
-    """What this machine is, in words, and how each switch goes on it (no GPU: through the checkpoint)."""
+def _on_this_machine(loaded, phases, estimate, budget) -> tuple[str, list]:
+    """What this machine is, in words, and how each switch goes on it (no GPU: through the checkpoint;
+    within launch.device_memory where it is less than this GPU's)."""
     from orchestrator.handover import plan_switches
     from orchestrator.machine import this_machine
 
     machine = this_machine()
-    return _machine_words(machine), plan_switches(loaded, phases, estimate, machine.memory, not machine.gpus,
-                                                  "this GPU's")
+    memory, name = machine.memory, "this GPU's"
+    if budget is not None and machine.gpus and (memory is None or budget.size < memory):
+        memory, name = budget.size, budget.name
+    return _machine_words(machine), plan_switches(loaded, phases, estimate, memory, not machine.gpus, name)
 
 
 def _machine_words(machine) -> str:

@@ -64,7 +64,8 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switc
         out.print(line, markup=False, highlight=False)
     if estimate:
         device = f", device {format_bytes(device_memory)}" if device_memory is not None else ""
-        out.print(f"estimated device memory per process: {estimate.count.total:,} parameters, activations without "
+        ckpt = "with" if s.model.gradient_checkpointing else "without"
+        out.print(f"estimated device memory per process: {estimate.count.total:,} parameters, activations {ckpt} "
                   f"gradient checkpointing; CUDA context, buffers and logits not counted{device}")
         out.print(largest_phase(phases, estimate), markup=False, highlight=False)
 
@@ -110,14 +111,14 @@ def _switch_sections(loaded: LoadedSchedule, switches: list[Switch], device_memo
 def switch_lines(switches: list[Switch], *, host: bool = False) -> list[str]:
     """A line per outcome: the switches that hand over on the device at one overlap peak, or that
     go through the checkpoint for one reason; in the order of their first switch."""
-    groups: dict[tuple[str | None, int | None], list[int]] = {}
+    groups: dict[tuple[str | None, int | None, bool], list[int]] = {}
     for sw in switches:
-        groups.setdefault((sw.reason, sw.peak if sw.reason is None else None), []).append(sw.after)
+        groups.setdefault((sw.reason, sw.peak if sw.reason is None else None, sw.host), []).append(sw.after)
     lines = []
-    for (reason, peak), after in groups.items():
+    for (reason, peak, through_host), after in groups.items():
         where = f"switch{'es' if len(after) > 1 else ''} after phase{'s' if len(after) > 1 else ''} {_indices(after)}"
         if reason is not None:
-            lines.append(f"{where}: through the checkpoint: {reason}")
+            lines.append(f"{where}: through {'host memory' if through_host else 'the checkpoint'}: {reason}")
             continue
         how = "on the device (through a file without a GPU)" if host else "on the device"
         size = f"overlap peak {format_bytes(peak)} per device" if peak is not None else "overlap peak not estimated"

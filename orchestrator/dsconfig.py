@@ -55,7 +55,7 @@ def deepspeed_config(sched: Schedule, base: Path, source: Path, phases: list[Pha
     else:
         path = resolve_path(base, given)
         where, table = f"{path}: ", _read(path, source)
-        if problem := deepspeed_refusal(table):
+        if problem := deepspeed_refusal(table, sched.deepspeed.zero_stage):
             key, why = problem
             raise ScheduleError(f"{path}: {key.removeprefix('deepspeed.config.')}: {why}")
     for section in MERGED_TABLES:

@@ -5,11 +5,15 @@
 Per process, for one phase of a model with P parameters of which T train (head + the phase's layers):
 
     weights      P x dtype bytes; partitioned over the processes under ZeRO-3
-    optimizer    T x 12 bytes (fp32 master weights, Adam exp_avg, exp_avg_sq); partitioned under ZeRO >= 1
+    optimizer    T x 12 bytes (fp32 master weights, Adam exp_avg, exp_avg_sq); partitioned under ZeRO >= 1;
+                 none on the device where deepspeed.config offloads it (zero_optimization.offload_optimizer)
     gradients    T x dtype bytes; partitioned under ZeRO >= 2; under ZeRO 0 (relayer's MasterAdamW)
                  T x (dtype + 4) bytes: its fp32 gradient buffer beside the gradients as they come
                  (a bound: with one micro-batch a step on one GPU its kernel needs no buffer)
-    activations  micro_batch x seq_len x hidden x layers x ACTIVATION_VALUES x dtype bytes
+    activations  micro_batch x seq_len x hidden x layers x ACTIVATION_VALUES x dtype bytes; with
+                 model.gradient_checkpointing, micro_batch x seq_len x hidden x dtype bytes x
+                 (layers x CHECKPOINTED_VALUES + ACTIVATION_VALUES): each layer keeps only its input
+                 and backward recomputes one layer at a time (``activation_bytes``)
 
 At a switch that hands the state over on the device (``launch.handover``, orchestrator/handover.py),
 the finished phase P and its successor S are both alive on one device for a while, beside the
@@ -52,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.errors import ScheduleError
+from orchestrator.libfacts import offloads_optimizer
 from orchestrator.modelcheck import CONFIG, num_layers_of
 from orchestrator.schedule import LoadedSchedule, Phase
 from shard_tools.sizes import parse_size
@@ -65,6 +70,13 @@ MASTER_BYTES = 4
 # attention-score term that SDPA / flash attention no longer keep. Every layer counts, trained or
 # frozen: the embedding trains, so the backward pass runs through the whole stack.
 ACTIVATION_VALUES = 17
+# With gradient checkpointing (transformers' ``gradient_checkpointing_enable``, non-reentrant
+# torch.utils.checkpoint around each decoder layer) a layer keeps for backward only its input, the
+# hidden state: 2sbh bytes in 16-bit, the "full activation recomputation" row of the same table 2
+# (Korthikanti et al. 2022, section 4; Chen et al. 2016, "Training Deep Nets with Sublinear Memory
+# Cost", for the scheme). In backward each layer's forward runs again, its activations held
+# (ACTIVATION_VALUES) only until its own backward ends: one layer's worth on top of the inputs.
+CHECKPOINTED_VALUES = 1
 # What NVML sees on a device beyond a phase's allocated bytes (see the module's docstring), rounded
 # up from the H200 measurements: per CUDA process, and the caching allocator's reserve.
 PROCESS_BYTES = 2_600_000_000
@@ -173,15 +185,25 @@ class PhaseMemory:
         return self.weights + self.optimizer + self.gradients + self.activations
 
 
+def activation_bytes(count: ParamCount, *, width: int, micro_batch: int, seq_len: int,
+                     checkpointing: bool = False) -> int:
+    """Bytes the forward pass keeps for backward, at its peak: every layer's activations, or with
+    ``checkpointing`` every layer's input and one layer's recomputed activations."""
+    values = (count.num_layers * CHECKPOINTED_VALUES + ACTIVATION_VALUES if checkpointing
+              else count.num_layers * ACTIVATION_VALUES)
+    return micro_batch * seq_len * count.hidden * values * width
+
+
 def phase_memory(count: ParamCount, trainable: int, *, dtype: str, zero_stage: int, world: int,
-                 micro_batch: int, seq_len: int) -> PhaseMemory:
+                 micro_batch: int, seq_len: int, checkpointing: bool = False, offload: bool = False) -> PhaseMemory:
     width = DTYPE_BYTES[dtype]
     return PhaseMemory(
         weights=math.ceil(count.total * width / (world if zero_stage >= 3 else 1)),
-        optimizer=math.ceil(trainable * ADAM_BYTES / (world if zero_stage >= 1 else 1)),
+        optimizer=0 if offload else math.ceil(trainable * ADAM_BYTES / (world if zero_stage >= 1 else 1)),
         gradients=(math.ceil(trainable * width / (world if zero_stage >= 2 else 1)) if zero_stage
                    else trainable * (width + MASTER_BYTES)),
-        activations=micro_batch * seq_len * count.hidden * count.num_layers * ACTIVATION_VALUES * width,
+        activations=activation_bytes(count, width=width, micro_batch=micro_batch, seq_len=seq_len,
+                                     checkpointing=checkpointing),
     )
 
 
@@ -246,7 +268,9 @@ def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
     head = sum(count.head.get(p, 0) for p in persistent)
     out = [phase_memory(count, head + len(ph.layers) * count.per_layer, dtype=s.model.dtype,
                         zero_stage=s.deepspeed.zero_stage, world=ph.nproc * s.launch.nnodes,
-                        micro_batch=s.data.micro_batch_size, seq_len=s.data.seq_len) for ph in phases]
+                        micro_batch=s.data.micro_batch_size, seq_len=s.data.seq_len,
+                        checkpointing=s.model.gradient_checkpointing,
+                        offload=offloads_optimizer(loaded.deepspeed_config)) for ph in phases]
     overlaps = [overlap_peak(out[i], out[i + 1], offered_bytes(count, head, len(phases[i].layers)),
                              waiting_beside(loaded, phases, i + 1), gathered=s.deepspeed.zero_stage > 0)
                 for i in range(len(phases) - 1)]

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launch.contract.spec import HandoverPart
+from orchestrator.budget import budget_of
 from orchestrator.estimate import PlanEstimate
 from orchestrator.nodes import cold_switch
 from orchestrator.schedule import LoadedSchedule, Phase
@@ -56,9 +57,24 @@ def handover_part(loaded: LoadedSchedule, phases: list[Phase], index: int,
     is None: the model could not be sized)."""
     offer = index + 1 < len(phases) and boundary_reason(loaded, phases, index) is None
     take = index > 0 and boundary_reason(loaded, phases, index - 1) is None
-    peak = estimate.overlaps[index - 1] if take and estimate is not None else 0
+    shm_offer = offer and through_host(loaded, index, estimate)
+    shm_take = take and through_host(loaded, index - 1, estimate)
+    peak = estimate.overlaps[index - 1] if take and not shm_take and estimate is not None else 0
     return HandoverPart(offer=offer, take=take, host=loaded.schedule.launch.handover == "on", peak_bytes=peak,
-                        next_layers=list(phases[index + 1].layers) if offer else [])
+                        next_layers=list(phases[index + 1].layers) if offer else [],
+                        shm_offer=shm_offer, shm_take=shm_take)
+
+
+def through_host(loaded: LoadedSchedule, index: int, estimate: PlanEstimate | None, budget: int | None = None) -> bool:
+    """Whether the switch after phase ``index``, where it hands over at all, goes through host
+    memory: ``launch.handover = "host"``, or its overlap is above the budget (``budget``, else
+    ``launch.device_memory``, where stated and the model sized)."""
+    if loaded.schedule.launch.handover == "host":
+        return True
+    if budget is None:
+        stated = budget_of(loaded)
+        budget = stated.size if stated is not None else None
+    return budget is not None and estimate is not None and estimate.overlaps[index] > budget
 
 
 @dataclass(frozen=True)
@@ -68,27 +84,34 @@ class Switch:
     after: int
     """The index of the phase that ends."""
     reason: str | None
-    """Why it goes through the checkpoint; None: it hands over on the device."""
+    """Why it goes through the checkpoint or host memory; None: it hands over on the device."""
     peak: int | None
     """The overlap's planned peak on one device; None where the model could not be sized."""
+    host: bool = False
+    """It hands over through host memory (``reason`` says why)."""
 
 
 def plan_switches(loaded: LoadedSchedule, phases: list[Phase], estimate: PlanEstimate | None,
                   device_memory: int | None = None, no_gpu: bool = False,
                   memory_name: str = "--device-memory") -> list[Switch]:
-    """Every switch of the run; with ``device_memory`` (plan's --device-memory, or this machine's
-    GPU: ``memory_name``), one whose overlap would not fit falls back, as the worker's own check
-    against its device will make it. With ``no_gpu`` (the phases will see none), one goes through
-    the checkpoint, as the worker will, unless ``launch.handover = "on"`` hands over through a file."""
+    """Every switch of the run; with ``device_memory`` (a budget: plan's --device-memory or
+    launch.device_memory; or this machine's GPU: ``memory_name`` "this GPU's"), one whose overlap
+    would not fit goes through host memory (a budget) or the checkpoint (the worker's own check
+    against its device). With ``no_gpu`` (the phases will see none), one goes through the
+    checkpoint, as the worker will, unless ``launch.handover`` is "on" (through a file) or "host"."""
     out = []
-    host = loaded.schedule.launch.handover == "on"
+    mode = loaded.schedule.launch.handover
     for i in range(len(phases) - 1):
         peak = estimate.overlaps[i] if estimate is not None else None
-        reason = boundary_reason(loaded, phases, i)
-        if reason is None and no_gpu and not host:
+        reason, via = boundary_reason(loaded, phases, i), False
+        over = reason is None and None not in (peak, device_memory) and peak > device_memory
+        said = f"overlap peak {format_bytes(peak)} per device, more than {memory_name} {format_bytes(device_memory)}" \
+            if over else None
+        if reason is None and (mode == "host" or (over and memory_name != "this GPU's")):
+            reason, via = said or 'launch.handover = "host"', True
+        elif reason is None and no_gpu and mode != "on":
             reason = 'no GPU: a handover needs both phases on one GPU (launch.handover = "on" tests it through a file)'
-        if reason is None and None not in (peak, device_memory) and peak > device_memory:
-            reason = (f"overlap peak {format_bytes(peak)} per device, more than {memory_name} "
-                      f"{format_bytes(device_memory)}")
-        out.append(Switch(after=i, reason=reason, peak=peak))
+        elif over:
+            reason = said
+        out.append(Switch(after=i, reason=reason, peak=peak, host=via))
     return out

@@ -55,9 +55,17 @@ def removed_deepspeed_keys() -> dict[str, frozenset[str]]:
     return {table: keys for table, keys in found.items() if keys}
 
 
-def deepspeed_refusal(config: dict[str, Any]) -> tuple[str, str] | None:
+def offloads_optimizer(config: dict[str, Any]) -> bool:
+    """Whether ``config`` offloads the optimizer's state to the host (zero_optimization.offload_optimizer)."""
+    zero = config.get("zero_optimization")
+    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    return isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme")
+
+
+def deepspeed_refusal(config: dict[str, Any], zero_stage: int | None = None) -> tuple[str, str] | None:
     """(dotted key, why) of the first thing in ``deepspeed.config`` that DeepSpeed would refuse (or
-    quietly ignore) once the first phase builds its engine, a minute after the start; or None."""
+    quietly ignore) once the first phase builds its engine, a minute after the start; or None.
+    ``zero_stage``: deepspeed.zero_stage, where known."""
     todo = [("deepspeed.config", config)]
     while todo:
         where, table = todo.pop()
@@ -75,11 +83,19 @@ def deepspeed_refusal(config: dict[str, Any]) -> tuple[str, str] | None:
     every = config.get("steps_per_print")
     if every is not None and not (isinstance(every, int) and not isinstance(every, bool) and every > 0):
         return "deepspeed.config.steps_per_print", f"expected a positive integer (DeepSpeed divides by it), got {every!r}"
-    zero = config.get("zero_optimization")
-    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
-    if (isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme")
-            and config.get("zero_force_ds_cpu_optimizer", True) is not False):
-        return ("deepspeed.config.zero_optimization.offload_optimizer",
-                "DeepSpeed offloads only its own CPU Adam, and relayer's optimizer is a torch AdamW of its own: "
-                "DeepSpeed refuses it unless deepspeed.config.zero_force_ds_cpu_optimizer = false (slow)")
+    return _offload_refusal(config, zero_stage) if offloads_optimizer(config) else None
+
+
+def _offload_refusal(config: dict[str, Any], zero_stage: int | None) -> tuple[str, str] | None:
+    """The optimizer's state on the host: at ZeRO 1 and 2, torch's AdamW steps the fp32 partitions
+    there (relayer sets zero_force_ds_cpu_optimizer = false itself); not on NVMe, not at stage 0
+    (relayer's own optimizer keeps its state on the device) nor 3 (not tested with relayer's state)."""
+    key = "deepspeed.config.zero_optimization.offload_optimizer"
+    if config["zero_optimization"]["offload_optimizer"]["device"] == "nvme":
+        return key, 'expected device = "cpu": on NVMe DeepSpeed steps only its own optimizer, relayer steps torch\'s AdamW'
+    if config.get("zero_force_ds_cpu_optimizer") is True:
+        return ("deepspeed.config.zero_force_ds_cpu_optimizer",
+                "expected false (or unset) with offload_optimizer: relayer steps torch's AdamW on the host")
+    if zero_stage is not None and zero_stage not in (1, 2):
+        return key, f"needs deepspeed.zero_stage 1 or 2, got {zero_stage}"
     return None

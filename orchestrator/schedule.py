@@ -21,6 +21,7 @@ from orchestrator.libfacts import deepspeed_refusal
 from orchestrator.sections import (  # noqa: F401
     KeyProblem, NonNegInt, NonNegSeconds, NonNegSteps, PositiveInt, Seconds, Section, Steps, _show, int_is_float,
 )
+from shard_tools.sizes import parse_size
 
 
 class RunSection(Section):
@@ -54,7 +55,9 @@ class ModelSection(Section):
     layers: str | None = None
     """Attribute path of the transformer layer list; None: detected."""
     gradient_checkpointing: bool = False
-    """Recompute activations in backward: less memory for about a third more compute."""
+    """Recompute activations in backward: less memory for about a third more compute (the
+    same forward computed again). orchestrator plan counts each layer's input and one layer
+    recomputed instead of every layer's activations (at 7B, batch 4 x 512: 0.77 GiB, not 8.5)."""
     tokenizer: str | None = None
     """A Hugging Face tokenizer directory (tokenizer.json ...), relative to the schedule file;
     None: model.path. Text, instruction and chat data need one."""
@@ -211,7 +214,9 @@ class DeepSpeedSection(Section):
     the schedule (train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
     gradient_clipping, optimizer, scheduler, zero_optimization.stage, bf16.enabled, fp16.enabled)
     may appear only as "auto" or as relayer sets it; any other "auto" is dropped (relayer's or
-    DeepSpeed's default stands)."""
+    DeepSpeed's default stands). zero_optimization.offload_optimizer = { device = "cpu" } (ZeRO 1
+    or 2) keeps the optimizer's state on the host, where torch's AdamW steps it: no optimizer state
+    on the device, a slower step, the same AdamW (bitwise on the CPU)."""
 
     @field_validator("zero_stage", mode="before")
     @classmethod
@@ -231,7 +236,7 @@ class DeepSpeedSection(Section):
     def _engine_takes(self) -> DeepSpeedSection:
         """What DeepSpeed would refuse (or quietly ignore) once the first phase builds its engine."""
         # A file's table is checked where it is read (orchestrator.dsconfig), naming the file.
-        if isinstance(self.config, dict) and (problem := deepspeed_refusal(self.config)):
+        if isinstance(self.config, dict) and (problem := deepspeed_refusal(self.config, self.zero_stage)):
             raise KeyProblem(*problem)
         return self
 
@@ -265,14 +270,31 @@ class LaunchSection(Section):
     pause_preparing_seconds: NonNegSeconds = 30.0
     """While a phase switches (from the finished phase's last step to the next one's first), the
     phases still preparing further ahead are paused (SIGSTOP), for at most this long; 0: never."""
-    handover: Literal["auto", "on", "off"] = "auto"
+    handover: Literal["auto", "on", "off", "host"] = "auto"
     """How a finished phase's state reaches its pre-warmed successor: "auto" on the device (CUDA
     IPC) where the successor runs on the same GPUs with the same process count and ZeRO stage 1
-    or 2 and the overlap fits, else through the checkpoint; "on" also without a GPU (through a
-    file: for testing the choreography on a CPU); "off" always through the checkpoint."""
+    or 2 and the overlap fits, through host memory where the overlap is above launch.device_memory,
+    else through the checkpoint; "on" also without a GPU (through a file: for testing the
+    choreography on a CPU); "host" always through host memory (the predecessor's fp32 state in
+    shared memory, its device memory freed before its successor builds; for a card that cannot
+    hold two phases); "off" always through the checkpoint."""
+    device_memory: str | None = None
+    """The device memory relayer's processes may hold on one GPU, all of them together: a size
+    (24GiB, 24GB, 24e9); None: the GPU's own. Each switch goes the first way that fits it: on the
+    device, through host memory, through the checkpoint (orchestrator plan shows which and why); a
+    schedule of which a phase alone does not fit is refused (exit 2) naming the keys that would
+    make it fit (model.gradient_checkpointing, data.micro_batch_size, launch.prewarm_depth). Each
+    process's allocator is capped at its share (torch.cuda.set_per_process_memory_fraction)."""
 
     _int_is_float = field_validator("grace_seconds", "stall_seconds", "pause_preparing_seconds", "rendezvous_seconds",
                                     mode="before")(int_is_float)
+
+    @field_validator("device_memory")
+    @classmethod
+    def _size(cls, v: str | None) -> str | None:
+        if v is not None and parse_size(v) is None:
+            raise KeyProblem("launch.device_memory", f"expected a size such as 24GiB, 24GB or 24e9 (bytes), got {_show(v)}")
+        return v
 
     @model_validator(mode="after")
     def _nodes(self) -> LaunchSection:

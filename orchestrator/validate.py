@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from launch.contract.data import TEMPLATE_NAMES, is_template_path
+from orchestrator.budget import check_budget
 from orchestrator.dsconfig import deepspeed_config
 from orchestrator.errors import ScheduleError
 from orchestrator.libfacts import causal_lm_types
@@ -51,10 +52,11 @@ def is_saved_dataset(path: Path) -> bool:
 
 def load_schedule(
     path: str | Path, *, output_dir: str | Path | None = None, nproc: int | None = None,
-    overrides: tuple[str, ...] | list[str] = (),
+    overrides: tuple[str, ...] | list[str] = (), device_memory: int | None = None,
 ) -> LoadedSchedule:
     """Reads and validates a schedule file, with ``--set KEY=VALUE`` overrides applied; raises
-    ScheduleError naming the file and key."""
+    ScheduleError naming the file and key. ``device_memory``: plan's --device-memory, the budget
+    checked instead of launch.device_memory."""
     source = resolve_path(Path.cwd(), str(path))
     if path_kind(source) not in ("a file", "missing"):
         raise ScheduleError(f"{path}: expected a schedule file, it {path_is(source)}")
@@ -73,17 +75,19 @@ def load_schedule(
     except RecursionError:
         raise ScheduleError(f"{path}: TOML nested too deeply") from None
     if not overrides:
-        return validate_schedule(raw, source, output_dir=output_dir, nproc=nproc)
+        return validate_schedule(raw, source, output_dir=output_dir, nproc=nproc, device_memory=device_memory)
     from orchestrator.overrides import apply_overrides, blame_overrides
 
     try:
-        return validate_schedule(apply_overrides(raw, overrides), source, output_dir=output_dir, nproc=nproc)
+        return validate_schedule(apply_overrides(raw, overrides), source, output_dir=output_dir, nproc=nproc,
+                                 device_memory=device_memory)
     except ScheduleError as e:
         raise ScheduleError(blame_overrides(str(e), source, overrides)) from None
 
 
 def validate_schedule(
-    raw: dict[str, Any], source: Path, *, output_dir: str | Path | None = None, nproc: int | None = None
+    raw: dict[str, Any], source: Path, *, output_dir: str | Path | None = None, nproc: int | None = None,
+    device_memory: int | None = None,
 ) -> LoadedSchedule:
     """Checks a parsed schedule against the model, the data and the launch it names; touches nothing."""
     sched = _parse(raw, source, nproc)
@@ -112,7 +116,9 @@ def validate_schedule(
                                     f"layers (0..{n_layers - 1})")
         check_batch(sched.data, ph.nproc, source, ph.index, nnodes=sched.launch.nnodes)
     check_launch(sched.launch, source)
-    return loaded.model_copy(update={"deepspeed_config": deepspeed_config(sched, base, source, phases)})
+    loaded = loaded.model_copy(update={"deepspeed_config": deepspeed_config(sched, base, source, phases)})
+    check_budget(loaded, phases, device_memory)
+    return loaded
 
 
 def _parse(raw: dict[str, Any], source: Path, nproc: int | None) -> Schedule:

@@ -3,6 +3,7 @@ use, with their one writer and one reader."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -30,6 +31,8 @@ DUMP_STACKS = signal.SIGUSR2
 
 BLOB = ".bin"
 """How a rank's offered bytes (the host transport of the handover) end: ``handover/rank-N.bin``."""
+SHM = Path("/dev/shm")
+"""Where the host path's offered bytes lie (``HandoverPart.shm_offer``): memory, never the disk."""
 
 
 def rank_name(rank: int) -> str:
@@ -114,6 +117,8 @@ class PhaseDir:
 
     def clear(self) -> None:
         """Removes what an earlier attempt at the phase left, before a new one starts."""
+        for blob in self.blobs():
+            blob.unlink(missing_ok=True)
         for stale in (self.pids, self.errors, self.exits, self.handover):
             shutil.rmtree(stale, ignore_errors=True)
         self.records.unlink(missing_ok=True)
@@ -179,9 +184,18 @@ class PhaseDir:
         """The host transport's bytes of rank N's offer."""
         return self.handover / f"{rank_name(rank)}{BLOB}"
 
+    def shm_blob_path(self, rank: int) -> Path:
+        """The host path's bytes of rank N's offer: a file in shared memory named after this phase
+        folder (the phase folder's own where the system has no /dev/shm)."""
+        if not SHM.is_dir():
+            return self.blob_path(rank)
+        digest = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
+        return SHM / f"relayer-{digest}-{rank_name(rank)}{BLOB}"
+
     def blobs(self) -> list[Path]:
-        """Every rank's host-transport bytes that are there (removed once the phase is gone)."""
-        return sorted(self.handover.glob(f"{RANK}*{BLOB}"))
+        """Every rank's host-transport and host-path bytes that are there (removed once the phase is gone)."""
+        shm = sorted(self.shm_blob_path(0).parent.glob(self.shm_blob_path(0).name.replace(rank_name(0), f"{RANK}*")))
+        return sorted({*self.handover.glob(f"{RANK}*{BLOB}"), *shm})
 
     def write_offer(self, rank: int, offer: Offer) -> None:
         self.handover.mkdir(mode=0o700, exist_ok=True)
@@ -255,7 +269,9 @@ class Offer(_Record):
     pid: int
     device: str
     """The device's UUID; "host" for the host transport."""
-    transport: Literal["cuda", "host"]
+    transport: Literal["cuda", "host", "shm"]
+    """cuda: CUDA IPC; host: every tensor's bytes in a file of the phase folder (the CPU's test of
+    the choreography); shm: the host path, the fp32 state only, in shared memory."""
     blocks: list[dict[str, Any]]
     """Per shared block, how to map it: CUDA IPC's fields (bytes in base64), or offset and size."""
     tensors: list[TensorRef]

@@ -57,6 +57,13 @@ class HandoverPart(_Spec):
     """The overlap's planned peak on one device; a smaller device does not take over. 0: not planned."""
     next_layers: list[int] = []
     """Where it offers: the layers its successor trains (their carried masters go on the device ahead)."""
+    shm_offer: bool = False
+    """Its end goes through host memory (the host path, ``launch.handover = "host"``, or where the
+    overlap is above launch.device_memory): its fp32 state into shared memory, then its device
+    memory freed before it waits for the answer."""
+    shm_take: bool = False
+    """Its start takes the fp32 state from host memory into the host model it prepared (no
+    skeleton: the model's frozen weights never move)."""
 
 
 class PhaseSpec(_Spec):
@@ -105,6 +112,9 @@ class PhaseSpec(_Spec):
     """The device handover at this phase's start (``take``) and end (``offer``)."""
     optimizer_state: Literal["reset", "drop-all"] = "reset"
     """schedule.optimizer_state: "drop-all" starts the head's Adam state anew at the phase's start too."""
+    memory_cap: int = 0
+    """Bytes this phase's caching allocator may reserve on its device (launch.device_memory less the
+    fixed part of every process beside it: orchestrator/budget.py); 0: no cap."""
 
     @classmethod
     def read(cls, path: str | Path) -> PhaseSpec:

@@ -130,6 +130,22 @@ def test_stage_0_two_processes_handing_over_match_reference(tmp_path, tiny_model
     assert max_abs_diff(reference, composed(tiny_model, run)) <= TOL
 
 
+def test_what_makes_7b_fit_a_small_card_matches_reference(tmp_path, tiny_model, tiny_data, reference):
+    """Issue #42's options in one run: gradient checkpointing (the same forward computed again),
+    micro-batches of 1 accumulated into the same batch (another summation order), and the
+    optimizer's state on the host under ZeRO 2 (torch's AdamW stepping the fp32 partitions there):
+    each within the tolerance of fp32 with another summation order."""
+    sched = write_schedule(tmp_path / "s.toml", schedule_dict(
+        tiny_model, tiny_data, model={"gradient_checkpointing": True}, data={"micro_batch_size": 1},
+        deepspeed={"zero_stage": 2, "config": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}}))
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    spec = json.loads((tmp_path / "run" / "phases" / "phase-0000" / "spec.json").read_text())
+    assert spec["model"]["gradient_checkpointing"] and spec["data"]["micro_batch_size"] == 1
+    assert spec["deepspeed_config"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert max_abs_diff(reference, composed(tiny_model, tmp_path / "run")) <= TOL
+
+
 MASKED_PHASES = [(5, [0]), (5, [1])]
 
 

@@ -19,7 +19,7 @@ from transformers import (
 from orchestrator.cli import main
 from orchestrator.errors import ScheduleError
 from orchestrator.estimate import (
-    ACTIVATION_VALUES, EstimateError, ParamCount, param_count, phase_memory, size_option,
+    ACTIVATION_VALUES, CHECKPOINTED_VALUES, EstimateError, ParamCount, param_count, phase_memory, size_option,
 )
 from shard_tools.sizes import format_bytes
 from tests.conftest import ROOT, SEQ, schedule_dict, write_schedule
@@ -104,6 +104,27 @@ def test_phase_memory_partitions_by_zero_stage(stage, weights, optimizer, gradie
     assert m.total == m.weights + m.optimizer + m.gradients + m.activations
 
 
+def test_gradient_checkpointing_keeps_each_layers_input_and_one_layer_recomputed():
+    # 4 layers of width 10, micro-batch 2 x 8 tokens, bf16: every layer's input (one value a token and
+    # hidden unit) and one layer's whole activations while backward recomputes it.
+    plain = phase_memory(COUNT, 2510, dtype="bfloat16", zero_stage=2, world=1, micro_batch=2, seq_len=8)
+    ckpt = phase_memory(COUNT, 2510, dtype="bfloat16", zero_stage=2, world=1, micro_batch=2, seq_len=8,
+                        checkpointing=True)
+    assert CHECKPOINTED_VALUES == 1
+    assert ckpt.activations == 2 * 8 * 10 * (4 * 1 + ACTIVATION_VALUES) * 2
+    assert (ckpt.weights, ckpt.optimizer, ckpt.gradients) == (plain.weights, plain.optimizer, plain.gradients)
+
+
+def test_gradient_checkpointing_at_7b_micro_batch_4():
+    # Llama 2 7B, batch 4 x 512, bf16: 8.5 GiB of activations without, 0.77 GiB with (32 inputs + one layer).
+    count = param_count({"model_type": "llama", "num_hidden_layers": 32})
+    kw = dict(dtype="bfloat16", zero_stage=0, world=1, micro_batch=4, seq_len=512)
+    plain, ckpt = (phase_memory(count, 0, **kw, checkpointing=c).activations for c in (False, True))
+    assert plain == 4 * 512 * 4096 * 32 * 17 * 2
+    assert ckpt == 4 * 512 * 4096 * (32 + 17) * 2
+    assert plain / ckpt > 11
+
+
 @pytest.mark.parametrize("text,size", [
     ("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("141e9", 141 * 10**9), ("1.5TiB", int(1.5 * 2**40)),
     ("512 MiB", 512 * 2**20), ("80gib", 80 * 2**30), ("4096", 4096), ("1KB", 1000),
@@ -153,16 +174,30 @@ def test_plan_prints_the_estimate(schedule, tiny_model, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_plan_warns_when_a_phase_will_not_fit(tmp_path, tiny_model, tiny_data):
+def test_plan_counts_gradient_checkpointing(tmp_path, tiny_model, tiny_data):
+    rows = {}
+    for on in (False, True):
+        sched = schedule_dict(tiny_model, tiny_data)
+        sched["model"]["gradient_checkpointing"] = on
+        r = invoke("plan", str(write_schedule(tmp_path / f"s{on}.toml", sched)), "--device-memory", "80GiB")
+        assert r.exit_code == 0, r.output
+        rows[on] = table_rows(r.stdout)[0]
+        assert f"activations {'with' if on else 'without'} gradient checkpointing" in r.stdout
+    # The tiny model: 4 layers of width 32, micro-batch 4 x SEQ, fp32.
+    assert rows[False][8] == format_bytes(4 * SEQ * 32 * 4 * ACTIVATION_VALUES * 4)
+    assert rows[True][8] == format_bytes(4 * SEQ * 32 * (4 + ACTIVATION_VALUES) * 4)
+    assert rows[False][5:8] == rows[True][5:8]
+
+
+def test_plan_refuses_a_phase_that_will_not_fit_its_device_memory(tmp_path, tiny_model, tiny_data):
     phases = [{"steps": 10, "layers": [0]}, {"steps": 10, "layers": [0, 1, 2, 3]}, {"steps": 10, "layers": [1]}]
     path = write_schedule(tmp_path / "schedule.toml", schedule_dict(tiny_model, tiny_data, schedule={"phases": phases}))
     r = invoke("plan", str(path), "--device-memory", "1MiB")
-    assert r.exit_code == 0, r.output
-    totals = [row[9] for row in table_rows(r.stdout)]
-    # Each trained layer adds its Adam state and gradients: only the phase of all four is over 1 MiB.
-    assert totals[0] == totals[2] and totals[0] != totals[1]
-    assert r.stderr == (f"orchestrator: warning: phase 1 will not fit: estimated {totals[1]} per process, "
-                        f"more than --device-memory 1.0 MiB\n")
+    assert r.exit_code == 2, r.output
+    # Each process holds a CUDA context and more (PROCESS_BYTES): no key makes a phase fit 1 MiB.
+    assert r.stderr.startswith(f"orchestrator: {path.resolve()}: --device-memory: phase 0 needs ")
+    assert "more than 1.0 MiB; nothing relayer offers fits: " in r.stderr
+    assert r.stdout == "" and not (tmp_path / "run").exists()
 
 
 def test_plan_refuses_a_bad_size(schedule, tmp_path):

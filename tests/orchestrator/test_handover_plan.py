@@ -167,8 +167,13 @@ def test_plan_switches_fall_back_where_the_overlap_exceeds_the_device(tmp_path, 
     estimate = estimate_plan(loaded, phases)
     first, second = 5_202_666_304 + PROCESS_BYTES, 5_202_666_304
     assert plan_switches(loaded, phases, estimate, first) == [Switch(0, None, first), Switch(1, None, second)]
+    # Above a budget it goes through host memory; above this GPU's memory (no budget), through the
+    # checkpoint, as the worker's own check will make it.
     assert plan_switches(loaded, phases, estimate, first - 1) == [
-        Switch(0, "overlap peak 7.3 GiB per device, more than --device-memory 7.3 GiB", first), Switch(1, None, second)]
+        Switch(0, "overlap peak 7.3 GiB per device, more than --device-memory 7.3 GiB", first, host=True),
+        Switch(1, None, second)]
+    assert plan_switches(loaded, phases, estimate, first - 1, memory_name="this GPU's") == [
+        Switch(0, "overlap peak 7.3 GiB per device, more than this GPU's 7.3 GiB", first), Switch(1, None, second)]
 
 
 def test_switch_lines_group_the_switches_and_name_runs_of_phases():
@@ -246,10 +251,12 @@ def test_plan_names_each_switch_and_its_fallback(tmp_path, tiny_data):
     assert lines == ["switch after phase 0: hands over on the device, overlap peak 9.7 GiB per device",
                      "switch after phase 1: hands over on the device, overlap peak 7.3 GiB per device",
                      "switch after phase 2: through the checkpoint: phase 2 runs 2 processes, phase 3 4"]
-    code, lines, _ = plan_lines(str(path), "--device-memory", "8GiB")
+    # A budget just below the first overlap: phase 0 alone, beside the phases waiting, still fits it.
+    overlaps = estimate_plan(load_schedule(path), plan_phases(load_schedule(path))).overlaps
+    code, lines, _ = plan_lines(str(path), "--device-memory", str(overlaps[0] - 1))
     assert code == 0
-    assert lines[:2] == ["switch after phase 0: through the checkpoint: overlap peak 9.7 GiB per device, "
-                         "more than --device-memory 8.0 GiB",
+    assert lines[:2] == ["switch after phase 0: through host memory: overlap peak 9.7 GiB per device, "
+                         "more than --device-memory 9.7 GiB",
                          "switch after phase 1: hands over on the device, overlap peak 7.3 GiB per device"]
     code, lines, _ = plan_lines(str(path), "--set", 'launch.handover="off"')
     assert lines == ['switches after phases 0-2: through the checkpoint: launch.handover = "off"']
@@ -259,4 +266,4 @@ def test_a_bad_handover_value_exits_2_naming_the_key(tmp_path, tiny_data):
     path = schedule_file(tmp_path, tiny_data, launch={"handover": "yes"})
     code, lines, err = plan_lines(str(path))
     assert code == 2 and lines == []
-    assert err == f"orchestrator: {path.resolve()}: launch.handover: expected 'auto', 'on' or 'off', got 'yes'\n"
+    assert err == f"orchestrator: {path.resolve()}: launch.handover: expected 'auto', 'on', 'off' or 'host', got 'yes'\n"

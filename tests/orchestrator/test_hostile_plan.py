@@ -24,8 +24,12 @@ OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
 
 # (id, edit of the schedule dict, message after "<schedule path>: ").
 REFUSED = [
-    ("offload-with-relayers-optimizer", setting("deepspeed", config=OFFLOAD),
-     "deepspeed.config.zero_optimization.offload_optimizer: DeepSpeed offloads only its own CPU Adam"),
+    ("offload-at-stage-0", setting("deepspeed", zero_stage=0, config=OFFLOAD),
+     "deepspeed.config.zero_optimization.offload_optimizer: needs deepspeed.zero_stage 1 or 2, got 0"),
+    ("offload-to-nvme", setting("deepspeed", config={"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}),
+     'deepspeed.config.zero_optimization.offload_optimizer: expected device = "cpu": on NVMe'),
+    ("offload-forcing-deepspeeds-optimizer", setting("deepspeed", config={**OFFLOAD, "zero_force_ds_cpu_optimizer": True}),
+     "deepspeed.config.zero_force_ds_cpu_optimizer: expected false (or unset) with offload_optimizer"),
     ("amp-removed", setting("deepspeed", config={"amp": {"enabled": True}}),
      "deepspeed.config.amp: removed from DeepSpeed, which refuses it"),
     ("steps-per-print-zero", setting("deepspeed", config={"steps_per_print": 0}),
@@ -51,9 +55,26 @@ def test_plan_refuses_what_the_run_cannot_do(edit, message, tmp_path, tiny_model
     assert r.stderr.count("\n") == 1 and not (tmp_path / "run").exists()
 
 
-def test_offload_with_deepspeeds_own_optimizer_passes():
+def test_offload_at_zero_1_and_2_passes():
+    """torch's AdamW steps the offloaded partitions on the host; the phase's config says so to DeepSpeed."""
     assert deepspeed_refusal({**OFFLOAD, "zero_force_ds_cpu_optimizer": False}) is None
+    assert deepspeed_refusal(OFFLOAD, 1) is None and deepspeed_refusal(OFFLOAD, 2) is None
+    assert deepspeed_refusal(OFFLOAD, 3)[1] == "needs deepspeed.zero_stage 1 or 2, got 3"
+    assert "zero_force_ds_cpu_optimizer" not in deepspeed_config_of({})
+    assert deepspeed_config_of(OFFLOAD)["zero_force_ds_cpu_optimizer"] is False
     assert deepspeed_refusal({"steps_per_print": 10, "zero_optimization": {"overlap_comm": True}}) is None
+
+
+def deepspeed_config_of(table: dict) -> dict:
+    """The phase's DeepSpeed config (its ZeRO-2 backend's, ``launch.engine``) of the tiny schedule with ``table``."""
+    from types import SimpleNamespace
+
+    from launch.engine import ZeroBackend
+
+    spec = SimpleNamespace(data=SimpleNamespace(batch_size=8, micro_batch_size=4), zero_stage=2,
+                           optimizer=SimpleNamespace(grad_clip=1.0), model=SimpleNamespace(dtype="float32"),
+                           deepspeed_config=table)
+    return ZeroBackend(2).config(spec, 1, 1000)
 
 
 @pytest.mark.parametrize("env,ok", [({}, False), ({"WANDB_MODE": "offline"}, True), ({"WANDB_API_KEY": "k" * 40}, True),

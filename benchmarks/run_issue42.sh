@@ -1,0 +1,137 @@
+#!/bin/bash
+# Issue #42's device steps: relayer's whole run held to a device budget of 24 GiB on an H100
+# (launch.device_memory), beside the peer (the Hugging Face Trainer with axolotl's LISA callback)
+# held to the same bytes by torch.cuda.set_per_process_memory_fraction. From the project root, once
+# ../shared/device/make-wheels.sh and benchmarks/peer-wheels.sh have filled .whl/ (as run_issue29.sh):
+#
+#     run(kind="nvidia-h100-x1", carry=[".whl"], timeout_s=600, command="bash benchmarks/run_issue42.sh plan24")
+#     run(kind="nvidia-h100-x1", carry=[".whl"], timeout_s=600, command="bash benchmarks/run_issue42.sh host1b")
+#     run(kind="nvidia-h100-x1", carry=[".whl"], timeout_s=600, command="bash benchmarks/run_issue42.sh peer7b24")
+#
+# Not run yet (written without a GPU, 2026-12-06): the times below are estimates from
+# benchmarks/results/2026-12-02-issue29-h200 and 2026-12-05-stage0-h100.
+#
+#   plan24    ~1 min  `orchestrator plan --device-memory 24GiB` of the 7B LISA job (batch 4 x 512, 2 layers
+#                     every 20 steps, bf16, ZeRO 0) as it is, with gradient checkpointing, with micro
+#                     batch 1 too, and with prewarm_depth 1 too: each plan's table, its switches and, where
+#                     a phase is above the budget, its exit 2 naming what would fit. No GPU needed (on
+#                     this project's CPU machine, 2026-12-06: all four exit 2; the first names gradient
+#                     checkpointing, ZeRO 2 with offload_optimizer and prewarm_depth 1 as fitting, 23.0 GiB).
+#   host1b    ~3 min  benchmarks/switch.py at 1.1B, 10 phases x 20 steps, LISA's layers, launch.device_memory
+#                     24GiB and launch.handover = "host": every switch through host memory (the
+#                     predecessor's fp32 state in /dev/shm, its engine's memory let go); NVML every 20 ms
+#                     (the device's used bytes, every process of the run) against 24 GiB; the switch
+#                     median; records.json's device_released per phase.
+#   peer7b24  ~9 min  benchmarks/peer.py at 7B, 200 steps, batch 4 x 512, --device-memory 24GiB
+#                     --gradient-checkpointing --zero-stage 2 --offload-optimizer --prewarm-depth 1 (what
+#                     plan24's first plan names as fitting, 23.0 GiB): the peer under the fraction
+#                     (finished or not), then relayer (its plan refuses it, exit 2, where its estimate is
+#                     above the budget: said in the log). The optimizer's step on the host is torch's
+#                     AdamW over 0.67 B parameters: seconds a step, not measured yet.
+#
+# $OUT gets STEP.log, results-STEP.tgz (results.json, table.md, the plan texts, journals and records;
+# no checkpoints) and, per run, the NVML peak beside the budget (budget.txt).
+# On a CPU, for trying the script itself: OUT=/tmp/o DS_ACCELERATOR=cpu I42_TINY=1 bash benchmarks/run_issue42.sh host1b
+set -uo pipefail
+STEP=${1:?usage: run_issue42.sh plan24|host1b|peer7b24}
+: "${OUT:?set OUT to the folder the results go to}"
+T0=$(date +%s)
+S=${I42_SCRATCH:-/tmp/i42}
+SHM=${I42_SHM:-/dev/shm/i42}
+BUDGET=${I42_BUDGET:-24GiB}
+mkdir -p "$S/results" "$SHM"
+exec > >(tee "$OUT/$STEP.log") 2>&1
+PY=${PYTHON:-python3}
+if [ -d .whl ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH DS_ACCELERATOR=${DS_ACCELERATOR:-cuda} PYTHONUNBUFFERED=1
+say() { echo "[run_issue42 $STEP $(( $(date +%s) - T0 )) s] $*"; }
+nvidia-smi --query-gpu=index,name,uuid,memory.total,driver_version --format=csv,noheader 2>/dev/null
+free -g | head -2; nproc
+TINY=${I42_TINY:-0}
+shape() { [ "$TINY" = 1 ] && echo tiny || echo "$1"; }
+finish() {
+    tar -czf "$OUT/results-$STEP.tgz" -C "$S" --exclude='*/checkpoints/*' --exclude='*/final/*' \
+        --exclude='*.safetensors' --exclude=train.jsonl results 2>/dev/null
+    say "done"
+}
+trap finish EXIT
+
+# budget_check RESULTS_JSON: the NVML peak of each way beside the budget (results.json's device_peak).
+budget_check() {
+    $PY - "$1" "$BUDGET" <<'EOF' | tee -a "$S/results/budget.txt"
+import json, sys
+from shard_tools.sizes import format_bytes, parse_size
+result, budget = json.load(open(sys.argv[1])), parse_size(sys.argv[2])
+for name, way in result["ways"].items():
+    peak = way.get("device_peak") or max((u for _, u in way.get("trace", [])), default=None)
+    verdict = "no trace" if peak is None else ("within" if peak <= budget else "ABOVE")
+    print(f"{result['name']} {name}: NVML peak {format_bytes(peak) if peak else '-'}, {verdict} {format_bytes(budget)}")
+EOF
+}
+
+plan24() {
+    local d="$S/results/plan24" model="$SHM/m7b-config"
+    mkdir -p "$d" "$model"
+    $PY - "$d" <<'EOF'
+import json, sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+from _shapes import SHAPES
+d = Path(sys.argv[1])
+shape = SHAPES["7b"]
+(d / "train.jsonl").write_text("".join(json.dumps({"input_ids": list(range(1, 513))}) + "\n" for _ in range(8)))
+phases = "".join(f"  {{ steps = 20, layers = [{2 * i}, {2 * i + 1}] }},\n" for i in range(10))
+config = ", ".join(f"{k} = {json.dumps(v)}" for k, v in shape["model"].items() if v is not None)
+(d / "schedule.toml").write_text(f"""[model]
+config = {{ {config} }}
+dtype = "bfloat16"
+[data]
+path = "train.jsonl"
+seq_len = 512
+batch_size = 4
+micro_batch_size = 4
+[deepspeed]
+zero_stage = 0
+[schedule]
+phases = [
+{phases}]
+""")
+EOF
+    local i=0
+    for sets in "" "--set model.gradient_checkpointing=true" \
+            "--set model.gradient_checkpointing=true --set data.micro_batch_size=1" \
+            "--set model.gradient_checkpointing=true --set data.micro_batch_size=1 --set launch.prewarm_depth=1"; do
+        i=$((i + 1))
+        # shellcheck disable=SC2086
+        orchestrator plan "$d/schedule.toml" --device-memory "$BUDGET" $sets > "$d/plan-$i.txt" 2>&1
+        say "plan $i ($sets): exit $?"; tail -4 "$d/plan-$i.txt"
+    done
+}
+
+host1b() {
+    local name=host1b-$BUDGET
+    $PY benchmarks/switch.py --shape "$(shape 1.1b)" --ways a --layers lisa --model-dir "$SHM/m1b" --work "$S/work/$name" \
+        --results-dir "$S/results" --out "$name" --handover host --device-memory "$BUDGET" --phases 10 --steps 20 \
+        --timeout 400
+    say "switch.py $name: rc $?"
+    [ -f "$S/results/$name/results.json" ] && budget_check "$S/results/$name/results.json"
+    rm -rf "$S/work/$name"
+}
+
+peer7b24() {
+    local name=peer7b-$BUDGET
+    $PY benchmarks/peer.py --shape "$(shape 7b)" --model-dir "$SHM/m7b" --work "$S/work/$name" --results-dir "$S/results" \
+        --out "$name" --device-memory "$BUDGET" --gradient-checkpointing --zero-stage 2 --offload-optimizer \
+        --prewarm-depth 1 --callback auto --keep-last 1 --timeout 420
+    say "peer.py $name: rc $?"
+    grep -h "orchestrator:" "$S/work/$name"/relayer/orchestrator.log 2>/dev/null | tail -3
+    [ -f "$S/results/$name/results.json" ] && budget_check "$S/results/$name/results.json"
+    rm -rf "$S/work/$name"
+}
+
+case $STEP in
+    plan24|host1b|peer7b24) $STEP ;;
+    *) say "unknown step $STEP"; exit 2 ;;
+esac

@@ -1,0 +1,42 @@
+"""The host path's pieces without a run (launch/hostpath.py): the fp32 state written to a file and
+mapped back bit for bit, and the walk that finds an optimizer's tensors to let go of."""
+
+from __future__ import annotations
+
+import torch
+
+from launch import hostpath
+from launch.contract.files import Offer
+from launch.master_adamw import MasterAdamW
+
+
+def test_the_state_goes_through_the_file_bit_for_bit(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {"master/a.weight": torch.randn(3, 5, generator=g), "exp_avg/a.weight": torch.randn(3, 5, generator=g),
+               "master/b": torch.randn(7, generator=g), "exp_avg_sq/a.weight": torch.rand(3, 5, generator=g),
+               "master/t": torch.randn(4, 2, generator=g).t()}  # not contiguous
+    blob = tmp_path / "rank-0.bin"
+    blocks, refs = hostpath.export(tensors, blob, None)
+    assert blob.stat().st_mode & 0o777 == 0o600
+    assert all(b["offset"] % hostpath.ALIGN == 0 for b in blocks)
+    offer = Offer(pid=1, device="host", transport="shm", blocks=blocks, tensors=refs, carried={})
+    parts = hostpath.map_blob(offer, blob)
+    back = {f"{k}/{n}": t for k, by_name in parts.items() for n, t in by_name.items()}
+    assert back.keys() == tensors.keys()
+    assert all(torch.equal(back[k], tensors[k]) for k in tensors)
+    # Copy-on-write: what the reader changes stays its own, the file keeps the offered bytes.
+    parts["master"]["b"].zero_()
+    again = hostpath.map_blob(offer, blob)
+    assert torch.equal(again["master"]["b"], tensors["master/b"])
+
+
+def test_every_tensor_of_the_optimizer_is_found():
+    model = torch.nn.Linear(4, 3)
+    opt = MasterAdamW([{"params": list(model.parameters())}], lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                      weight_decay=0.0, grad_clip=1.0, device=torch.device("cpu"))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    found = {id(t) for t in hostpath._tensors(opt)}
+    assert {id(opt.master), id(opt.moments)} <= found
+    inner_state = [t for s in opt.inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    assert inner_state and all(id(t) in found for t in inner_state)
