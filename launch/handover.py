@@ -17,7 +17,6 @@ benchmarks/results/2026-12-01-ipc-handover-h200/.
 
 from __future__ import annotations
 
-import base64
 import math
 import os
 import time
@@ -27,22 +26,21 @@ import torch
 from launch import engine, hostpath
 from launch.contract import faults
 from launch.contract.cadence import end_writes
-from launch.contract.files import Answer, Carried, Offer, PhaseDir, TensorRef
+from launch.contract.files import Answer, Carried, Offer, PhaseDir
 from launch.record import Phase, Prepared
 from launch.save import carried_layer, snapshot
 from launch.staging import one_block
+from launch.transports import device_id, export_cuda, export_host, map_offer
 from shard_tools.errors import CheckpointError
 from shard_tools.state import PhaseState, RunState, layer_weights
 
-ALIGN = 64
 CARRY_SHARE = 0.9
 """Of the device's memory, what the switch's planned peak and the carried layers (twice) may take:
 on one H200 at 7B the switches' peak reached 147 of 151 GB with 29 layers carried and no margin."""
 ANSWER_POLL = 0.002
-_IPC_FIELDS = ("device", "handle", "size", "offset", "rc_handle", "rc_offset", "event", "event_sync")
 
 
-# -- the transports ---------------------------------------------------------------------------
+# -- the transports (``launch.transports``) -----------------------------------------------------
 def transport_of(ph: Phase, taking: bool = True) -> str | None:
     """How this phase takes its predecessor's state (``taking``) or offers its own."""
     h = ph.spec.handover
@@ -51,70 +49,6 @@ def transport_of(ph: Phase, taking: bool = True) -> str | None:
     if ph.device.type == "cuda":
         return "cuda"
     return "host" if h.host else None
-
-
-def device_id(device: torch.device) -> str:
-    if device.type == "cuda":
-        return str(torch.cuda.get_device_properties(device).uuid)
-    return "host"
-
-
-def _ref(name: str, t: torch.Tensor, block: int, offset: int) -> TensorRef:
-    return TensorRef(name=name, block=block, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
-                     stride=list(t.stride()), offset=offset)
-
-
-def _export_cuda(tensors: dict[str, torch.Tensor]) -> tuple[list[dict], list[TensorRef]]:
-    """One IPC handle per storage (a flat buffer's views share one), each tensor a view into it."""
-    torch.cuda.synchronize()
-    blocks: list[dict] = []
-    refs: list[TensorRef] = []
-    index: dict[int, int] = {}
-    for name, t in tensors.items():
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in index:
-            fields = storage._share_cuda_()
-            index[key] = len(blocks)
-            blocks.append({k: base64.b64encode(v).decode() if isinstance(v, bytes) else v
-                           for k, v in zip(_IPC_FIELDS, fields)})
-        refs.append(_ref(name, t, index[key], t.storage_offset()))
-    return blocks, refs
-
-
-def _export_host(tensors: dict[str, torch.Tensor], blob: Path) -> tuple[list[dict], list[TensorRef]]:
-    """Every tensor's bytes, contiguous, into ``blob`` (0600)."""
-    blocks: list[dict] = []
-    refs: list[TensorRef] = []
-    offset = 0
-    with os.fdopen(os.open(blob, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-        for name, t in tensors.items():
-            data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            f.seek(offset)
-            f.write(memoryview(data))
-            blocks.append({"offset": offset, "size": data.nbytes})
-            refs.append(_ref(name, t.contiguous(), len(blocks) - 1, 0))
-            offset += -(-data.nbytes // ALIGN) * ALIGN
-    return blocks, refs
-
-
-def _map(offer: Offer, blob: Path, device: torch.device) -> dict[str, torch.Tensor]:
-    """Each offered tensor, as a view of the mapped block (cuda) or of this process's copy of the
-    file (host). A cuda view must not outlive the copy made of it."""
-    if offer.transport == "host":
-        data = bytearray(blob.read_bytes())
-        whole = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        return {r.name: whole[offer.blocks[r.block]["offset"]:][:offer.blocks[r.block]["size"]]
-                .view(getattr(torch, r.dtype)).as_strided(r.shape, r.stride) for r in offer.tensors}
-
-    def storage(b: dict) -> torch.UntypedStorage:
-        f = {k: base64.b64decode(v) if isinstance(v, str) else v for k, v in b.items()}
-        return torch.UntypedStorage._new_shared_cuda(device.index, f["handle"], f["size"], f["offset"],
-                                                     f["rc_handle"], f["rc_offset"], f["event"], f["event_sync"])
-
-    storages = [storage(b) for b in offer.blocks]
-    return {r.name: torch.empty(0, dtype=getattr(torch, r.dtype), device=device).set_(
-        storages[r.block], r.offset, r.shape, r.stride) for r in offer.tensors}
 
 
 WEIGHTS, BUFFERS = "module", "buffer"
@@ -147,11 +81,7 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
     if not ph.spec.handover.offer or transport is None:
         return None, True
     snap = snapshot(ph)  # collectives: every rank
-    ahead = ph.made.host.ahead
-    snap.masters.update(ahead)
-    if ahead:
-        ph.timeline.add(carried_ahead=sorted({carried_layer(ph, n) for n in ahead}))
-    on_host = {n: t for n, t in ph.made.carried.items() if n not in ahead}
+    on_host = _ahead_into(ph, snap)
     files = PhaseDir(ph.spec.phase_dir)
     files.handover.mkdir(mode=0o700, exist_ok=True)
     blob = files.shm_blob_path(ph.rank) if transport == "shm" else files.blob_path(ph.rank)
@@ -161,14 +91,9 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
                                        rank=ph.rank)
     else:
         tensors = _pack(ph.built.engine.module, snap, on_host)
-        blocks, refs = _export_cuda(tensors) if transport == "cuda" else _export_host(tensors, blob)
-    spec = ph.spec
-    carried = Carried(phase=spec.phase, global_step=ph.step, layers=list(spec.layers), head_step=snap.head_step,
-                      body_step=snap.body_step, scaler=snap.run.scaler, restore=_str(ph.built.source.restore),
-                      end=str(ph.checkpoints.at(ph.step)),
-                      host_layers=ph.made.host.refs(on_host) if transport != "shm" else [])
+        blocks, refs = export_cuda(tensors) if transport == "cuda" else export_host(tensors, blob)
     made = Offer(pid=os.getpid(), device="host" if transport == "shm" else device_id(ph.device), transport=transport,
-                 blocks=blocks, tensors=refs, carried=carried)
+                 blocks=blocks, tensors=refs, carried=_carried(ph, snap, on_host if transport != "shm" else {}))
     files.write_offer(ph.rank, made)
     ph.timeline.mark("t_offered")
     faults.point("handover.offered", rank=ph.rank)
@@ -184,6 +109,25 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
     if not write:
         ph.timeline.add(checkpoint_written=False)
     return snap, write
+
+
+def _ahead_into(ph: Phase, snap: PhaseState) -> dict[str, torch.Tensor]:
+    """The carried layers the successor trains, on the device ahead of the offer
+    (``HostCarry.upload_ahead``), into the snapshot's masters; the others, left on the host."""
+    ahead = ph.made.host.ahead
+    snap.masters.update(ahead)
+    if ahead:
+        ph.timeline.add(carried_ahead=sorted({carried_layer(ph, n) for n in ahead}))
+    return {n: t for n, t in ph.made.carried.items() if n not in ahead}
+
+
+def _carried(ph: Phase, snap: PhaseState, on_host: dict[str, torch.Tensor]) -> Carried:
+    """What the offer carries on besides its tensors; ``on_host``: the carried layers offered where
+    they lie in host memory."""
+    spec = ph.spec
+    return Carried(phase=spec.phase, global_step=ph.step, layers=list(spec.layers), head_step=snap.head_step,
+                   body_step=snap.body_step, scaler=snap.run.scaler, restore=_str(ph.built.source.restore),
+                   end=str(ph.checkpoints.at(ph.step)), host_layers=ph.made.host.refs(on_host))
 
 
 def carry_on(ph: Phase) -> None:
@@ -363,7 +307,7 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool = False) -> Phase
     masters (the state carried on), with ``keep`` the other layers' masters too (``Prepared.carried``);
     then the mappings go."""
     made = ph.made
-    parts = _unpack(_map(offered, blob, ph.device))
+    parts = _unpack(map_offer(offered, blob, ph.device))
     faults.point("handover.copying", phase=ph.spec.phase, rank=ph.rank)
     with torch.no_grad():
         # New parameters in place of the skeleton's (on the meta device), tied ones tied still; the

@@ -12,7 +12,7 @@ import torch
 
 from launch import handover, procs
 from launch.prepare import host_model, memory_now, overlay
-from launch.record import Assembled, Phase, Source
+from launch.record import Assembled, Phase, Prepared, Source
 from launch.scaler import restore_scaler
 from launch.engine import HEAD_DECAY, HEAD_NO_DECAY, MOMENTS, param_groups
 from shard_tools.checkpoint import populate_pages

@@ -90,13 +90,12 @@ def plan(schedule: Path, output_dir: Path | None, nproc: int | None, device_memo
     """Print the phase table of SCHEDULE, how each switch hands over, and check the file, without
     starting anything."""
     from orchestrator.budget import budget_line, budget_of
+    from orchestrator.datastep import check_data
     from orchestrator.display import largest_phase, print_plan
     from orchestrator.estimate import EstimateError, estimate_plan, size_option
     from orchestrator.handover import plan_switches
     from orchestrator.plan import plan_phases
     from orchestrator.validate import load_schedule
-
-    from orchestrator.datastep import check_data
 
     option = size_option(device_memory, "--device-memory") if device_memory is not None else None
     loaded = load_schedule(schedule, output_dir=output_dir, nproc=nproc, overrides=overrides, device_memory=option)

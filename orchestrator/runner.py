@@ -412,19 +412,17 @@ class Runner:
                 self._prewarm_final()
 
     def _prewarm_final(self) -> None:
-        """The final model's exporter (``orchestrator.final``), started with the last phase's pre-warmed
-        group, else at its go (7B on an H200: the imports and the base model took ~12 s, more than
-        the last phase's training)."""
+        """The final model's exporter (``orchestrator.final``), started with the last phase's pre-warmed group,
+        else at its go (7B on an H200: the imports and the base model took ~12 s, more than the last phase's)."""
         if self.exporter is None and self.loaded.schedule.run.final_model:
             base = final.base_ahead(self.loaded)
             self.exporter = final.Exporter(self.run_dir, base)
             self._event("final_model_prewarm", base_model=base is not None)
 
     def _supervise(self, group: Group, predecessor: Supervisor | None) -> Supervisor:
-        """Waits for a phase's group until all of it is gone, or until it hands its state over
-        (``orchestrator.supervisor``), following ``predecessor`` on, the phase that hands its state
-        over to it. With a switch to keep quiet, the phases further ahead start once it is over (a
-        start would slow it as much as a preparation does)."""
+        """Waits for a phase's group until all of it is gone, or until it hands its state over (the supervisor),
+        following ``predecessor`` on, the phase that hands its state over to it. With a switch to keep quiet, the
+        phases further ahead start once it is over (a start would slow it as a preparation does)."""
 
         def start_ahead() -> None:
             self._prewarm_ahead(group.work)

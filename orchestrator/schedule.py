@@ -1,5 +1,5 @@
-"""The schedule file's typed, validated sections, the phase table's rows, and pydantic's errors in
-the schedule's own words.
+"""The schedule file's typed, validated sections and the phase table's rows (pydantic's errors in
+the schedule's own words: ``orchestrator.schema_errors``).
 
 Reading a file and checking it against the model, the data and the launch is ``orchestrator.validate``;
 the model folder's checks are ``orchestrator.modelcheck``; the phase table is ``orchestrator.plan``.
@@ -8,13 +8,11 @@ Nothing here imports torch. docs/schedule.md is generated from the sections' fie
 
 from __future__ import annotations
 
-import difflib
 import math
-import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from orchestrator.datasection import DataSection, SourceSection  # noqa: F401 - the [data] section, its own module
 from orchestrator.libfacts import deepspeed_refusal
@@ -404,86 +402,3 @@ class LoadedSchedule(BaseModel):
             return sc.total_steps
         assert self.data_check is not None, "schedule.epochs needs the data step's rows"
         return math.ceil(round(sc.epochs * self.data_check["stats"]["train"]["rows"]) / batch)
-
-
-def _section_at(loc: tuple) -> type[BaseModel] | None:
-    """The section class that holds the last key of ``loc``, for suggesting the keys it takes."""
-    cls: type[BaseModel] | None = Schedule
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        field = cls.model_fields.get(part)
-        if field is None:
-            return None
-        todo, cls = [field.annotation], None
-        while todo:
-            t = todo.pop()
-            if isinstance(t, type) and issubclass(t, BaseModel):
-                cls = t
-                break
-            todo.extend(typing.get_args(t))
-        if cls is None:
-            return None
-    return cls
-
-
-def _unknown_key(loc: tuple) -> str:
-    section = _section_at(loc)
-    if section is None:
-        return "unknown key"
-    known = list(section.model_fields)
-    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-    if close:
-        return f"unknown key (did you mean {close[0]}?)"
-    return f"unknown key; expected one of {', '.join(known)}"
-
-
-_BOUNDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
-
-
-def _bound(err: dict[str, Any]) -> str:
-    (op, limit), = ((k, v) for k, v in err["ctx"].items() if k in _BOUNDS)
-    noun = "integer" if isinstance(err["input"], int) else "number"
-    if limit == 0 and op in ("gt", "ge"):
-        return f"expected a {'positive' if op == 'gt' else 'non-negative'} {noun}"
-    shown = f"{limit:,}" if isinstance(limit, int) else f"{limit:g}"
-    return f"expected a{'n' if noun == 'integer' else ''} {noun} {_BOUNDS[op]} {shown}"
-
-
-_EXPECTED = {
-    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
-    "float_type": "a number", "float_parsing": "a number",
-    "string_type": "a string", "bool_type": "true or false", "bool_parsing": "true or false",
-    "list_type": "a list", "tuple_type": "a list", "dict_type": "a table",
-    "model_type": "a table", "model_attributes_type": "a table",
-}
-
-
-def _plain(err: dict[str, Any]) -> tuple[str, str]:
-    """(dotted key, what is expected) for one pydantic error, in the schedule's own words."""
-    loc = tuple(p for p in err["loc"] if not str(p).startswith("function-"))
-    key = ""
-    for p in loc:
-        key += f"[{p}]" if isinstance(p, int) else (("." if key else "") + str(p))
-    kind, got = err["type"], f", got {_show(err['input'])}"
-    cause = (err.get("ctx") or {}).get("error")
-    if isinstance(cause, KeyProblem):
-        return cause.key, str(cause)
-    if kind == "extra_forbidden":
-        return key, _unknown_key(loc)
-    if kind == "missing":
-        return key, "required, but missing"
-    if kind in _EXPECTED:
-        return key, f"expected {_EXPECTED[kind]}{got}"
-    if kind == "literal_error":
-        return key, f"expected {err['ctx']['expected']}{got}"
-    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        return key, _bound(err) + got
-    if kind == "too_short":
-        return key, f"expected at least {err['ctx']['min_length']} item(s){got}"
-    return key, err["msg"].removeprefix("Value error, ")
-
-
-def format_validation(err: ValidationError, source: Path) -> str:
-    return "\n".join(f"{source}: {key or '(top level)'}: {msg}" for key, msg in map(_plain, err.errors()))
-

@@ -26,7 +26,8 @@ from orchestrator.modelcheck import (
 )
 from orchestrator.nodes import check_hostfile, check_launch
 from orchestrator.plan import MAX_PHASES, check_batch, check_warmup, plan_phases
-from orchestrator.schedule import DataSection, LoadedSchedule, Schedule, default_zero_stage, format_validation
+from orchestrator.schedule import DataSection, LoadedSchedule, Schedule, default_zero_stage
+from orchestrator.schema_errors import format_validation
 from orchestrator.sections import MAX_NESTING, too_deep
 from shard_tools.tokenizer import MAIN_FILES, TOKENIZER_FILES
 
