@@ -53,7 +53,7 @@
 # On a CPU, for trying the script itself (tiny shapes, a few minutes each):
 #     OUT=/tmp/o DS_ACCELERATOR=cpu I29_TINY=1 bash benchmarks/run_issue29.sh peer7b
 set -uo pipefail
-STEP=${1:?usage: run_issue29.sh issue41|peer7b|peer7be|peer7b0|lisa7b|lisa7b0|step7b|diag0|stage0|step0|lisa13|big|big13|big30|long11|long11s|long11e|long7|long7c}
+STEP=${1:?usage: run_issue29.sh issue41|cadence11|peer7b|peer7be|peer7b0|lisa7b|lisa7b0|step7b|diag0|stage0|step0|lisa13|big|big13|big30|long11|long11s|long11e|long7|long7c}
 : "${OUT:?set OUT to the folder the results go to}"
 T0=$(date +%s)
 S=${I29_SCRATCH:-/tmp/i29}
@@ -278,8 +278,16 @@ issue41() {
     rm -rf "$WORK_DIR/cadence11"
 }
 
+# The carried layers on the host alone (issue41's second half): 1.1B, 20 LISA phases at the default cadence.
+cadence11() {
+    space 1.1b --layers lisa --phases 20 --handover --carried 2 || exit 3
+    switch cadence11 1.1b --phases 20 --steps 20 --zero-stage 0 --timeout 150
+    rm -rf "$WORK_DIR/cadence11"
+}
+
 case "$STEP" in
     issue41) issue41 ;;
+    cadence11) cadence11 ;;
     peer7b) peer7b ;;
     peer7be) peer7be ;;
     lisa7b) lisa7b ;;
