@@ -73,6 +73,7 @@ def test_badam_with_drop_all_and_a_warm_up_after_switches_matches_reference(bada
     # Every phase's head state started anew: its step counts this phase's steps only.
     ends = sorted((m.phase, m.head_step) for m in map(read_manifest, Checkpoints(run).all()) if m.phase_complete)
     assert [s for _, s in ends] == [5] * 6
+    assert {v for m in map(read_manifest, Checkpoints(run).all()) for v in m.extra["state_from"].values()} == {"fresh"}
     logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["lr"] for m in logged[5:11]] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3, 1e-3, 1e-3 / 3])
 
@@ -91,6 +92,9 @@ def test_badam_stopped_mid_phase_resumes_bitwise(badam, tmp_path, tiny_model):
     r = cli("orchestrator", "run", str(shutil.copy(sched, tmp_path / "s.toml")))
     assert r.returncode == 0, r.stderr
     assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, whole))
+    # The resumed phase's checkpoints say its state came from step 6's, kept (9 tensors of a layer, 3 of the head).
+    shown = cli("shard-tools", "inspect", str(run / "checkpoints" / "step-00000009"))
+    assert shown.returncode == 0 and "optimizer state started from: phase 1 step 6: 12 tensors" in shown.stdout
 
 
 def test_weighted_windowed_lisa_with_drop_all_on_two_processes_handing_over(tmp_path, tiny_model, tiny_data):
