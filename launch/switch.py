@@ -162,6 +162,7 @@ def restore(ph: Phase) -> None:
     head_carries = same_phase or ph.spec.optimizer_state != "drop-all"
     head_step = m.head_step if head_carries else 0
     steps = [head_step if role in (HEAD_DECAY, HEAD_NO_DECAY) else body_step for role in built.roles]
+    ph.timeline.add(state_from=state_from(built, m, same_phase, head_carries))
     backend.materialise(built.engine, steps)
     if built.source.populating is not None:
         built.source.populating.result()
@@ -184,6 +185,15 @@ def restore(ph: Phase) -> None:
     built.source.carried = None  # on the device now; the mapping of the head file can go
     made.trained = {}
     ph.timeline.mark("t_restored")
+
+
+def state_from(built: Assembled, m: PhaseState, body_carries: bool, head_carries: bool) -> dict[str, str]:
+    """Per trained tensor, what its optimizer state starts this phase from: "fresh", or the state
+    of the checkpoint (or handover) ``m`` at its step ("phase P step S"); the phase's records and
+    checkpoints say it (``shard-tools inspect``)."""
+    kept = f"phase {m.phase} step {m.step}"
+    return {**{n: kept if head_carries else "fresh" for n, _ in built.head},
+            **{n: kept if body_carries else "fresh" for n, _ in built.body}}
 
 
 def _restore_rng(ph: Phase, saved: dict[str, torch.Tensor]) -> None:

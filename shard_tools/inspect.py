@@ -146,11 +146,22 @@ def _render_checkpoint(r: dict[str, Any], console) -> None:
     console.print(f"head_step {r['head_step']}, body_step {r['body_step']}, world size {r['world_size']}, "
                   f"ZeRO {r['zero_stage']}, {r['dtype']}, {human_bytes(r['bytes'])}")
     console.print("versions: " + ", ".join(f"{k} {v}" for k, v in sorted(r["versions"].items())))
+    if isinstance(started := (r.get("extra") or {}).get("state_from"), dict):
+        console.print("optimizer state started from: " + state_from_line(started), markup=False, highlight=False)
     table = Table("tensor", "group", "dtype", "shape", "bytes")
     for t in r["tensors"]:
         table.add_row(t["name"], t["group"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar",
                       human_bytes(t["bytes"]))
     console.print(table)
+
+
+def state_from_line(started: dict[str, Any]) -> str:
+    """A manifest's ``extra.state_from`` in words: each origin, and how many tensors (which, if few) start from it."""
+    by: dict[str, list[str]] = {}
+    for name, origin in sorted(started.items()):
+        by.setdefault(str(origin), []).append(name)
+    return "; ".join(f"{origin}: {len(names)} tensor{'s' if len(names) > 1 else ''}"
+                     + (f" ({', '.join(names)})" if len(names) <= 3 else "") for origin, names in by.items())
 
 
 def _render_run(r: dict[str, Any], console) -> None:

@@ -87,6 +87,9 @@ class PhaseState:
     carried: list[int] = field(default_factory=list)
     """Layers whose fp32 masters ``masters`` holds besides the phase's own: trained by phases since
     the last checkpoint whose ends wrote none (``Manifest.carried_layers``)."""
+    state_from: dict[str, str] | None = None
+    """Per trained tensor, what its optimizer state started the phase from: "fresh", or "phase P
+    step S" (kept from that checkpoint's state); the manifest's ``extra.state_from``."""
 
     @property
     def stored_layers(self) -> list[int]:
@@ -128,7 +131,8 @@ def save_state(run_dir: Path, state: PhaseState, origin: Origin, *, durable: boo
         extra={"data_position": state.run.data_position, "persistent": origin.persistent,
                "base_model": asdict(origin.base_model), "tokenizer": origin.tokenizer,
                "layers_attr": origin.layers_attr, "lr": state.lr,
-               **({"chat_template": origin.chat_template} if origin.chat_template is not None else {})})
+               **({"chat_template": origin.chat_template} if origin.chat_template is not None else {}),
+               **({"state_from": state.state_from} if state.state_from is not None else {})})
     files_ahead = prepared.release() if prepared is not None else None
     return write_checkpoint(run_dir, manifest, files, _metadata(state.stored_layers, origin.layers_attr), durable=durable,
                             prepared=files_ahead, on_file_written=on_file_written)

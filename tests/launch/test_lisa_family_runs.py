@@ -73,24 +73,28 @@ def test_badam_with_drop_all_and_a_warm_up_after_switches_matches_reference(bada
     # Every phase's head state started anew: its step counts this phase's steps only.
     ends = sorted((m.phase, m.head_step) for m in map(read_manifest, Checkpoints(run).all()) if m.phase_complete)
     assert [s for _, s in ends] == [5] * 6
+    assert {v for m in map(read_manifest, Checkpoints(run).all()) for v in m.extra["state_from"].values()} == {"fresh"}
     logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["lr"] for m in logged[5:11]] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3, 1e-3, 1e-3 / 3])
 
 
 def test_badam_stopped_mid_phase_resumes_bitwise(badam, tmp_path, tiny_model):
-    """A stop at step 6 (phase 1, one step past its switch): the resume restores the head's state
+    """A stop at step 21 (phase 4, one step past its switch): the resume restores the head's state
     from the phase's own checkpoint (not reset again) and ends bitwise as the uninterrupted run."""
     sched, whole = badam
     run = tmp_path / "run"
     shutil.copytree(whole, run)
     for ckpt in Checkpoints(run).all():
-        if read_manifest(ckpt).global_step > 6:
+        if read_manifest(ckpt).global_step > 21:
             shutil.rmtree(ckpt)
     mid = read_manifest(Checkpoints(run).newest_whole()[0])
-    assert (mid.global_step, mid.phase, mid.phase_complete, mid.head_step) == (6, 1, False, 1)
+    assert (mid.global_step, mid.phase, mid.phase_complete, mid.head_step) == (21, 4, False, 1)
     r = cli("orchestrator", "run", str(shutil.copy(sched, tmp_path / "s.toml")))
     assert r.returncode == 0, r.stderr
     assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, whole))
+    # The resumed phase's checkpoints say its state came from step 21's, kept (9 tensors of a layer, 3 of the head).
+    shown = cli("shard-tools", "inspect", str(run / "checkpoints" / "step-00000024"))
+    assert shown.returncode == 0 and "optimizer state started from: phase 4 step 21: 12 tensors" in shown.stdout
 
 
 def test_weighted_windowed_lisa_with_drop_all_on_two_processes_handing_over(tmp_path, tiny_model, tiny_data):

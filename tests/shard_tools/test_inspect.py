@@ -69,6 +69,13 @@ def test_checkpoint_tensors(tiny_run):
     table = invoke("inspect", path)
     assert table.exit_code == 0, table.output
     assert "model.layers.1.mlp.down_proj.weight" in table.stdout and "body_step 10" in table.stdout
+    # LISA's reset: phase 1's layer started fresh, the head from phase 0's last state (its end, step 10).
+    started = report["extra"]["state_from"]
+    assert {n: v for n, v in started.items() if not n.startswith("model.layers.")} == dict.fromkeys(
+        ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"], "phase 0 step 10")
+    assert {v for n, v in started.items() if n.startswith("model.layers.1.")} == {"fresh"} and len(started) == 12
+    assert "optimizer state started from: phase 0 step 10: 3 tensors" in table.stdout
+    assert "fresh: 9 tensors" in table.stdout
 
 
 def test_inspect_and_verify_do_not_import_torch(tiny_run):
