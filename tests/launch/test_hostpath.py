@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from launch import hostpath
-from launch.contract.files import Offer
+from launch.contract.files import Carried, Offer
 from launch.master_adamw import MasterAdamW
 
 
@@ -19,7 +19,9 @@ def test_the_state_goes_through_the_file_bit_for_bit(tmp_path):
     blocks, refs = hostpath.export(tensors, blob, None)
     assert blob.stat().st_mode & 0o777 == 0o600
     assert all(b["offset"] % hostpath.ALIGN == 0 for b in blocks)
-    offer = Offer(pid=1, device="host", transport="shm", blocks=blocks, tensors=refs, carried={})
+    carried = Carried(phase=0, global_step=1, layers=[0], head_step=1, body_step=1, scaler={}, restore=None,
+                      end="step-00000001")
+    offer = Offer(pid=1, device="host", transport="shm", blocks=blocks, tensors=refs, carried=carried)
     parts = hostpath.map_blob(offer, blob)
     back = {f"{k}/{n}": t for k, by_name in parts.items() for n, t in by_name.items()}
     assert back.keys() == tensors.keys()
