@@ -138,26 +138,35 @@ def requeued_then_killed(slurm: Cluster, sched: Path, run: Path) -> int:
     return resumed
 
 
-def stopped_on_one_node(slurm: Cluster, sched: Path, run: Path, resumed: int) -> int:
-    """Resubmitted on one node, stopped by ``scancel --signal=TERM``: the step of its checkpoint."""
+def stopped_on_one_node(slurm: Cluster, sched: Path, run: Path, resumed: int) -> tuple[int, int]:
+    """Resubmitted on one node, stopped by ``scancel --signal=TERM`` early in a phase: the step of its
+    checkpoint and the phase. Not in a phase's last steps: resumed at step 18 of phase 1's 20, a stop
+    after the first step landed in phase 2 (CI, 2026-12-06)."""
     t0, job = time.time(), submit(slurm, sched, nodes=1, per_node=2)
-    wait_for(lambda: step_since(run, t0) > 0, "a step of the job on one node")
+    seen = []
+
+    def early_in_a_phase() -> bool:
+        seen.append(step_since(run, t0))
+        return 0 < seen[-1] % 10 <= 6
+
+    wait_for(early_in_a_phase, "a step of the job on one node early in a phase")
+    phase = (seen[-1] - 1) // 10
     slurm.run("scancel", "--signal=TERM", job)  # to the job's steps: the ranks, not the batch script
     assert finished(slurm, job) == ("FAILED", "75:0"), output(sched, job)
-    assert "preempted by a signal to its ranks in phase 1" in output(sched, job)
-    assert {pid_record(run, 1, f"rank-{r}")["host"] for r in (0, 1)} == {"n1"}
+    assert f"preempted by a signal to its ranks in phase {phase}" in output(sched, job)
+    assert {pid_record(run, phase, f"rank-{r}")["host"] for r in (0, 1)} == {"n1"}
     stopped = checkpoint_steps(run)[-1]
-    assert resumed < stopped < 20  # mid-phase, written at the stop
-    return stopped
+    assert resumed < stopped and 10 * phase < stopped < 10 * (phase + 1)  # mid-phase, written at the stop
+    return stopped, phase
 
 
-def torchrun_agent_killed(slurm: Cluster, sched: Path, run: Path) -> None:
+def torchrun_agent_killed(slurm: Cluster, sched: Path, run: Path, phase: int) -> None:
     """torchrun on two nodes: an agent a node, its ranks on its node; n2's agent SIGKILLed."""
     t0, job = time.time(), submit(slurm, sched)
     wait_for(lambda: step_since(run, t0) > 0, "a step of the torchrun job")
-    assert {pid_record(run, 1, f"rank-{r}")["host"] for r in (0, 1)} == {"n1", "n2"}
-    assert pid_record(run, 1, "agent-0")["host"] == "n1"  # the c10d rendezvous' host, at 127.0.0.1
-    agent = pid_record(run, 1, "agent-1")
+    assert {pid_record(run, phase, f"rank-{r}")["host"] for r in (0, 1)} == {"n1", "n2"}
+    assert pid_record(run, phase, "agent-0")["host"] == "n1"  # the c10d rendezvous' host, at 127.0.0.1
+    agent = pid_record(run, phase, "agent-1")
     assert agent["host"] == "n2"
     os.kill(agent["pid"], signal.SIGKILL)
     assert finished(slurm, job) == ("FAILED", "1:0"), output(sched, job)
@@ -170,9 +179,9 @@ def test_one_run_requeued_stopped_killed_and_resumed_across_nodes(slurm, tmp_pat
     sched = schedule(tmp_path, tiny_model, tiny_data)
     run = tmp_path / "run"
     resumed = requeued_then_killed(slurm, sched, run)
-    stopped = stopped_on_one_node(slurm, sched, run, resumed)
+    stopped, phase = stopped_on_one_node(slurm, sched, run, resumed)
     sched = schedule(tmp_path, tiny_model, tiny_data, launcher="torchrun")  # launch.* may change on a resume
-    torchrun_agent_killed(slurm, sched, run)
+    torchrun_agent_killed(slurm, sched, run, phase)
     job = submit(slurm, sched, nodes=1, per_node=2)
     assert finished(slurm, job) == ("COMPLETED", "0:0"), output(sched, job)
     assert [e["step"] for e in events(run, "resumed")] == [resumed, resumed, stopped, stopped]
