@@ -67,7 +67,7 @@ def generations(ph: Phase) -> list[dict[str, str]]:
         ids = _encode(tok, prompt).to(ph.device)
         made = engine.module.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=spec.eval_max_new_tokens,
                                       do_sample=False, use_cache=True, pad_token_id=tok.pad_token_id or tok.eos_token_id,
-                                      synced_gpus=spec.zero_stage == 3 and ph.world > 1)
+                                      synced_gpus=ph.backend.partitions_weights and ph.world > 1)
         out.append({"prompt": prompt, "text": tok.decode(made[0, ids.shape[1]:], skip_special_tokens=True)})
     return out
 
