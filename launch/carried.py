@@ -96,12 +96,22 @@ class HostCarry:
             out[name], at = view, at + size
         return out
 
+    def _segment_of(self, t: torch.Tensor) -> Segment | None:
+        ptr = t.data_ptr()
+        if t.device.type != "cpu":
+            return None
+        return next((s for s in self.segments if s.buf.data_ptr() <= ptr < s.buf.data_ptr() + s.buf.numel()), None)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lies in one of this process's segments (a carried layer taken over the host
+        path, ``launch.hostpath``, does not: it is offered with the rest)."""
+        return self._segment_of(t) is not None
+
     def refs(self, tensors: dict[str, torch.Tensor]) -> list[dict]:
         """Where each of ``tensors`` (views into this process's segments) lies, for an offer (JSON)."""
         out = []
         for name, t in tensors.items():
-            ptr = t.data_ptr()
-            seg = next(s for s in self.segments if s.buf.data_ptr() <= ptr < s.buf.data_ptr() + s.buf.numel())
+            ptr, seg = t.data_ptr(), self._segment_of(t)
             out.append({"name": name, "pid": os.getpid(), "fd": seg.fd, "offset": ptr - seg.buf.data_ptr(),
                         "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)})
         return out

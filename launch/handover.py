@@ -113,12 +113,13 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
 
 def _ahead_into(ph: Phase, snap: PhaseState) -> dict[str, torch.Tensor]:
     """The carried layers the successor trains, on the device ahead of the offer
-    (``HostCarry.upload_ahead``), into the snapshot's masters; the others, left on the host."""
+    (``HostCarry.upload_ahead``), into the snapshot's masters; the others in host segments, offered
+    where they lie (those outside one, taken over the host path, go with the offer's tensors)."""
     ahead = ph.made.host.ahead
     snap.masters.update(ahead)
     if ahead:
         ph.timeline.add(carried_ahead=sorted({carried_layer(ph, n) for n in ahead}))
-    return {n: t for n, t in ph.made.carried.items() if n not in ahead}
+    return {n: t for n, t in ph.made.carried.items() if n not in ahead and ph.made.host.holds(t)}
 
 
 def _carried(ph: Phase, snap: PhaseState, on_host: dict[str, torch.Tensor]) -> Carried:
