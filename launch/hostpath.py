@@ -32,18 +32,6 @@ from shard_tools.state import PhaseState, RunState, layer_weights
 ALIGN = 64
 
 
-def _overlay(made, weights: dict[str, torch.Tensor]) -> None:
-    """``launch.prepare.overlay`` (which cannot be imported here: prepare imports the handover):
-    ``weights`` into the host model, the trainable ones' fp32 values kept in ``made.trained``."""
-    params = dict(made.model.named_parameters())
-    keep = set(made.head_names) | set(made.body_names)
-    with torch.no_grad():
-        for name, t in weights.items():
-            params[name].copy_(t.to(params[name].dtype))
-            if name in keep:
-                made.trained[name] = t
-
-
 def pack_state(snap: PhaseState) -> dict[str, torch.Tensor]:
     """The fp32 state of a snapshot as an offer names it ("<key>/<name>"), no weights."""
     parts = {**snap.head, "master": {**snap.head["master"], **snap.masters}}
@@ -151,7 +139,7 @@ def copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool) -> PhaseState:
     parts = map_blob(offered, blob)
     faults.point("handover.copying", phase=ph.spec.phase, rank=ph.rank)
     masters = parts["master"]
-    _overlay(made, masters)
+    made.overlay(masters)
     head = {k: {n: parts[k][n] for n in made.head_names} for k in engine.KEYS}
     layers = {n: t for n, t in masters.items() if n in made.body_names}
     others = sorted(set(masters) - set(made.body_names) - set(made.head_names)) if keep else []
@@ -176,6 +164,6 @@ def layers_between(ph: Phase, carried: Carried, offered: frozenset[str]) -> None
         return
     sources = ph.checkpoints.layer_sources(Path(carried.restore))
     changed = {l: s for l, s in sources.items() if ph.made.preloaded.get(l) != s}
-    _overlay(ph.made, {n: t for n, t in layer_weights(changed, mapped=True).items() if n not in offered})
+    ph.made.overlay({n: t for n, t in layer_weights(changed, mapped=True).items() if n not in offered})
     ph.made.preloaded.update(changed)
     ph.timeline.add(layers_at_go=sorted(changed))

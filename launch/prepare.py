@@ -120,7 +120,7 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
     if skeleton:
         handover.preload_layers(ph, made)
     else:
-        overlay(made, layer_weights(made.preloaded, mapped=True))
+        made.overlay(layer_weights(made.preloaded, mapped=True))
     return made
 
 
@@ -164,7 +164,7 @@ def host_model(ph: Phase, made: Prepared) -> None:
     the host model as a phase without a handover has it, built now."""
     model = setup_model(base_model(model_spec(ph.spec), ph.prebuilt), ph.spec)
     made.model, made.trained, made.skeleton = model, {}, False
-    overlay(made, layer_weights(made.preloaded, mapped=True))
+    made.overlay(layer_weights(made.preloaded, mapped=True))
 
 
 def _load_data(ph: Phase) -> tuple:
@@ -195,17 +195,6 @@ def _prepare_host_side(ph: Phase, made: Prepared) -> StateFiles | None:
         for n in made.head_names:
             params[n].data = params[n].data.clone()
     return files
-
-
-def overlay(made: Prepared, weights: dict[str, torch.Tensor]) -> None:
-    """Puts ``weights`` into the host model; keeps the trainable ones' fp32 values in ``made.trained``."""
-    params = dict(made.model.named_parameters())
-    keep = set(made.head_names) | set(made.body_names)
-    with torch.no_grad():
-        for name, t in weights.items():
-            params[name].copy_(t.to(params[name].dtype))
-            if name in keep:
-                made.trained[name] = t
 
 
 def warm_up(ph: Phase, made: Prepared) -> None:

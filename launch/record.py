@@ -65,6 +65,16 @@ class Prepared:
     host: HostCarry = field(default_factory=HostCarry)
     """The shared host memory ``carried`` lies in."""
 
+    def overlay(self, weights: dict[str, torch.Tensor]) -> None:
+        """Puts ``weights`` into the host model; keeps the trainable ones' fp32 values in ``trained``."""
+        params = dict(self.model.named_parameters())
+        keep = set(self.head_names) | set(self.body_names)
+        with torch.no_grad():
+            for name, t in weights.items():
+                params[name].copy_(t.to(params[name].dtype))
+                if name in keep:
+                    self.trained[name] = t
+
 
 @dataclass
 class Source:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from launch import handover, procs
-from launch.prepare import host_model, memory_now, overlay
+from launch.prepare import host_model, memory_now
 from launch.record import Assembled, Phase, Prepared, Source
 from launch.scaler import restore_scaler
 from launch.engine import HEAD_DECAY, HEAD_NO_DECAY, MOMENTS, param_groups
@@ -84,14 +84,14 @@ def read_delta(ph: Phase, restore: Path, early: bool = False) -> Delta | None:
         if early and ph.checkpoints.manifest(restore).created < ph.timeline.get("t_process_start"):
             return None  # an older checkpoint at that step (damaged, being replaced): not the predecessor's
         sources = ph.checkpoints.layer_sources(restore)
-        overlay(made, layer_weights({l: s for l, s in sources.items() if made.preloaded.get(l) != s}, mapped=True))
+        made.overlay(layer_weights({l: s for l, s in sources.items() if made.preloaded.get(l) != s}, mapped=True))
         t_layers = time.time()
         # The head file's pages, as its writer left them: the masters now, since they go into
         # the model before the engine is built; the moments while it is built (``restore``
         # waits for them), so that the go need not wait for them.
         carried, manifest = load_state(restore, mapped=True)
         populate_pages(list(carried.head["master"].values()))
-        overlay(made, carried.head["master"])
+        made.overlay(carried.head["master"])
     except (OSError, CheckpointError):
         if not early:
             raise
