@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -166,8 +167,11 @@ def stage_data(loaded: LoadedSchedule, stop_signals: tuple[int, ...] = STOP_SIGN
         with stopped_by(stop_signals, loaded):
             try:
                 remove_left(parent, prefix)
-                tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}.", dir=parent))
+                # Named before it is made: a stop right after mkdir (mkdtemp's return) would leave it.
+                tmp = parent / f"{prefix}{os.getpid()}.{secrets.token_hex(4)}"
+                tmp.mkdir(mode=0o700)
             except OSError as e:
+                tmp = None  # not made here: nothing to remove
                 # The run directory would be made beside it: where this fails, so would the run.
                 raise ScheduleError(f"{loaded.output_dir}: cannot create the run directory: {e.strerror or e}") \
                     from None

@@ -352,6 +352,15 @@ class Supervisor:
             psutil.wait_procs(procs.recorded(self.group.phase_dir, RANK), timeout=max(0.0, self.deadline - time.time()))
         if self.state is not State.HANDING_OVER:
             self._read()
+            if self.deadline is None and self.group.proc.returncode == 0:  # it ended between two looks: the
+                self._caught_up()  # switch out of it is as quiet as one a look saw coming (a loaded host)
+
+    def _caught_up(self) -> None:
+        """The transitions of the steps read last, for a group that ended before a look saw them."""
+        if self.state is State.SWITCHING:
+            self._switching()
+        if self.state is State.TRAINING:
+            self._training()
 
     # -- after it --------------------------------------------------------------------------
     def _reap(self) -> None:

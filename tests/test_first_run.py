@@ -36,6 +36,18 @@ def commands(block: str) -> list[str]:
     return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.split("#", 1)[0].strip()]
 
 
+def journal(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "journal.jsonl").open()]
+
+
+def step_times_or_none(run: Path) -> list[float] | None:
+    """The step times logged so far, or None where the run has not logged one (its metrics file may not exist)."""
+    try:
+        return step_times(run) or None
+    except (FileNotFoundError, json.JSONDecodeError):  # a line still being written
+        return None
+
+
 def step_times(run: Path) -> list[float]:
     return [json.loads(line)["time"] for line in (run / "metrics.jsonl").open()]
 
@@ -51,20 +63,25 @@ def test_the_readme_first_run_works_as_printed_after_make_demo_beside_another_ru
     # make must not reinstall .venv under the running tests should pyproject.toml be newer than its stamp.
     script = block.replace("make demo", "make -o .venv/.installed demo", 1)
     (tmp_path / "other").mkdir()
-    sched = write_schedule(tmp_path / "other" / "s.toml", schedule_dict(  # a switch, and shorter than the demo's run
-        tiny_model, tiny_data, schedule={"phases": [{"steps": 5, "layers": [0]}, {"steps": 5, "layers": [1]}]}))
+    # The other run switches every 5 steps and outlasts the block: it trains before the block starts
+    # and is stopped after the block has ended (it must then stop as a stop does: exit 75). Started when
+    # the demo's run started instead, it came to train only after the demo's 3 s of steps (CI, 2026-12-06).
+    other_phases = [{"steps": 5, "layers": [i % 2]} for i in range(4000)]
+    sched = write_schedule(tmp_path / "other" / "s.toml", schedule_dict(tiny_model, tiny_data,
+                                                                       schedule={"phases": other_phases}))
     logs = {name: open(tmp_path / f"{name}.log", "w+") for name in ("out", "err", "other")}  # a full pipe would block
-    first_run = subprocess.Popen(["bash", "-e", "-c", script], cwd=ROOT, env=env, stdout=logs["out"],
-                                 stderr=logs["err"], start_new_session=True)
-    other = None
+    other = subprocess.Popen([ORCH, "run", str(sched)], stdout=logs["other"], stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    first_run = None
     try:
-        # The other run starts as the demo's does, so that the two train at once.
-        wait_for(lambda: (demo_run / "journal.jsonl").exists() or first_run.poll() is not None, timeout=600,
-                 what="the demo's run")
-        other = subprocess.Popen([ORCH, "run", str(sched)], stdout=logs["other"], stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+        wait_for(lambda: step_times_or_none(tmp_path / "other" / "run") or other.poll() is not None, timeout=600,
+                 what="the other run's first step")
+        first_run = subprocess.Popen(["bash", "-e", "-c", script], cwd=ROOT, env=env, stdout=logs["out"],
+                                     stderr=logs["err"], start_new_session=True)
         first_run.wait(timeout=1200)
-        other.wait(timeout=600)
+        still = other.poll() is None
+        other.send_signal(signal.SIGTERM)
+        other.wait(timeout=120)
     finally:
         for proc in (first_run, other):
             if proc is not None and proc.poll() is None:
@@ -74,9 +91,12 @@ def test_the_readme_first_run_works_as_printed_after_make_demo_beside_another_ru
         log.close()
     r = SimpleNamespace(returncode=first_run.returncode, stdout=out, stderr=err)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert other.returncode == 0, other_log[-4000:]
+    assert still and other.returncode == 75 and "by signal 15" in other_log, other_log[-4000:]
     demo, beside = step_times(demo_run), step_times(tmp_path / "other" / "run")
     assert min(demo) < max(beside) and min(beside) < max(demo), "the demo and the other run never trained at once"
+    switches = {e["phase"] for e in journal(tmp_path / "other" / "run") if e["event"] == "phase_started"
+                and min(demo) <= e["time"] <= max(demo)}
+    assert switches, "the other run did not switch while the demo trained"
     demo_tail = r.stdout.split("\nnext (", 1)[1]
     for command in commands(block)[1:]:
         assert command in demo_tail, f"make demo does not print {command!r} as the README does:\n{demo_tail}"

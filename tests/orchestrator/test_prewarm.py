@@ -130,7 +130,9 @@ def test_switches_are_quiet(warm):
     done = {e["phase"]: e["records"] for e in ev if e["event"] == "phase_done"}
     paused = [e for e in ev if e["event"] == "preparing_paused"]
     resumed = [e for e in ev if e["event"] == "preparing_resumed"]
-    assert [e["phases"] for e in paused] == [[2], [3], [4], [5]]  # the sixth has none beyond the next
+    told = [(round(e["time"] - ev[0]["time"], 3), e["event"], e.get("phase", e.get("phases")), e.get("reason"))
+            for e in ev]
+    assert [e["phases"] for e in paused] == [[2], [3], [4], [5]], told  # the sixth has none beyond the next
     assert [(e["phases"], e["reason"]) for e in resumed] == [(p["phases"], "first_step") for p in paused]
     for k, (p, r) in enumerate(zip(paused, resumed)):
         assert done[k]["t_first_step_end"] < p["time"] < done[k]["t_gone"] < done[k + 1]["t_go"]
