@@ -65,7 +65,8 @@ import json, sys
 from shard_tools.sizes import format_bytes, parse_size
 result, budget = json.load(open(sys.argv[1])), parse_size(sys.argv[2])
 for name, way in result["ways"].items():
-    peak = way.get("device_peak") or max((u for _, u in way.get("trace", [])), default=None)
+    trace = way.get("trace") or way.get("device_trace") or []  # peer.py's, switch.py's
+    peak = way.get("device_peak") or max((u for _, u in trace), default=None)
     verdict = "no trace" if peak is None else ("within" if peak <= budget else "ABOVE")
     print(f"{result['name']} {name}: NVML peak {format_bytes(peak) if peak else '-'}, {verdict} {format_bytes(budget)}")
 EOF

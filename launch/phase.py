@@ -15,6 +15,7 @@ from launch import handover, prepare, procs, save, switch, train
 from launch.profiling import switch_profile
 from launch.contract.spec import PhaseSpec
 from launch.record import Phase
+from launch.staging import cap_memory
 from launch.threads import FreeCores
 
 PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint was written, run again to go on
@@ -34,6 +35,8 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict,
         phase.timeline.add(gc_collections_before_switch=procs.gc_collections())
         restore = Path(spec.restore) if spec.restore else None
         go, delta = switch.await_go(phase) if spec.prewarm else (switch.Go(restore), None)
+        if spec.prewarm and spec.waiting_cap > 0 and phase.device.type == "cuda":  # its predecessor is gone
+            phase.timeline.add(memory_fraction=cap_memory(phase.device, spec.memory_cap))
         cores = FreeCores()
         with switch_profile(Path(spec.phase_dir) / f"switch-profile-rank{rank}.txt"):
             phase.built = switch.assemble(phase, go, delta)

@@ -85,7 +85,9 @@ def _start_group(ph: Phase) -> Staging | None:
     if ph.device.type == "cuda":
         # Before the process group, so NCCL binds each rank to its own device.
         torch.cuda.set_device(ph.device)
-        ph.timeline.add(memory_fraction=cap_memory(ph.device, ph.spec.memory_cap))
+        waiting = ph.spec.prewarm and ph.spec.waiting_cap > 0  # beside a training phase until its go
+        cap = ph.spec.waiting_cap if waiting else ph.spec.memory_cap
+        ph.timeline.add(**{"memory_fraction_waiting" if waiting else "memory_fraction": cap_memory(ph.device, cap)})
         staging = Staging(ph.device)
     ph.stage("starting the process group")
     load_comm_ops()
@@ -204,9 +206,14 @@ def warm_up(ph: Phase, made: Prepared) -> None:
     after a warm-up on a tiny linear layer, and a steady step's 0.09 s after this one
     (benchmarks/results/2026-11-29-nvidia-h200-v3/first_step.md). Its device memory (one
     layer and the head, with their optimizer state) is given back before the go. One process
-    without room for it on the device skips it; a rank of several fails (its phase is then
-    started afresh when its turn comes)."""
+    without room for it on the device (or in its share of launch.device_memory while it waits)
+    skips it; a rank of several fails (its phase is then started afresh when its turn comes), so
+    under a budget, where a warm-up may not fit its share, several skip it from the start (a rank
+    out of memory in a collective would leave the others waiting in it)."""
     engine = None
+    if ph.world > 1 and ph.spec.waiting_cap > 0 and ph.device.type == "cuda":
+        ph.timeline.add(warm_up_skipped="launch.device_memory, several processes")
+        return
     try:
         engine, gas = _toy_engine(ph, made)
         _toy_steps(ph, made, engine, gas)
@@ -214,6 +221,7 @@ def warm_up(ph: Phase, made: Prepared) -> None:
         if ph.world > 1:
             raise
         print(f"relayer: warm-up skipped, no room on the device ({e})", file=sys.stderr, flush=True)
+        ph.timeline.add(warm_up_skipped=str(e).splitlines()[0][:200])
     finally:
         if engine is not None:
             engine.destroy()

@@ -24,9 +24,12 @@ Each process's caching allocator is capped (``PhaseSpec.memory_cap``, the worker
 ``torch.cuda.set_per_process_memory_fraction``) at the budget less the fixed part of itself and of
 every phase waiting beside it: a phase whose estimate is short fails with an out-of-memory error
 inside its share instead of taking more of the device. Not capped by it: the CUDA contexts
-themselves (counted as ``PROCESS_BYTES``), and a waiting phase's warm-up, which runs while the
-current phase trains (a one-layer model and its optimizer: turn ``launch.prewarm_depth`` down
-where it does not fit beside the phase).
+themselves (counted as ``PROCESS_BYTES``). A phase pre-warmed beside a training one is counted at
+``PROCESS_BYTES``, so until its go its allocator is capped at that less its context
+(``PhaseSpec.waiting_cap``): its warm-up (a one-layer model and its optimizer, which runs while the
+current phase trains) is skipped where it does not fit there. Uncapped, the warm-ups of the two
+phases waiting at 1.1B took the device to 25.4 GiB under a budget of 24 GiB on the H100
+(benchmarks/results/2026-12-06-issue42-h100).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 
 from orchestrator.errors import ScheduleError
 from orchestrator.estimate import (
-    PROCESS_BYTES, RESERVE, EstimateError, PlanEstimate, estimate_plan, offered_bytes, on_device, trained_head,
+    CONTEXT_BYTES, PROCESS_BYTES, RESERVE, EstimateError, PlanEstimate, estimate_plan, offered_bytes, on_device, trained_head,
 )
 from orchestrator.libfacts import offloads_optimizer
 from orchestrator.schedule import LoadedSchedule, Phase
@@ -86,6 +89,12 @@ def memory_cap(loaded: LoadedSchedule, phases: list[Phase], index: int) -> int:
     if budget is None:
         return 0
     return max(1, budget.size - (1 + waiting_during(loaded, phases, index)) * PROCESS_BYTES)
+
+
+def waiting_cap(loaded: LoadedSchedule) -> int:
+    """What a phase's caching allocator may reserve while it waits pre-warmed (``PhaseSpec.waiting_cap``):
+    its fixed part as the budget counts it, less its context; 0: no budget."""
+    return 0 if budget_of(loaded) is None else PROCESS_BYTES - CONTEXT_BYTES
 
 
 def check_budget(loaded: LoadedSchedule, phases: list[Phase], option: int | None = None) -> None:

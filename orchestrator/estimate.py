@@ -80,6 +80,10 @@ CHECKPOINTED_VALUES = 1
 # What NVML sees on a device beyond a phase's allocated bytes (see the module's docstring), rounded
 # up from the H200 measurements: per CUDA process, and the caching allocator's reserve.
 PROCESS_BYTES = 2_600_000_000
+# Of it, the part outside a process's caching allocator: its CUDA context and library handles (a bare
+# process that initialised CUDA held about 0.5 GB on the H100 and the H200). The rest is what a phase
+# waiting pre-warmed may allocate under a budget (``budget.waiting_cap``).
+CONTEXT_BYTES = 600_000_000
 RESERVE = 1.25
 
 # Config defaults of each family's transformers config class, for keys a config.json leaves out.

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.contract.spec import DataPart, ModelPart, OptimizerPart, PhaseSpec
-from orchestrator.budget import memory_cap
+from orchestrator.budget import memory_cap, waiting_cap
 from orchestrator.datastep import data_spec
 from orchestrator.estimate import EstimateError, PlanEstimate, estimate_plan
 from orchestrator.groups import Work
@@ -44,7 +44,7 @@ def phase_spec(loaded: LoadedSchedule, phases: list[Phase], work: Work, phase_di
         master_port=free_port(), master_addr=master_addr(s.launch), rendezvous_seconds=s.launch.rendezvous_seconds,
         orchestrator_pid=os.getpid(), orchestrator_host=socket.gethostname(),
         handover=handover_part(loaded, phases, ph.index, estimate), optimizer_state=s.schedule.optimizer_state,
-        memory_cap=memory_cap(loaded, phases, ph.index),
+        memory_cap=memory_cap(loaded, phases, ph.index), waiting_cap=waiting_cap(loaded),
     )
 
 

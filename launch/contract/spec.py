@@ -115,6 +115,9 @@ class PhaseSpec(_Spec):
     memory_cap: int = 0
     """Bytes this phase's caching allocator may reserve on its device (launch.device_memory less the
     fixed part of every process beside it: orchestrator/budget.py); 0: no cap."""
+    waiting_cap: int = 0
+    """Bytes its caching allocator may reserve while it waits pre-warmed, its warm-up included (the
+    part of launch.device_memory a waiting phase is counted at); memory_cap from its go on. 0: no cap."""
 
     @classmethod
     def read(cls, path: str | Path) -> PhaseSpec:

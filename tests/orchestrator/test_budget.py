@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from orchestrator import budget, phasespec
 from orchestrator.cli import main
 from orchestrator.errors import ScheduleError
-from orchestrator.estimate import PROCESS_BYTES, estimate_plan, on_device
+from orchestrator.estimate import CONTEXT_BYTES, PROCESS_BYTES, estimate_plan, on_device
 from orchestrator.groups import Work
 from orchestrator.plan import plan_phases
 from orchestrator.validate import load_schedule
@@ -99,9 +99,12 @@ def test_a_switch_whose_overlap_is_above_the_budget_goes_through_host_memory(tmp
     assert [s.handover.peak_bytes for s in specs] == [0, 0, estimate.overlaps[1]]
     # Each process's allocator: the budget less its own fixed part and the phases waiting beside it.
     assert [s.memory_cap for s in specs] == [size - k * PROCESS_BYTES for k in (3, 2, 1)]
+    # Until its go, a pre-warmed phase (its warm-up too) holds what the budget counts a waiting one at.
+    assert [s.waiting_cap for s in specs] == [PROCESS_BYTES - CONTEXT_BYTES] * 3
+    assert 0 < PROCESS_BYTES - CONTEXT_BYTES < PROCESS_BYTES
     unbudgeted = phasespec.phase_spec(load_schedule(tiny(tmp_path, tiny_data)), phases, Work(phases[0], 0, None),
                                       tmp_path / "pd", estimate)
-    assert unbudgeted.memory_cap == 0
+    assert unbudgeted.memory_cap == 0 and unbudgeted.waiting_cap == 0
 
 
 def test_the_worker_caps_its_allocator_at_its_share(monkeypatch):
