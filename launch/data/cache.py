@@ -42,7 +42,8 @@ from launch.data.template import TemplateFault
 from launch.data.templates import check_markers, template_text
 from shard_tools.tokenizer import TOKENIZER_FILES
 
-__all__ = ["IGNORE", "ROWS", "VALIDATION", "DataError", "cache_key", "load_tokenizer", "prepare", "read_stats"]
+__all__ = ["IGNORE", "ROWS", "VALIDATION", "DataError", "cache_key", "cached", "load_tokenizer", "prepare",
+           "read_stats"]
 
 CACHE_VERSION = 2
 """Part of every cache key: bump it when the rows prepared from the same input change."""
@@ -64,12 +65,10 @@ def prepare(data: DataPart, tokenizer: str | None, cache_root: Path, reuse: tupl
     every format but ``tokens``. ``vocab_size``: the model's, which every token id of ``tokens``
     data must be below (named by its record). Raises ``DataError`` (nothing is left in the cache then)."""
     key = cache_key(data, tokenizer)
-    for other in reuse:
-        if _made(Path(other) / key):
-            return Path(other) / key
+    made = cached(data, tokenizer, cache_root, reuse)
+    if made is not None:
+        return made
     out = Path(cache_root) / key
-    if _made(out):
-        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(out.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -89,6 +88,13 @@ def prepare(data: DataPart, tokenizer: str | None, cache_root: Path, reuse: tupl
     finally:
         os.close(fd)
     return out
+
+
+def cached(data: DataPart, tokenizer: str | None, cache_root: Path, reuse: tuple[Path, ...] = ()) -> Path | None:
+    """The entry of ``data`` made already, in one of ``reuse`` or in ``cache_root``; None where there is none.
+    It was made with this tokenizer and template (their texts are in the key): it loaded them then."""
+    key = cache_key(data, tokenizer)
+    return next((Path(root) / key for root in (*reuse, cache_root) if _made(Path(root) / key)), None)
 
 
 def _made(entry: Path) -> bool:

@@ -6,6 +6,7 @@ The tokenizer is the tiny example's real one (a byte-level BPE that make_model.p
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,25 @@ def test_text_is_packed(tmp_path, tokenizer_dir, suffix):
     # An EOS closes every document, wherever it falls; those past the last whole row are dropped.
     flat = examples.view(-1)
     assert (flat == tok.eos_token_id).nonzero().view(-1).tolist() == [e for e in ends if e < flat.numel()]
+
+
+def test_the_data_tool_loads_no_tokenizer_for_data_prepared_already(tmp_path, tokenizer_dir):
+    """A resume's data step (and plan after a run) finds its entry: no transformers import, no tokenizer."""
+    tokenizer_dir = Path(shutil.copytree(tokenizer_dir, tmp_path / "tokenizer"))  # broken below
+    req = {"data": text_part(write_txt(tmp_path / "train.txt", DOCS), 16).model_dump(mode="json"),
+           "tokenizer": str(tokenizer_dir), "cache_root": str(tmp_path / "cache"), "reuse": [], "show": 0,
+           "vocab_size": None}
+    probe = ("import json, sys; from launch.data.tool import inspect; a = inspect(json.load(sys.stdin)); "
+             "print(json.dumps([a['stats']['train']['rows'], 'transformers' in sys.modules]))")
+    runs = [subprocess.run([sys.executable, "-c", probe], input=json.dumps(req), capture_output=True, text=True,
+                           cwd=ROOT, check=True) for _ in range(2)]
+    (rows, loaded), (rows_again, loaded_again) = (json.loads(r.stdout) for r in runs)
+    assert rows == rows_again > 0 and loaded and not loaded_again
+    # A tokenizer whose files changed is another entry: loaded (and checked) again.
+    (tokenizer_dir / "tokenizer.json").write_text("{}")
+    broken = subprocess.run([sys.executable, "-c", probe], input=json.dumps(req), capture_output=True, text=True,
+                            cwd=ROOT)
+    assert broken.returncode != 0 and "cannot load a tokenizer" in broken.stderr
 
 
 def test_cache_is_reused_without_tokenizing(tmp_path, tokenizer_dir, monkeypatch):
