@@ -146,3 +146,31 @@ def test_plan_shows_the_choice_the_policy_and_the_largest_phase(tmp_path, tiny_m
     assert ("layers: strategy lisa weighted 0/1/0/1, no layer twice within 2 phases; optimizer state (drop-all): "
             "the body's and the head's new each phase; lr warm-up of 2 steps after each switch") in r.stdout
     assert "largest phase: 0 (layers " in r.output and " per process" in r.output
+
+
+@pytest.mark.parametrize("name", ["lisa", "badam", "owlore"])
+def test_the_family_examples_plan_as_their_comments_say(tmp_path, tiny_model, tiny_data, name):
+    """examples/family/*.toml on the tiny model (make demo makes ../tiny/model; here the fixture's):
+    plan accepts each, and its phases are what its comment promises."""
+    import tomllib
+
+    from tests.conftest import ROOT, schedule_dict, write_schedule
+
+    raw = tomllib.loads((ROOT / "examples" / "family" / f"{name}.toml").read_text())
+    raw["model"]["path"] = str(tiny_model)
+    raw["data"] = {**raw["data"], **schedule_dict(tiny_model, tiny_data)["data"]}  # the fixture has no tokenizer
+    raw["run"]["output_dir"] = str(tmp_path / "run")
+    r = invoke("plan", str(write_schedule(tmp_path / f"{name}.toml", raw)))
+    assert r.exit_code == 0, r.output
+    drawn = layers(plan(raw, tmp_path))
+    steps = raw["schedule"]["total_steps"]
+    assert len(drawn) == steps // raw["schedule"]["interval"]
+    if name == "lisa":  # one layer every 5 steps, a warm-up after each switch
+        assert all(len(d) == 1 for d in drawn) and "lr warm-up of 2 steps after each switch" in r.stdout
+    if name == "badam":  # blocks of 2 consecutive layers, each once a pass, the head's state dropped too
+        passes = [sorted(drawn[i:i + 2]) for i in range(0, len(drawn), 2)]
+        assert passes == [[(0, 1), (2, 3)]] * 4
+        assert "optimizer state (drop-all): the body's and the head's new each phase" in r.stdout
+    if name == "owlore":  # weight 0 never drawn; no layer twice within a window of 2 phases
+        assert all(3 not in d for d in drawn)
+        assert all(not set(drawn[i]) & set(drawn[i + 1]) for i in range(0, len(drawn), 2))
