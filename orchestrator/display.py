@@ -213,7 +213,9 @@ class Display(Observer):
         kind = e["event"]
         text = {
             "run_started": lambda: f"run started: {e['phases']} phases, {e['total_steps']} steps",
-            "resumed": lambda: f"resuming at step {e['step']}" + (f" from {e['checkpoint']}" if e.get("checkpoint") else ""),
+            "resumed": lambda: f"complete at step {e['step']}: {e['final']} is its model; its checkpoints are gone, "
+                               "nothing is trained again" if e.get("final") else
+                               f"resuming at step {e['step']}" + (f" from {e['checkpoint']}" if e.get("checkpoint") else ""),
             "phase_started": lambda: f"phase {e['phase']} started: steps {e['start_step']}-{e['end_step'] - 1}, "
                                      f"layers {e['layers']}, {e['nproc']} process(es)",
             "phase_done": lambda: None if "checkpoint_at" in e else f"phase {e['phase']} done at step {e['step']} " + (

@@ -55,8 +55,7 @@ class Switch:
     """
 
     finished: Supervisor | None
-    """DONE (its checkpoint committed, not yet durable), or HANDING_OVER (alive, offering its
-    state); None before the run's first phase."""
+    """DONE (checkpoint committed, not yet durable) or HANDING_OVER (alive, offering its state); None at first."""
     work: Work | None
 
     @property
@@ -90,23 +89,17 @@ class Runner:
         self.on_event = on_event or (lambda e: None)
         self.stop_signal: int | None = None
         """The first stop signal, which stops at a checkpoint; a SIGINT after it ends the run at once."""
-        self.supervisor: Supervisor | None = None
-        """The supervisor of the phase running now, whose stop a second Ctrl-C cuts short."""
-        self.changed: list[str] = []
-        """How the schedule given differs from the run's copy, where the change was accepted."""
+        self.supervisor: Supervisor | None = None  # the phase running now's, whose stop a 2nd Ctrl-C cuts short
+        self.changed: list[str] = []  # how the schedule given differs from the run's copy, where accepted
         self.checkpoints = Checkpoints(self.run_dir)
-        self.ahead: list[Group] = []
-        """The pre-warmed groups of the next phases, in order."""
+        self.ahead: list[Group] = []  # the pre-warmed groups of the next phases, in order
         estimate = plan_estimate(loaded, self.phases)  # the handovers' planned peaks
         self.groups = PhaseProcesses(self.run_dir, loaded.schedule.launch, self._event,
                                      lambda work, phase_dir: phase_spec(loaded, self.phases, work, phase_dir, estimate))
         self.pauser = Pauser(loaded.schedule.launch.pause_preparing_seconds, self._event)
         self.committer = Committer(self._phase_done)
-        self.exporter: final.Exporter | None = None
-        """The final model's exporter, started before the last checkpoint exists (``_prewarm_final``)."""
-        self.undurable: list[Group] = []
-        """Phases done whose ends wrote no checkpoint (``checkpoint.every_seconds``): journaled done
-        with the next one."""
+        self.exporter: final.Exporter | None = None  # started before the last checkpoint exists (_prewarm_final)
+        self.undurable: list[Group] = []  # done, their ends wrote no checkpoint: journaled done with the next
         self.supervision = Context(
             run_dir=self.run_dir, grace=loaded.schedule.launch.grace_seconds, groups=self.groups,
             pauser=self.pauser, event=self._event, stop_signal=lambda: self.stop_signal, abort=self._abort,
@@ -134,7 +127,8 @@ class Runner:
         with ExitStack() as held:
             if staged:
                 held.callback(shutil.rmtree, staged, ignore_errors=True)
-            check_space(self.loaded, self.phases, staged)  # before any phase process: exit 2, nothing written
+            if not final.is_current(self.run_dir, self.phases[-1].end_step):  # complete: it writes nothing more
+                check_space(self.loaded, self.phases, staged)  # before any phase process: exit 2, nothing written
             fresh = self._prepare_run_dir()
             self.journal = Journal(self.run_dir)
             held.enter_context(RunLock(self.run_dir))
@@ -256,6 +250,12 @@ class Runner:
         ckpt, manifest = restore_point(self.checkpoints, self._event)
         step, self.named = (manifest.global_step if manifest else 0), named_at_stop(self.checkpoints)
         warmup_from = self.loaded.schedule.lr_schedule.warmup_from  # for changes.warmup_ran
+        end = self.phases[-1].end_step
+        # Complete (RUN_DIR/final its export of the last step), its end checkpoint gone: never trained again.
+        if not fresh and step < end and final.is_current(self.run_dir, end):
+            self._event("resumed", step=end, checkpoint=None, final=str(self.run_dir / final.FINAL), pid=os.getpid(),
+                        warmup_from=warmup_from)
+            return None
         if fresh:
             self._event("run_started", phases=len(self.phases), total_steps=self.phases[-1].end_step, pid=os.getpid(),
                         warmup_from=warmup_from)

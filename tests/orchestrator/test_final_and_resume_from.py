@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -204,3 +205,24 @@ def test_a_run_from_before_warmup_from_resumes_only_with_its_own_warmup(done, tm
     assert "--set lr_schedule.warmup_from=one_step" in r.stderr
     r = cli("orchestrator", "run", str(sched), *SET, "--set", "lr_schedule.warmup_from=one_step", "--output-dir", str(old))
     assert r.returncode == 0, r.stderr
+
+
+def test_a_complete_run_whose_checkpoints_are_gone_is_not_trained_again(tmp_path, done):
+    """A user deletes a finished run's checkpoints, keeping final/: running it again says it is
+    complete and trains nothing (it trained it all again from step 0, and wrote final/ anew)."""
+    _, model, data, _, _ = done
+    sched = cosine(tmp_path, model, data, "s.toml", TWO)
+    assert cli("orchestrator", "run", str(sched)).returncode == 0
+    run = tmp_path / "run"
+    final_files = {f.name: f.read_bytes() for f in (run / "final").iterdir()}
+    for gone in (["step-00000004"], ["step-00000002"]):  # the end's first (an older one left), then all
+        for name in gone:
+            shutil.rmtree(run / "checkpoints" / name)
+        started = len([e for e in events(run) if e["event"] == "phase_started"])
+        r = cli("orchestrator", "run", str(sched))
+        assert r.returncode == 0, r.stderr
+        assert f"complete at step 4: {run / 'final'} is its model; its checkpoints are gone" in r.stdout + r.stderr
+        assert len([e for e in events(run) if e["event"] == "phase_started"]) == started
+        assert events(run)[-1]["event"] == "run_done"
+        assert {f.name: f.read_bytes() for f in (run / "final").iterdir()} == final_files
+    assert not list((run / "checkpoints").glob("step-*"))
