@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from launch import handover, prepare, procs, save, switch, train
@@ -16,7 +15,7 @@ from launch.profiling import switch_profile
 from launch.contract.spec import PhaseSpec
 from launch.record import Phase
 from launch.staging import cap_memory
-from launch.threads import FreeCores
+from launch.threads import FreeCores, set_threads
 
 PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint was written, run again to go on
 
@@ -41,7 +40,7 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict,
         with switch_profile(Path(spec.phase_dir) / f"switch-profile-rank{rank}.txt"):
             phase.built = switch.assemble(phase, go, delta)
             switch.restore(phase)
-        _set_threads(phase, cores)
+        set_threads(phase, cores)
         done = train.train(phase, stop)
         snap, write = handover.offer(phase) if done else (None, True)
         if write:  # else its successor took its state and carries it on to its own checkpoint
@@ -54,10 +53,3 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict,
     phase.write_records()
     return 0 if done else PREEMPTED
 
-
-
-def _set_threads(phase: Phase, cores: FreeCores) -> None:
-    """Torch's threads for training (``launch.threads``), in the phase's records."""
-    threads, why = cores.threads(max(1, phase.world // phase.spec.nnodes), torch.get_num_threads())
-    torch.set_num_threads(threads)
-    phase.timeline.add(threads=threads, threads_why=why)

@@ -23,6 +23,7 @@ from launch.evaluation import BySource, generations, source_keys
 from launch.profiling import step_profile
 from launch.record import Phase
 from launch.save import prepare_files, save
+from launch.threads import set_threads
 from shard_tools.files import open_append
 from shard_tools.later import Later
 
@@ -126,6 +127,8 @@ def _first_step_done(ph: Phase, seconds: float) -> None:
     ph.timeline.add(gc_collections_in_switch=procs.gc_collections() - before)
     gc.enable()  # off since the phase was prepared (``launch.phase``): the switch is over
     ph.timeline.add(first_step_seconds=seconds)  # for the switch's overhead (shard_tools.history)
+    if ph.cores is not None:  # the switch was too short to tell the free cores: its first step too now
+        set_threads(ph, ph.cores, "_after_first_step")
     ph.timeline.add(nice=os.getpriority(os.PRIO_PROCESS, 0))  # the priority it trains at
     if ph.made.staging is not None:
         ph.made.staging.unregister_later()  # the host weights are on the device: unpinned off the switch
