@@ -28,7 +28,7 @@ import pytest
 
 from shard_tools.store import Checkpoints
 from tests.cluster.slurm import Cluster
-from tests.conftest import ROOT, cli, schedule_dict, write_schedule
+from tests.conftest import ROOT, cli, faults_env, schedule_dict, write_schedule
 from tests.reference import bitwise_equal, composed, max_abs_diff
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -45,11 +45,17 @@ def schedule(tmp: Path, model: Path, data: Path, **launch) -> Path:
     return write_schedule(tmp / "schedule.toml", raw)
 
 
+# Each micro-batch of the jobs waits this long: the tiny model's phase trained its 10 steps in 0.1 s, and
+# what a test does at a step (a kill of a phase's rank, a stop early in a phase) came after the phase had
+# ended, or, where CI's polls missed every phase's first steps, never (2026-12-06).
+SLOW = faults_env(hold_at={"point": "data.micro_batch", "seconds": 0.3})
+
+
 def submit(slurm: Cluster, sched: Path, nodes: int = 2, per_node: int = 1) -> str:
-    """The example's job, its resources fitted to this cluster (no GPUs, a CPU a process)."""
+    """The example's job, its resources fitted to this cluster (no GPUs, a CPU a process), its steps slowed (``SLOW``)."""
     return slurm.sbatch(f"--nodes={nodes}", f"--ntasks-per-node={per_node}", "--cpus-per-task=1",
                         "--gpus-per-node=0", "--time=30", f"--output={sched.parent}/job-%j.out", str(SBATCH),
-                        str(sched), cwd=ROOT, env={"RELAYER_VENV": str(BIN.parent)})
+                        str(sched), cwd=ROOT, env={"RELAYER_VENV": str(BIN.parent), **SLOW})
 
 
 def finished(slurm: Cluster, job: str) -> tuple[str, str]:
