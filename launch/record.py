@@ -138,9 +138,10 @@ class Phase:
         self.step = spec.start_step
         """The global step: steps done so far."""
         self.tb = self.wandb = None
-        self.cores = None
-        """Where the switch was too short to measure the free cores: the measure (``launch.threads``), for the first step's end."""
         """TensorBoard's writer and the Weights & Biases run, once the first metric is logged to them."""
+        self.cores = None
+        """Where the switch was too short to measure the free cores: the measure (``launch.threads``),
+        taken again at the first step's end."""
 
     def stage(self, name: str) -> None:
         """What this phase is doing before its first step, for the progress display (rank 0)."""

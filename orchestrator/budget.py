@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 from orchestrator.errors import ScheduleError
 from orchestrator.estimate import (
-    CONTEXT_BYTES, PROCESS_BYTES, RESERVE, EstimateError, PlanEstimate, estimate_plan, offered_bytes, on_device, trained_head,
+    CONTEXT_BYTES, PROCESS_BYTES, RESERVE, EstimateError, PlanEstimate, estimate_plan, offered_bytes, on_device,
+    trained_head,
 )
 from orchestrator.libfacts import offloads_optimizer
 from orchestrator.schedule import LoadedSchedule, Phase

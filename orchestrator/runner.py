@@ -127,7 +127,7 @@ class Runner:
         with ExitStack() as held:
             if staged:
                 held.callback(shutil.rmtree, staged, ignore_errors=True)
-            if not final.is_current(self.run_dir, self.phases[-1].end_step):  # complete: it writes nothing more
+            if chosen or not final.is_current(self.run_dir, self.phases[-1].end_step):  # complete: nothing to write
                 check_space(self.loaded, self.phases, staged)  # before any phase process: exit 2, nothing written
             fresh = self._prepare_run_dir()
             self.journal = Journal(self.run_dir)
