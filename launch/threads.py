@@ -23,9 +23,9 @@ the first step's end, and measured again then (``set_threads``)."""
 TOO_SHORT = "too short a switch to measure the free cores"
 
 
-def told(environ: Mapping[str, str] = os.environ) -> int | None:
+def told(environ: Mapping[str, str] | None = None) -> int | None:
     """``OMP_NUM_THREADS`` where it is a positive whole number."""
-    value = environ.get("OMP_NUM_THREADS", "").strip()
+    value = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "").strip()  # os.environ as it is now
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
@@ -54,7 +54,7 @@ class FreeCores:
         others = (self._busy() - self.busy0) - (self._own() - self.own0) * ranks
         return min(len(self.cpus), max(0.0, len(self.cpus) - max(0.0, others) / wall))
 
-    def threads(self, ranks: int, current: int, environ: Mapping[str, str] = os.environ) -> tuple[int, str]:
+    def threads(self, ranks: int, current: int, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
         """(threads for this rank, why), from ``current`` (torch's now)."""
         if (n := told(environ)) is not None:
             return n, "OMP_NUM_THREADS"
