@@ -210,7 +210,9 @@ def test_stage_0_stopped_mid_phase_resumes_bitwise(tmp_path, tiny_model, tiny_da
     assert r.returncode == 0, r.stderr
     sched = schedule(tmp_path, tiny_model, tiny_data, checkpoint={"every_steps": EVERY, "keep_last": 1}, **sections)
     run = tmp_path / "run"
-    orch = start(sched)
+    # Each micro-batch waits 0.1 s: at full speed phase 1's last 6 steps took less than the stop's way
+    # to the ranks, and it landed at the switch, not mid-phase (CI, 2026-12-06).
+    orch = start(sched, env=faults_env(hold_at={"point": "data.micro_batch", "seconds": 0.1}))
     wait_for(lambda: metrics_steps(run) >= 14, what="step 14")
     orch.send_signal(signal.SIGHUP)
     _, err = orch.communicate(timeout=120)
