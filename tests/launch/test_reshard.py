@@ -23,7 +23,7 @@ import torch
 
 from shard_tools.manifest import read_manifest
 from shard_tools.store import Checkpoints
-from tests.conftest import cli, schedule_dict, write_schedule
+from tests.conftest import cli, faults_env, schedule_dict, write_schedule
 from tests.reference import composed, max_abs_diff, reference_run
 
 pytestmark = pytest.mark.multiprocess
@@ -150,8 +150,11 @@ def test_launcher_sigkill_takes_its_ranks_down_and_the_run_resumes(tmp_path, tin
                 return True
         return False
 
+    # Each micro-batch waits 0.1 s (a fault hold): at full speed phase 1's last 8 steps may end before its
+    # ranks are looked at, as other tests' stops did (CI, 2026-12-06).
+    slow = faults_env(hold_at={"point": "data.micro_batch", "seconds": 0.1})
     orch = subprocess.Popen([ORCH, "run", str(sched)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, **slow})
     try:
         wait_for(lambda: in_phase_1() or orch.poll() is not None, timeout=300, what="a step of phase 1")
         assert orch.poll() is None, orch.communicate()
