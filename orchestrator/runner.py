@@ -85,7 +85,7 @@ class Runner:
         self.resume_from = resume_from
         self.run_dir = loaded.output_dir
         self.phases = plan_phases(loaded)
-        self.force = force
+        self.force, self.complete = force, False  # complete: RUN_DIR/final is this run's, of its last step (_run)
         self.on_event = on_event or (lambda e: None)
         self.stop_signal: int | None = None
         """The first stop signal, which stops at a checkpoint; a SIGINT after it ends the run at once."""
@@ -127,7 +127,8 @@ class Runner:
         with ExitStack() as held:
             if staged:
                 held.callback(shutil.rmtree, staged, ignore_errors=True)
-            if chosen or not final.is_current(self.run_dir, self.phases[-1].end_step):  # complete: nothing to write
+            self.complete = chosen is None and final.is_current(self.run_dir, self.phases[-1].end_step)  # hashes final/
+            if not self.complete:  # a complete run writes nothing more
                 check_space(self.loaded, self.phases, staged)  # before any phase process: exit 2, nothing written
             fresh = self._prepare_run_dir()
             self.journal = Journal(self.run_dir)
@@ -251,8 +252,7 @@ class Runner:
         step, self.named = (manifest.global_step if manifest else 0), named_at_stop(self.checkpoints)
         warmup_from = self.loaded.schedule.lr_schedule.warmup_from  # for changes.warmup_ran
         end = self.phases[-1].end_step
-        # Complete (RUN_DIR/final its export of the last step), its end checkpoint gone: never trained again.
-        if not fresh and step < end and final.is_current(self.run_dir, end):
+        if step < end and self.complete:  # its end checkpoint gone (a user deleted it): never trained again
             self._event("resumed", step=end, checkpoint=None, final=str(self.run_dir / final.FINAL), pid=os.getpid(),
                         warmup_from=warmup_from)
             return None
@@ -316,7 +316,7 @@ class Runner:
 
     def _final_model(self) -> None:
         step = self.phases[-1].end_step
-        if not self.loaded.schedule.run.final_model or final.is_current(self.run_dir, step):
+        if not self.loaded.schedule.run.final_model or self.complete or final.is_current(self.run_dir, step):
             return
         self._event("final_model_started", path=str(self.run_dir / final.FINAL), step=step)
         ahead, self.exporter = self.exporter, None

@@ -65,7 +65,7 @@ def prepare(data: DataPart, tokenizer: str | None, cache_root: Path, reuse: tupl
     every format but ``tokens``. ``vocab_size``: the model's, which every token id of ``tokens``
     data must be below (named by its record). Raises ``DataError`` (nothing is left in the cache then)."""
     key = cache_key(data, tokenizer)
-    made = cached(data, tokenizer, cache_root, reuse)
+    made = _entry(key, cache_root, reuse)
     if made is not None:
         return made
     out = Path(cache_root) / key
@@ -93,7 +93,10 @@ def prepare(data: DataPart, tokenizer: str | None, cache_root: Path, reuse: tupl
 def cached(data: DataPart, tokenizer: str | None, cache_root: Path, reuse: tuple[Path, ...] = ()) -> Path | None:
     """The entry of ``data`` made already, in one of ``reuse`` or in ``cache_root``; None where there is none.
     It was made with this tokenizer and template (their texts are in the key): it loaded them then."""
-    key = cache_key(data, tokenizer)
+    return _entry(cache_key(data, tokenizer), cache_root, reuse)
+
+
+def _entry(key: str, cache_root: Path, reuse: tuple[Path, ...]) -> Path | None:
     return next((Path(root) / key for root in (*reuse, cache_root) if _made(Path(root) / key)), None)
 
 

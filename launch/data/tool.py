@@ -32,14 +32,15 @@ def inspect(req: dict[str, Any]) -> dict[str, Any]:
     data = DataPart.model_validate(req["data"])
     tokenizer, root = req.get("tokenizer"), Path(req["cache_root"])
     reuse = tuple(Path(p) for p in req.get("reuse", ()))
+    vocab = req.get("vocab_size")
     # Prepared already (a resume, plan after run): the tokenizer loaded then, and importing
     # transformers to load it again took 3 s of the 3.4 s of each resume's data step on 2 cores.
-    if cached(data, tokenizer, root, reuse) is None:
+    cache = cached(data, tokenizer, root, reuse)
+    if cache is None:
         for source in (*data.sources, *data.validation):
             if source.format != "tokens":
                 _check_tokenizer(source, tokenizer)
-    vocab = req.get("vocab_size")
-    cache = prepare(data, tokenizer, root, reuse, vocab_size=vocab)
+        cache = prepare(data, tokenizer, root, reuse, vocab_size=vocab)
     check(data, cache, vocab)
     out: dict[str, Any] = {"stats": read_stats(cache), "rows": []}
     if req.get("show"):
