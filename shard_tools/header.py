@@ -8,7 +8,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from shard_tools.errors import CheckpointError
 from shard_tools.files import describe, open_regular
@@ -110,3 +110,43 @@ def _entry_fault(entry: Any) -> str | None:
 
 def _natural(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def copy_tensors(src: Path, dst: int, keep: Callable[[str], bool], metadata: dict[str, str]) -> None:
+    """Writes into the empty file ``dst`` (a descriptor) the tensors of the safetensors file
+    ``src`` whose names ``keep`` accepts, byte for byte, with ``metadata`` as its __metadata__: a
+    subset of a file without torch and without holding more than a chunk of it (retention trims a
+    layers file this way). CheckpointError where ``src`` is not a whole safetensors file."""
+    try:
+        fd = open_regular(src, follow_symlinks=False)
+    except OSError as e:
+        raise CheckpointError(f"{src}: {describe(e, follow_symlinks=False)}") from None
+    try:
+        tensors, _ = read_header(fd, src)
+        data_start = 8 + int.from_bytes(os.pread(fd, 8, 0), "little")
+        kept = sorted(((n, e) for n, e in tensors.items() if keep(n)), key=lambda item: item[1]["data_offsets"][0])
+        header: dict[str, Any] = {"__metadata__": metadata}
+        offset = 0
+        for name, entry in kept:
+            size = entry["data_offsets"][1] - entry["data_offsets"][0]
+            header[name] = {"dtype": entry["dtype"], "shape": entry["shape"], "data_offsets": [offset, offset + size]}
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # as the safetensors library pads it
+        os.write(dst, len(raw).to_bytes(8, "little") + raw)
+        for _, entry in kept:
+            start, end = entry["data_offsets"]
+            _copy_range(fd, dst, data_start + start, end - start)
+    finally:
+        os.close(fd)
+
+
+def _copy_range(src: int, dst: int, offset: int, length: int, chunk: int = 64 << 20) -> None:
+    while length > 0:
+        block = os.pread(src, min(chunk, length), offset)
+        if not block:
+            raise OSError(f"the file ended {length} bytes early")
+        view = memoryview(block)
+        while view:
+            view = view[os.write(dst, view):]
+        offset, length = offset + len(block), length - len(block)

@@ -29,8 +29,9 @@ GROUPS = {HEAD: "head", LAYERS: "body", BODY_OPTIM: "body_optim", STATE: "state"
 
 def inspect_checkpoint(ckpt: Path) -> dict[str, Any]:
     manifest = read_manifest(ckpt)
-    order = list(GROUPS)
-    files = sorted(manifest.files, key=lambda f: (order.index(f) if f in order else len(order), f))
+    group = {**GROUPS, manifest.layers_name: "body"}  # a trimmed layers file has a name of its own
+    order = list(group.values())
+    files = sorted(manifest.files, key=lambda f: (order.index(group[f]) if f in group else len(order), f))
     tensors, metadata = [], {}
     for file in files:
         if fault := regular_fault(ckpt / file, follow_symlinks=False):
@@ -38,7 +39,7 @@ def inspect_checkpoint(ckpt: Path) -> dict[str, Any]:
         header, metadata[file] = tensor_headers(ckpt / file)
         for name, entry in sorted(header.items()):
             start, end = entry["data_offsets"]
-            tensors.append({"name": name, "file": file, "group": GROUPS.get(file, file), "shape": entry["shape"],
+            tensors.append({"name": name, "file": file, "group": group.get(file, file), "shape": entry["shape"],
                             "dtype": entry["dtype"], "bytes": end - start})
     return {"kind": "checkpoint", "path": str(ckpt), **asdict(manifest),
             "bytes": sum(e.size for e in manifest.files.values()), "metadata": metadata, "tensors": tensors}

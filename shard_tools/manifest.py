@@ -39,8 +39,23 @@ STEP_DIR_SHAPE = "step-NNNNNNNN"
 _MAX_MANIFEST = 16 << 20  # a manifest lists a few files; anything near this is not one
 HEAD = "head.safetensors"
 LAYERS = "layers.safetensors"
+_TRIMMED = re.compile(r"^layers-[0-9a-f]{16}\.safetensors$")
+"""A layers-only checkpoint's layers file after retention kept only some of its layers
+(``layers-<the first 16 hex digits of its checksum>.safetensors``: a new name each time, so that a
+reader holding the old manifest finds the old file or none, never another file under its name)."""
 BODY_OPTIM = "body_optim.safetensors"
 STATE = "state.safetensors"
+
+
+def trimmed_name(sha256_chunked: str) -> str:
+    """The name of a trimmed layers file with this checksum (``_TRIMMED``)."""
+    return f"layers-{sha256_chunked[:16]}.safetensors"
+
+
+def layers_file(files: dict[str, Any]) -> str:
+    """The name of the layers file a manifest lists: ``LAYERS``, or in a layers-only checkpoint
+    retention trimmed, its ``layers-<checksum>.safetensors``."""
+    return LAYERS if LAYERS in files else next((n for n in files if _TRIMMED.match(n)), LAYERS)
 
 
 def files_needed(phase_complete: bool, layers_only: bool = False) -> tuple[str, ...]:
@@ -89,15 +104,35 @@ class Manifest:
     layer from anything else (a lost source is a fault, never the base model's layer). None in
     checkpoints written before it was recorded (their layers compose by the newest that holds each),
     and in a layers-only one (retention drops it: what it named may go)."""
+    written_sha256: str | None = None
+    """In a layers-only checkpoint whose layers file retention trimmed to the layers a kept
+    checkpoint still composes from: the checksum of the layers file its phase wrote, which the
+    records (``layer_sources``) of the checkpoints after it name. None otherwise."""
+    kept_layers: list[int] | None = None
+    """With ``written_sha256``: the layers its trimmed file still holds (``layers`` and
+    ``carried_layers`` still say what its phase wrote)."""
+
+    @property
+    def layers_name(self) -> str:
+        """Its layers file's name (``layers_file``)."""
+        return layers_file(self.files)
+
+    @property
+    def layers_sha256(self) -> str:
+        """The checksum a record names this checkpoint's layers by: of the file its phase wrote."""
+        return self.written_sha256 or self.files[self.layers_name].sha256_chunked
 
     @property
     def stored_layers(self) -> list[int]:
-        """Every layer its layers file holds: its phase's, then the carried ones."""
+        """Every layer its layers file holds: its phase's, then the carried ones (of a trimmed one,
+        ``kept_layers``)."""
+        if self.kept_layers is not None:
+            return list(self.kept_layers)
         return [*self.layers, *(l for l in self.carried_layers if l not in self.layers)]
 
     def to_json(self) -> str:
         data = asdict(self)
-        for name in ("layers_only", "carried_layers", "layer_sources"):  # absent: as every earlier reader knows it
+        for name in ("layers_only", "carried_layers", "layer_sources", "written_sha256", "kept_layers"):  # absent: as every earlier reader knows it
             if not data[name] and data[name] != {}:
                 del data[name]
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
@@ -110,7 +145,8 @@ class Manifest:
             raise CheckpointError(f"{where}: not a valid manifest (not JSON: {e})") from None
         if not isinstance(data, dict):
             raise CheckpointError(f"{where}: not a valid manifest (not a JSON object)")
-        _check_fields(data, _FIELDS, where, "", optional={"extra", "format_version", "layers_only", "carried_layers", "layer_sources"})
+        _check_fields(data, _FIELDS, where, "", optional={"extra", "format_version", "layers_only", "carried_layers", "layer_sources",
+                                                          "written_sha256", "kept_layers"})
         if data.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
             raise CheckpointError(f"{where}: format_version {data['format_version']}; this relayer reads "
                                   f"format {FORMAT_VERSION}")
@@ -123,6 +159,11 @@ class Manifest:
         # A manifest that leaves out a file would verify without it, and its layers would quietly
         # be composed from an older checkpoint.
         needed = files_needed(data["phase_complete"], data.get("layers_only", False))
+        if "written_sha256" in data or "kept_layers" in data:
+            if not (data.get("layers_only") and "written_sha256" in data and "kept_layers" in data):
+                raise CheckpointError(f"{where}: fields written_sha256 and kept_layers: a trimmed layers file is "
+                                      f"recorded by both, in a layers-only checkpoint")
+            needed = (layers_file(files),)
         if missing := [n for n in needed if n not in files]:
             kind = "layers-only" if data.get("layers_only") else "phase-end" if data["phase_complete"] else "mid-phase"
             raise CheckpointError(f"{where}: files: {missing[0]} is not listed; a {kind} checkpoint lists "
@@ -157,6 +198,9 @@ _FIELDS = {
                 "a finite number (seconds since the epoch)"),
     "extra": _of(dict, "an object"),
     "layers_only": _of(bool, "true or false"),
+    "written_sha256": (lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None,
+                       "64 lowercase hex digits"),
+    "kept_layers": (lambda v: isinstance(v, list) and all(_count()[0](x) for x in v), "a list of integers >= 0"),
     "layer_sources": (lambda v: isinstance(v, dict) and all(_source_ok(k, e) for k, e in v.items()),
                       'an object of layer -> {"checkpoint": "step-NNNNNNNN", "sha256_chunked": "<64 hex digits>"}'),
 }
@@ -254,7 +298,7 @@ def verify_checkpoint(ckpt: Path, *, checksums: bool = True) -> list[str]:
             elif checksums and name.endswith(".safetensors"):
                 # A manifest that vouches for a malformed file (a writer's bug) must not make it whole.
                 tensors, metadata = read_header(fd, f)
-                if name == LAYERS and (fault := _layers_fault(f, tensors, metadata, manifest.stored_layers)):
+                if name == manifest.layers_name and (fault := _layers_fault(f, tensors, metadata, manifest.stored_layers)):
                     faults.append(fault)
         except CheckpointError as e:
             faults.append(str(e))
@@ -272,9 +316,9 @@ def listing_fault(ckpt: Path) -> str | None:
     a layer would have been that layer's source (``Checkpoints.source_faults``)."""
     try:
         manifest = read_manifest(ckpt)
-        if LAYERS not in manifest.files:
+        if manifest.layers_name not in manifest.files:
             return None
-        f = ckpt / LAYERS
+        f = ckpt / manifest.layers_name
         fd = open_regular(f, follow_symlinks=False)
     except (CheckpointError, OSError):
         return None

@@ -218,13 +218,20 @@ def layer_weights(sources: dict[int, Path], mapped: bool = False) -> dict[str, t
         by_source.setdefault(src, set()).add(layer)
     weights: dict[str, torch.Tensor] = {}
     for src, layers in by_source.items():
-        held, prefix = layers_said(src / LAYERS, file_metadata(src / LAYERS))
-        if layers - held:
-            raise CheckpointError(f"{src / LAYERS}: does not hold layers {sorted(layers - held)} its manifest lists")
-        for name, t in (map_tensors(src / LAYERS) if mapped else load_tensors(src / LAYERS)).items():
-            if layer_of(src / LAYERS, name, prefix) in layers:
-                weights[name] = t
+        try:
+            weights.update(_layers_of(src, layers, mapped))
+        except CheckpointError:  # its file trimmed since its manifest was read (a new name): read again
+            weights.update(_layers_of(src, layers, mapped))
     return weights
+
+
+def _layers_of(src: Path, layers: set[int], mapped: bool) -> dict[str, torch.Tensor]:
+    f = src / read_manifest(src).layers_name
+    held, prefix = layers_said(f, file_metadata(f))
+    if layers - held:
+        raise CheckpointError(f"{f}: does not hold layers {sorted(layers - held)} its manifest lists")
+    return {name: t for name, t in (map_tensors(f) if mapped else load_tensors(f)).items()
+            if layer_of(f, name, prefix) in layers}
 
 
 def run_weights(run_dir: Path, ckpt: Path) -> dict[str, torch.Tensor]:

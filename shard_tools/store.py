@@ -25,9 +25,11 @@ import psutil
 
 from shard_tools.errors import CheckpointError, InputError
 from shard_tools.files import TMP_PREFIX, fsync_path, write_atomic
+from shard_tools.digest import digest_fd
+from shard_tools.header import copy_tensors, tensor_headers
 from shard_tools.manifest import (
-    FINAL, LAYERS, MANIFEST, STEP_DIR_SHAPE, Manifest, checkpoints_dir, is_checkpoint_dir, read_manifest, step_dir_name,
-    listing_fault, step_of, verify_checkpoint,
+    FINAL, MANIFEST, STEP_DIR_SHAPE, FileEntry, Manifest, checkpoints_dir, is_checkpoint_dir, layer_of, layers_said,
+    listing_fault, read_manifest, step_dir_name, step_of, trimmed_name, verify_checkpoint,
 )
 
 SET_ASIDE = ".set-aside-"
@@ -170,7 +172,7 @@ class Checkpoints:
         the checkpoints before it trained that its own layers file (``own``) does not hold."""
         name = step_dir_name(step)
         sources = self._sources([c for c in self.all() if (step_of(c) or 0) < step], name)
-        return {str(l): {"checkpoint": src.name, "sha256_chunked": self.manifest(src).files[LAYERS].sha256_chunked}
+        return {str(l): {"checkpoint": src.name, "sha256_chunked": self.manifest(src).layers_sha256}
                 for l, src in sorted(sources.items()) if l not in own}
 
     def _sources(self, ckpts: list[Path], reader: str) -> dict[int, Path]:
@@ -202,7 +204,7 @@ class Checkpoints:
             raise LostLayer(lost.format("is missing" if not os.path.lexists(src) else f"cannot be read ({e})"), layer, src.name) from None
         if layer not in m.stored_layers:
             raise LostLayer(lost.format(f"does not hold it (it holds {m.stored_layers})"), layer, src.name)
-        if entry["sha256_chunked"] not in (m.files[LAYERS].sha256_chunked,):
+        if entry["sha256_chunked"] != m.layers_sha256:
             raise LostLayer(lost.format("was replaced (its layers file is not the one recorded)"), layer, src.name)
         return src
 
@@ -271,25 +273,32 @@ class Checkpoints:
     # -- what changes the run's checkpoints ----------------------------------------------------
     def purge(self, keep_last: int, protect: set[Path]) -> Iterator[Purged]:
         """Retention: keeps the newest ``keep_last`` full checkpoints (and ``protect``, which a phase
-        may still be reading) whole; of every older whole checkpoint, keeps the layers file where
-        one of those composes a layer from it (dropping its head, state and body optimizer state)
-        and removes the rest; yields each once done: the layers-only ones (oldest first), then the
-        removed ones (newest first). CheckpointError, before
-        anything changes, where an older manifest cannot be read: what it holds might be needed."""
+        may still be reading) whole; of every older whole checkpoint a kept one composes layers
+        from, keeps only those layers (dropping its head, state and body optimizer state, and
+        trimming its layers file to them), and removes the rest; yields each once done: the
+        layers-only ones (oldest first), then the removed ones (newest first). The sources of
+        ``protect`` are not trimmed (their readers may hold the manifest that names the file).
+        CheckpointError, before anything changes, where an older manifest cannot be read: what it
+        holds might be needed."""
         whole = [c for c in self.all() if not verify_checkpoint(c, checksums=False)]
         manifests = {c: read_manifest(c) for c in whole}
         kept = [c for c in whole if not manifests[c].layers_only][-keep_last:] + sorted(protect)
-        sources = set()
+        needs: dict[Path, set[int] | None] = {}
         for ckpt in kept:
-            sources |= set(self.layer_sources(ckpt).values())
+            for layer, src in self.layer_sources(ckpt).items():
+                needs.setdefault(src, set())
+                if needs[src] is not None:
+                    needs[src].add(layer)
+            if ckpt in protect:
+                needs.update((src, None) for src in self.layer_sources(ckpt).values())
         older = [c for c in whole if c not in kept]
         # A record (``Manifest.layer_sources``) names older checkpoints: those kept for their layers
         # lose theirs first, and the rest go newest first, so that a reader never finds a full
         # checkpoint whose recorded source is gone.
-        for ckpt in (c for c in older if c in sources):
-            if _drop_all_but_layers(ckpt, manifests[ckpt]):
+        for ckpt in (c for c in older if c in needs):
+            if _keep_layers(ckpt, manifests[ckpt], needs[ckpt]):
                 yield Purged(ckpt, removed=False)
-        for ckpt in reversed([c for c in older if c not in sources]):
+        for ckpt in reversed([c for c in older if c not in needs]):
             trash = ckpt.with_name(f"{TMP_PREFIX}removing-{ckpt.name}.{os.getpid()}")
             os.replace(ckpt, trash)
             shutil.rmtree(trash)
@@ -351,18 +360,44 @@ def gone_since_listed(ckpt: Path) -> bool:
     return not os.path.lexists(ckpt)
 
 
-def _drop_all_but_layers(ckpt: Path, manifest: Manifest) -> bool:
-    """Makes ``ckpt`` layers-only: its manifest first (the commit point), then the files it no
-    longer lists go (also where an earlier retention was killed in between). False where nothing changed."""
-    if not manifest.layers_only:
-        write_atomic(ckpt / MANIFEST, replace(manifest, layers_only=True, files={
-            LAYERS: manifest.files[LAYERS]}).to_json())
-    unlisted = [f for f in ckpt.iterdir() if f.name not in (MANIFEST, LAYERS)]
+def _keep_layers(ckpt: Path, manifest: Manifest, layers: set[int] | None) -> bool:
+    """Makes ``ckpt`` layers-only, its layers file holding only ``layers`` (None: all it holds):
+    a trimmed copy first, under a name of its own (``trimmed_name``), then the manifest (the commit
+    point), then the files it no longer lists go (also where an earlier retention was killed in
+    between). False where nothing changed."""
+    m = manifest
+    if layers is not None and set(m.stored_layers) - layers:
+        m = _trimmed(ckpt, m, layers)
+    if m is not manifest or not manifest.layers_only:
+        write_atomic(ckpt / MANIFEST, replace(m, layers_only=True, files={m.layers_name: m.files[m.layers_name]}).to_json())
+    unlisted = [f for f in ckpt.iterdir() if f.name not in (MANIFEST, m.layers_name)]
     for f in unlisted:
         _remove(f)
     if unlisted:
         fsync_path(ckpt)
-    return not manifest.layers_only or bool(unlisted)
+    return m is not manifest or not manifest.layers_only or bool(unlisted)
+
+
+def _trimmed(ckpt: Path, manifest: Manifest, layers: set[int]) -> Manifest:
+    """A copy of ``ckpt``'s layers file holding only ``layers`` of them, written and made durable
+    beside it; the manifest that lists it (not written yet)."""
+    src = ckpt / manifest.layers_name
+    _, metadata = tensor_headers(src)
+    _, prefix = layers_said(src, metadata)
+    kept = [l for l in manifest.stored_layers if l in layers]
+    tmp = ckpt / f"{TMP_PREFIX}trimmed.{os.getpid()}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+    try:
+        copy_tensors(src, fd, lambda name: layer_of(src, name, prefix) in layers,
+                     {**metadata, "layers": ",".join(map(str, kept))})
+        os.fsync(fd)
+        entry = FileEntry(os.fstat(fd).st_size, digest_fd(fd))
+    finally:
+        os.close(fd)
+    name = trimmed_name(entry.sha256_chunked)
+    os.replace(tmp, ckpt / name)
+    fsync_path(ckpt)
+    return replace(manifest, files={name: entry}, written_sha256=manifest.layers_sha256, kept_layers=kept)
 
 
 def _remove(path: Path) -> None:

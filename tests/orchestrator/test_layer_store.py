@@ -89,8 +89,16 @@ def test_a_long_lisa_run_keeps_each_layer_once_and_resumes_bitwise(tmp_path):
     bound = KEEP + len(trained) + (KEEP - 1) * LAYERS_PER_PHASE
     assert set(ckpts) - set(full) <= needed and len(ckpts) <= bound
     assert most <= bound + BEHIND_PHASES + 6, (most, bound)
+    # The exact bound: each of them holds only the layers a kept checkpoint composes from it.
+    wanted: dict[Path, set[int]] = {}
+    for c in full:
+        for layer, src in store.layer_sources(c).items():
+            wanted.setdefault(src, set()).add(layer)
     for c in set(ckpts) - set(full):
-        assert sorted(p.name for p in c.iterdir()) == ["layers.safetensors", "manifest.json"]
+        m = manifests[c]
+        assert sorted(p.name for p in c.iterdir()) == sorted([m.layers_name, "manifest.json"])
+        assert sorted(m.stored_layers) == sorted(wanted[c]), (c, m.stored_layers, wanted[c])
+    assert any(m.kept_layers is not None for m in manifests.values())  # some were trimmed
 
     assert cli("shard-tools", "verify", str(run)).returncode == 0
     assert cli("shard-tools", "inspect", str(run)).returncode == 0

@@ -182,6 +182,94 @@ def test_a_layers_only_manifest_lists_its_layers_file(tmp_path):
         store.faults(store.at(4))[0]
 
 
+def layers_held(ckpt) -> list[int]:
+    m = read_manifest(ckpt)
+    with safe_open(str(ckpt / m.layers_name), framework="pt") as f:
+        return sorted({int(k.split(".")[2]) for k in f.keys()})
+
+
+def test_retention_keeps_only_the_layers_no_kept_checkpoint_finds_newer(tmp_path):
+    """The exact bound: an older checkpoint kept for its layers keeps only those a kept checkpoint
+    composes from it, in a trimmed file of a new name (``layers-<checksum>.safetensors``), trimmed
+    again as newer copies come; the records naming it (by the checksum its phase wrote) still hold,
+    and every kept checkpoint composes the same weights. Before it, step 2's whole file stayed."""
+    store = run_of(tmp_path, (2, [0, 1, 2]), (4, [1]), (6, [3]))
+    before = run_weights(tmp_path, store.at(6)), run_weights(tmp_path, store.at(4))
+    written = read_manifest(store.at(2)).files[LAYERS].sha256_chunked
+    assert list(store.purge(2, set())) == [Purged(store.at(2), removed=False)]
+    m = read_manifest(store.at(2))
+    assert m.layers_only and m.kept_layers == [0, 2] and m.layers == [0, 1, 2] and m.written_sha256 == written
+    assert list(m.files) == [m.layers_name] and m.layers_name == f"layers-{m.files[m.layers_name].sha256_chunked[:16]}.safetensors"
+    assert sorted(p.name for p in store.at(2).iterdir()) == sorted([m.layers_name, MANIFEST])
+    assert layers_held(store.at(2)) == [0, 2] and store.faults(store.at(2)) == []
+    assert all(same(a, b) for a, b in zip(before, (run_weights(tmp_path, store.at(6)), run_weights(tmp_path, store.at(4)))))
+    save_state(tmp_path, state(8, 3, [2], seed=3), ORIGIN)  # its record names step 2 by the checksum written
+    assert json.loads((store.at(8) / MANIFEST).read_text())["layer_sources"]["0"]["sha256_chunked"] == written
+    save_state(tmp_path, state(10, 4, [4], seed=4), ORIGIN)
+    kept = run_weights(tmp_path, store.at(10)), run_weights(tmp_path, store.at(8))
+    done = list(store.purge(2, set()))
+    assert done == [Purged(store.at(k), removed=False) for k in (2, 4, 6)]
+    assert layers_held(store.at(2)) == [0] and read_manifest(store.at(2)).written_sha256 == written
+    assert layers_held(store.at(6)) == [3] and layers_held(store.at(4)) == [1]
+    assert all(store.faults(c) == [] for c in store.all()) and store.source_faults(store.at(10)) == []
+    assert all(same(a, b) for a, b in zip(kept, (run_weights(tmp_path, store.at(10)), run_weights(tmp_path, store.at(8)))))
+    assert list(store.purge(2, set())) == []  # the bound is reached: nothing more to do
+
+
+def test_a_trim_killed_at_any_point_leaves_every_checkpoint_whole_and_the_next_retention_ends_it(tmp_path, monkeypatch):
+    """Killed after the trimmed copy is written (before the manifest, the commit point), or after
+    the manifest (before the old file goes): every checkpoint verifies and composes as before, and
+    the next retention finishes the work."""
+    import shard_tools.store as store_module
+    store = run_of(tmp_path, (2, [0, 1]), (4, [1]), (6, [2]))
+    before = run_weights(tmp_path, store.at(6))
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed before the manifest")
+
+    monkeypatch.setattr(store_module, "write_atomic", killed)
+    with pytest.raises(KeyboardInterrupt):
+        list(store.purge(2, set()))
+    monkeypatch.undo()
+    assert not read_manifest(store.at(2)).layers_only and store.faults(store.at(2)) == []
+    assert len(list(store.at(2).glob("layers-*.safetensors"))) == 1  # the copy, listed by nothing
+    assert same(run_weights(tmp_path, store.at(6)), before)
+    monkeypatch.setattr(store_module, "_remove", killed)
+    with pytest.raises(KeyboardInterrupt):
+        list(store.purge(2, set()))
+    monkeypatch.undo()
+    assert read_manifest(store.at(2)).kept_layers == [0] and store.faults(store.at(2)) == []
+    assert (store.at(2) / LAYERS).exists() and same(run_weights(tmp_path, store.at(6)), before)
+    assert list(store.purge(2, set())) == [Purged(store.at(2), removed=False)]
+    assert sorted(p.name for p in store.at(2).iterdir()) == sorted([read_manifest(store.at(2)).layers_name, MANIFEST])
+    assert same(run_weights(tmp_path, store.at(6)), before)
+
+
+def test_a_reader_holding_the_manifest_before_a_trim_reads_the_trimmed_file(tmp_path, monkeypatch):
+    """A phase or ``shard-tools export`` composing while the orchestrator's retention trims a
+    source: the file its manifest named is gone, so it reads the manifest again."""
+    import shard_tools.state as state_module
+    store = run_of(tmp_path, (2, [0, 1]), (4, [1]), (6, [2]))
+    sources, before = store.layer_sources(store.at(6)), run_weights(tmp_path, store.at(6))
+    old = {c: read_manifest(c) for c in store.all()}
+    list(store.purge(2, set()))
+    stale, real = [old[store.at(2)]], state_module.read_manifest
+    monkeypatch.setattr(state_module, "read_manifest", lambda c: stale.pop() if c == store.at(2) and stale else real(c))
+    got = state_module.layer_weights(sources)
+    assert not stale  # the stale manifest was read, and its file was gone
+    assert all(torch.equal(got[k], before[k]) for k in got) and {k for k in got if ".0." in k}
+
+
+def test_a_trimmed_record_is_in_a_layers_only_manifest_alone(tmp_path):
+    store = run_of(tmp_path, (2, [0, 1]), (4, [1]), (6, [2]))
+    list(store.purge(2, set()))
+    data = json.loads((store.at(2) / MANIFEST).read_text())
+    (store.at(2) / MANIFEST).write_text(json.dumps({**data, "layers_only": False}))
+    assert "written_sha256 and kept_layers: a trimmed layers file is recorded by both" in store.faults(store.at(2))[0]
+    (store.at(2) / MANIFEST).write_text(json.dumps({k: v for k, v in data.items() if k != "kept_layers"}))
+    assert "recorded by both" in store.faults(store.at(2))[0]
+
+
 def test_retention_removes_nothing_where_an_older_manifest_is_unreadable(tmp_path):
     """Checkpoints written before the record (``Manifest.layer_sources``) compose by scanning the
     older manifests: one unreadable may have held a layer, so retention changes nothing. With the
