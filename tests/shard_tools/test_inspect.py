@@ -168,13 +168,19 @@ def test_long_run_table(long_run):
 
 
 @pytest.mark.parametrize("args", [[], ["--json"]])
-def test_long_run_answers_within_a_second(long_run, args):
-    # Best of three, as a user would see it from the shell: a busy machine may stall any one start.
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        r = cli("shard-tools", "inspect", str(long_run), *args, timeout=60)
-        best = min(best, time.perf_counter() - t0)
-        assert r.returncode == 0, r.stderr
-    assert f"step-{2 * PHASES:08d}" in r.stdout
-    assert best < 1.0, best
+def test_long_run_answers_without_reading_a_checksum(long_run, args, monkeypatch):
+    """What keeps ``inspect`` of a long run quick on a run in training (a second or less from the
+    shell on an idle machine, 2026-12-06: 0.6-0.9 s): it reads manifests and headers, never a whole
+    file's checksum. A timing bound would fail on a loaded machine (CI's runs take up to 2.3 x), so
+    the test checks the cause; the subprocess's time is only kept from hanging."""
+    import shard_tools.manifest as manifest_module
+
+    def no_checksums(*_):
+        raise AssertionError("inspect read a checksum")
+
+    monkeypatch.setattr(manifest_module, "digest_fd", no_checksums)
+    assert f"step-{2 * PHASES:08d}" in invoke("inspect", long_run, *args).stdout
+    t0 = time.perf_counter()
+    r = cli("shard-tools", "inspect", str(long_run), *args, timeout=60)
+    assert r.returncode == 0 and f"step-{2 * PHASES:08d}" in r.stdout, r.stderr
+    assert time.perf_counter() - t0 < 30
