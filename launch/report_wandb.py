@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 KEYS = ("loss", "eval_loss", "lr", "tokens_per_s", "step_seconds")
@@ -18,10 +20,19 @@ def run_id(run_dir: Path) -> str:
 
 class WandbReport:
     def __init__(self, run_dir: Path, phase: int, config: dict):
-        import wandb
+        # W&B makes folders in TMPDIR as it is imported (tmp*wandb-media, tmp*wandb-artifacts) and
+        # removes them at interpreter exit, which a phase's os._exit skips: they go in a folder of
+        # this process's, removed by ``finish``.
+        self.tmp = tempfile.mkdtemp(prefix=f"relayer-wandb-{os.getpid()}.")
+        before, tempfile.tempdir = tempfile.tempdir, self.tmp
+        try:
+            import wandb
 
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "relayer"), id=run_id(run_dir), resume="allow",
-                              name=Path(run_dir).name, dir=str(run_dir), config=config, job_type=f"phase-{phase}")
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "relayer"), id=run_id(run_dir),
+                                  resume="allow", name=Path(run_dir).name, dir=str(run_dir), config=config,
+                                  job_type=f"phase-{phase}")
+        finally:
+            tempfile.tempdir = before
 
     def log(self, record: dict) -> None:
         """The scalars, each source's evaluation loss, and the generations as a table."""
@@ -34,4 +45,7 @@ class WandbReport:
         self.run.log(logged, step=record["step"])
 
     def finish(self) -> None:
-        self.run.finish()
+        try:
+            self.run.finish()
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)

@@ -19,9 +19,14 @@ def test_wandb_offline_run_files(tmp_path, tiny_model, tiny_data):
     phases = [{"steps": 2, "layers": [0]}, {"steps": 2, "layers": [1]}]
     sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data, run={"report_to": ["wandb"]},
                                                               schedule={"phases": phases}))
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "TMPDIR": str(tmp)}
     r = cli("orchestrator", "run", str(sched), env=env)
     assert r.returncode == 0, r.stderr
+    # W&B's media and artifact folders (made at its import, removed at interpreter exit, which a
+    # phase's os._exit skips) go with each phase; a hostile trial found tmp*wandb-* piling up.
+    assert [p.name for p in tmp.iterdir()] == []
     # Off a terminal the progress is log lines: each start-up stage, then steps with lr and an ETA.
     for stage in ("starting its processes", "starting the process group", "loading the model", "preparing data",
                   "building the engine", "first step"):
