@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import IO, Callable
 
 from launch.contract.channels import EARLY, FORK_REQUESTS, FORK_SERVER, FORK_SERVER_START, GO, PHASE_LAUNCHER, python_m
 from launch.contract.files import RANK, UNRECORDED, Answer, PhaseDir, RunDir, read_reasons
@@ -113,6 +114,8 @@ class PhaseProcesses:
         self.zygote: subprocess.Popen | None = None
         self.early: subprocess.Popen | None = None
         """A fork server started before the run's first spec (``start_early``), importing meanwhile."""
+        self.early_out: IO[bytes] | None = None
+        """What the early fork server printed before it was told its log."""
         self.zygote_fd = -1
         self.stopped: set[int] = set()
         """Fork servers this process ended (their end is no failure of theirs)."""
@@ -168,8 +171,11 @@ class PhaseProcesses:
         imports torch, DeepSpeed and transformers (seconds) while the schedule's data is prepared
         and the run directory made. Unused, it goes with ``stop_fork_server``."""
         if self.forks() and self.early is None and self.zygote is None:
+            # Its output, until it is told its log, goes to a file of no name: where it dies first,
+            # the journal says how (``_started_early``).
+            self.early_out = tempfile.TemporaryFile()
             self.early = subprocess.Popen(python_m(FORK_SERVER, EARLY), stdin=subprocess.PIPE,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          stdout=self.early_out, stderr=self.early_out,
                                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
 
     def fork_server(self, spec_path: Path) -> subprocess.Popen | None:
@@ -186,12 +192,16 @@ class PhaseProcesses:
             self.zygote = self._started_early(spec_path, fifo) or self._spawn_fork_server(spec_path, fifo)
             self.event("zygote_started", pid=self.zygote.pid, early=self.zygote is self.early)
             self.early = None
+            self._early_output()
         return self.zygote
 
     def _started_early(self, spec_path: Path, fifo: Path) -> subprocess.Popen | None:
         """The early fork server, told where to serve; None where there is none or it died."""
         early = self.early
-        if early is None or early.poll() is not None:
+        if early is None:
+            return None
+        if early.poll() is not None:  # replaced by one started as before; the journal says why
+            self.event("zygote_early_died", pid=early.pid, how=exit_text(early.returncode), output=self._early_output())
             return None
         try:
             early.stdin.write(FORK_SERVER_START.encode(spec=str(spec_path), fifo=str(fifo), log=str(self.files.zygote_log)))
@@ -208,6 +218,15 @@ class PhaseProcesses:
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
 
+    def _early_output(self, tail: int = 2000) -> str:
+        """The last ``tail`` characters the early fork server printed; the file is closed after."""
+        out, self.early_out = self.early_out, None
+        if out is None:
+            return ""
+        with out:
+            out.seek(max(0, out.seek(0, os.SEEK_END) - 4 * tail))
+            return out.read().decode(errors="replace")[-tail:]
+
     @staticmethod
     def _end(proc: subprocess.Popen | None) -> None:
         if proc is None:
@@ -221,6 +240,7 @@ class PhaseProcesses:
     def stop_fork_server(self) -> None:
         self._end(self.early)  # never used: the run ended before its first phase
         self.early = None
+        self._early_output()
         if self.zygote is None:
             return
         self.stopped.add(self.zygote.pid)

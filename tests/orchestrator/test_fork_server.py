@@ -5,6 +5,7 @@ run that ends before its first phase; one that died is replaced by a fork server
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,30 @@ def test_an_early_fork_server_that_died_is_replaced(tmp_path):
     spec.write_text("{}")
     server = procs.fork_server(spec)
     try:
-        assert server is not early and events == [{"event": "zygote_started", "pid": server.pid, "early": False}]
+        assert server is not early and events == [
+            {"event": "zygote_early_died", "pid": early.pid, "how": "by signal SIGKILL", "output": ""},
+            {"event": "zygote_started", "pid": server.pid, "early": False}]
     finally:
         procs.stop_fork_server()
-    assert server.poll() is not None and procs.early is None
+    assert server.poll() is not None and procs.early is None and procs.early_out is None
+
+
+def test_an_early_fork_server_that_died_leaves_its_reason_in_the_journal(tmp_path, monkeypatch):
+    """Its output goes nowhere until it is told its log; where it dies first (a broken install, an
+    import that fails), the journal keeps how it ended and the last of what it printed."""
+    import orchestrator.groups as groups
+
+    failing = [sys.executable, "-c", "import sys; print('ImportError: no module named deepspeed', file=sys.stderr); sys.exit(3)"]
+    real = groups.python_m
+    monkeypatch.setattr(groups, "python_m", lambda *args: failing if args[-1] == groups.EARLY else real(*args))
+    events = []
+    procs = PhaseProcesses(tmp_path, LaunchSection(), lambda e, **f: events.append({"event": e, **f}), None)
+    procs.start_early()
+    procs.early.wait()
+    monkeypatch.undo()
+    (tmp_path / "spec.json").write_text("{}")
+    server = procs.fork_server(tmp_path / "spec.json")
+    procs.stop_fork_server()
+    died, started = events
+    assert died["event"] == "zygote_early_died" and died["how"] == "with exit code 3"
+    assert died["output"] == "ImportError: no module named deepspeed\n" and started["pid"] == server.pid
