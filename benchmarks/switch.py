@@ -268,7 +268,7 @@ def run_relayer(setup: dict, work: Path, devices: Devices | None, timeout: float
     trace = watchers[2] if devices else None
     out = {"wall_seconds": wall, "phases": phases, "steps": read_jsonl(run / "metrics.jsonl"), "journal": journal,
            "switch_details": relayer_details(phases, journal, stages, host, trace, bare),
-           "plan_estimate": plan_estimate(sched), "plan_text": plan_text(sched, devices),
+           "plan_estimate": plan_estimate(sched), "plan_text": plan_text(sched, devices, setup.get("device_memory")),
            "disk": disk_summary(disk, probes["manifests"].manifests, wall, len(phases)),
            **probe_results(probes, phases, journal)}
     if devices:
@@ -299,10 +299,11 @@ def probe_results(probes: dict, phases: list[dict], journal: list[dict]) -> dict
             "meminfo_trace": [[round(t, 3), d, w] for t, d, w in probes["meminfo"].trace[::4]]}
 
 
-def plan_text(sched: Path, devices: Devices | None) -> str | None:
-    """``orchestrator plan`` of the schedule, against the device's memory where there is one: each
-    switch's way (device or checkpoint) and why, and the overlap's planned peak."""
-    extra = ["--device-memory", str(devices.describe()[0]["memory_total"])] if devices else []
+def plan_text(sched: Path, devices: Devices | None, budget: str | None = None) -> str | None:
+    """``orchestrator plan`` of the schedule, against its ``launch.device_memory`` (``budget``), else
+    the device's memory where there is one: each switch's way (device, host or checkpoint) and why,
+    and the overlap's planned peak."""
+    extra = ["--device-memory", budget or str(devices.describe()[0]["memory_total"])] if budget or devices else []
     try:
         r = subprocess.run(relayer_command() + ["plan", str(sched), *extra], capture_output=True, text=True,
                            timeout=600, cwd=ROOT, env=child_env(devices is not None))
