@@ -1,7 +1,6 @@
-"""The phase loop: find where the run stands (``orchestrator.resume``), run the next phase in a
-fresh process group and see it through until all of it is gone (``orchestrator.supervisor``),
-journal, repeat. Pre-warming the phases ahead, signals and the final model live here too.
-"""
+"""The phase loop: find where the run stands (``orchestrator.resume``), run the next phase in a fresh process
+group and see it through until all of it is gone (``orchestrator.supervisor``), journal, repeat. Pre-warming
+the phases ahead, signals and the final model live here too."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ from orchestrator.journal import Journal
 from orchestrator.quiet import Pauser
 from orchestrator.resume import next_work, restore_point, resume_point, set_aside_after
 from orchestrator.retention import named_at_stop, retain
-from orchestrator.rundir import (SCHEDULE_COPY, RunLock, check_entries, create_run_dir, prune_phase_dirs, read_copy,
-                                 write_copy)
+from orchestrator.rundir import SCHEDULE_COPY, RunLock, check_entries, create_run_dir, prune_phase_dirs, read_copy, write_copy
 from orchestrator.phasespec import phase_spec, plan_estimate
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import LoadedSchedule, Phase
@@ -289,9 +287,11 @@ class Runner:
             if self.named:
                 retain(self.checkpoints, self.loaded.schedule.checkpoint.keep_last, set(), self._event)
             return
-        self._event("preempted", step=switch.work.start_step, signal=self.stop_signal)
+        step, ckpt = switch.work.start_step, switch.work.restore  # named to the user: retention keeps it
+        kept = ckpt is not None and ckpt == self.checkpoints.at(step) and ckpt.is_dir()
+        self._event("preempted", step=step, signal=self.stop_signal, **({"checkpoint": str(ckpt)} if kept else {}))
         raise Preempted(f"stopped by signal {self.stop_signal} before phase {switch.work.phase.index}; "
-                        "run again to resume")
+                        + (f"kept: the checkpoint at step {step} ({ckpt}); " if kept else "") + "run again to resume")
 
     def _commit_all(self) -> None:
         """Waits for every durability fsync and journals those phases done, on the way out."""

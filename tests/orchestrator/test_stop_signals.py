@@ -133,3 +133,30 @@ def test_the_checkpoint_a_stop_named_is_protected_until_a_later_stop_or_the_runs
     with open(tmp_path / "journal.jsonl", "a") as f:
         f.write(json.dumps({"time": 0, "event": "run_done", "step": 40}) + "\n")
     assert named_at_stop(store) == set()
+
+
+@pytest.mark.multiprocess
+def test_a_stop_between_two_phases_names_the_checkpoint_it_kept(tmp_path, tiny_model, tiny_data):
+    """A stop that lands after a phase ended and before the next one started said "stopped by signal
+    15 before phase 1; run again to resume" without naming a checkpoint, and its ``preempted`` event
+    named none, so retention did not keep it for the user as it keeps a mid-phase stop's."""
+    phases = [{"steps": 3, "layers": [0]}, {"steps": 3, "layers": [1]}]
+    sched = write_schedule(tmp_path / "s.toml", schedule_dict(tiny_model, tiny_data, launch={"prewarm": False},
+                                                              schedule={"phases": phases}))
+    run = tmp_path / "run"
+    # Phase 0's rank holds 4 s once its end checkpoint's files are written: the stop lands there,
+    # where the phase ends as it would have anyway, and the next one is not started.
+    orch = start(sched, faults_env(hold_at={"point": "checkpoint.file_written", "name": "state.safetensors", "seconds": 4}))
+    try:
+        wait_for(lambda: metrics_steps(run) >= 3 or orch.poll() is not None, timeout=300, what="phase 0's last step")
+        orch.send_signal(signal.SIGTERM)
+        _, err = orch.communicate(timeout=120)
+    finally:
+        if orch.poll() is None:
+            orch.kill()
+    ckpt = Checkpoints(run).at(3)
+    assert orch.returncode == 75, err
+    assert f"stopped by signal 15 before phase 1; kept: the checkpoint at step 3 ({ckpt}); run again to resume" in err, err
+    last = [e for e in events(run) if e["event"] == "preempted"][-1]
+    assert last["step"] == 3 and last["checkpoint"] == str(ckpt)
+    assert named_at_stop(Checkpoints(run)) == {ckpt}
