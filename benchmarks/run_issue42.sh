@@ -8,8 +8,10 @@
 #     run(kind="nvidia-h100-x1", carry=[".whl"], timeout_s=600, command="bash benchmarks/run_issue42.sh host1b")
 #     run(kind="nvidia-h100-x1", carry=[".whl"], timeout_s=600, command="bash benchmarks/run_issue42.sh peer7b24")
 #
-# Not run yet (written without a GPU, 2026-12-06): the times below are estimates from
-# benchmarks/results/2026-12-02-issue29-h200 and 2026-12-05-stage0-h100.
+# Run on an H100 on 2026-12-06 (benchmarks/results/2026-12-06-issue42-h100-cap/README.md): host1b took
+# 2 min; peer7b24 (micro batch 1, every_seconds 0) ran relayer to step 160 of 200 before peer.py's 420 s
+# (the peer first takes ~110 s to fail): 7B at 24 GiB needs about 9 minutes, more than one command with
+# the peer before it.
 #
 #   plan24    ~1 min  `orchestrator plan --device-memory 24GiB` of the 7B LISA job (batch 4 x 512, 2 layers
 #                     every 20 steps, bf16, ZeRO 0) as it is, with gradient checkpointing, with micro
@@ -23,8 +25,10 @@
 #                     (the device's used bytes, every process of the run) against 24 GiB; the switch
 #                     median; records.json's device_released per phase.
 #   peer7b24  ~9 min  benchmarks/peer.py at 7B, 200 steps, batch 4 x 512, --device-memory 24GiB
-#                     --gradient-checkpointing --zero-stage 2 --offload-optimizer --prewarm-depth 1 (what
-#                     plan24's first plan names as fitting, 23.0 GiB): the peer under the fraction
+#                     --gradient-checkpointing --zero-stage 2 --offload-optimizer --prewarm-depth 1
+#                     --micro-batch 1 --every-seconds 0 (plan24's first plan named micro batch 4 as
+#                     fitting, 23.0 GiB; on the H100 it ran out of memory in phase 0, and micro batch
+#                     1 under the cadence in phase 2, the carried layers on the device): the peer under the fraction
 #                     (finished or not), then relayer (its plan refuses it, exit 2, where its estimate is
 #                     above the budget: said in the log). The optimizer's step on the host is torch's
 #                     AdamW over 0.67 B parameters: seconds a step, not measured yet.
@@ -125,10 +129,14 @@ peer7b24() {
     local name=peer7b-$BUDGET
     $PY benchmarks/peer.py --shape "$(shape 7b)" --model-dir "$SHM/m7b" --work "$S/work/$name" --results-dir "$S/results" \
         --out "$name" --device-memory "$BUDGET" --gradient-checkpointing --zero-stage 2 --offload-optimizer \
-        --prewarm-depth 1 --callback auto --keep-last 1 --timeout 420
+        --prewarm-depth 1 --micro-batch 1 --every-seconds 0 --callback auto --keep-last 1 --timeout 420
     say "peer.py $name: rc $?"
     grep -h "orchestrator:" "$S/work/$name"/relayer/orchestrator.log 2>/dev/null | tail -3
     [ -f "$S/results/$name/results.json" ] && budget_check "$S/results/$name/results.json"
+    # A run that failed or ran out of time writes no results.json: its journal, metrics and logs stay.
+    mkdir -p "$S/results/$name/kept"
+    cp "$S/work/$name"/relayer/orchestrator.log "$S/work/$name"/relayer/run/journal.jsonl \
+        "$S/work/$name"/relayer/run/metrics.jsonl "$S/work/$name"/peer/trainer.log "$S/results/$name/kept/" 2>/dev/null
     rm -rf "$S/work/$name"
 }
 
