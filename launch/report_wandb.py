@@ -10,6 +10,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from launch.contract.files import WANDB_TMP
+
 KEYS = ("loss", "eval_loss", "lr", "tokens_per_s", "step_seconds")
 
 
@@ -23,7 +25,7 @@ class WandbReport:
         # W&B makes folders in TMPDIR as it is imported (tmp*wandb-media, tmp*wandb-artifacts) and
         # removes them at interpreter exit, which a phase's os._exit skips: they go in a folder of
         # this process's, removed by ``finish``.
-        self.tmp = tempfile.mkdtemp(prefix=f"relayer-wandb-{os.getpid()}.")
+        self.tmp = tempfile.mkdtemp(prefix=f"{WANDB_TMP}{os.getpid()}.")
         before, tempfile.tempdir = tempfile.tempdir, self.tmp
         try:
             import wandb

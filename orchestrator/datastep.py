@@ -25,7 +25,7 @@ import psutil
 
 from launch.contract.channels import DATA_TOOL, python_m
 from launch.contract.data import is_template_path
-from launch.contract.files import DATA_CACHE
+from launch.contract.files import DATA_CACHE, WANDB_TMP
 from orchestrator.errors import STOP_SIGNALS, Preempted, RelayerError, ScheduleError
 from orchestrator.groups import exit_text
 from orchestrator.modelcheck import read_model_config, resolve_path, tokenizer_of
@@ -79,6 +79,7 @@ def inspect_data(loaded: LoadedSchedule, cache_root: Path, show: int = 0, reuse:
            "reuse": [str(p) for p in reuse], "show": show, "vocab_size": config.get("vocab_size")}
     tmp_root = scratch_root()
     remove_left(tmp_root, TMP_CACHE)
+    remove_left(Path(tempfile.gettempdir()), WANDB_TMP)  # a killed phase's W&B temporaries
     # Its TMPDIR (the workers' pymp-* folders) goes with it; a session of its own: a stop reaches
     # the whole tool, its datasets.map workers too, from here.
     with tempfile.TemporaryDirectory(prefix=f"{TMP_CACHE}{os.getpid()}.", dir=tmp_root) as scratch:

@@ -27,6 +27,9 @@ UNRECORDED = 70
 disk full): it ends, and every rank it forked with it, rather than leave an end nobody sees."""
 DUMP_STACKS = signal.SIGUSR2
 """On it, every phase process appends all its threads' Python stacks to ``PhaseDir.stacks``/rank-N.txt."""
+WANDB_TMP = "relayer-wandb-"
+"""TMPDIR/relayer-wandb-<pid>.*: a phase's W&B temporaries (``launch.report_wandb``), removed at its
+finish, and by the orchestrator's next data step where the phase was killed."""
 
 
 BLOB = ".bin"

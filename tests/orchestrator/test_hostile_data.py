@@ -212,3 +212,20 @@ def test_a_stager_that_loses_the_race_for_the_run_leaves_nothing(tmp_path, model
     finally:
         held[0].__exit__(None, None, None)
     assert not list(tmp_path.glob(".relayer-data-*"))
+
+
+def test_a_killed_phases_wandb_temporaries_go_with_the_next_data_step(tmp_path, model, monkeypatch):
+    """A phase that reports to W&B keeps W&B's temporaries in TMPDIR/relayer-wandb-<pid>.* and removes
+    them at its end; one SIGKILLed cannot, and the next plan, data or run removes them (those of a
+    live process stay)."""
+    from launch.contract.files import WANDB_TMP
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left, live = tmp_path / f"{WANDB_TMP}{dead.pid}.abc", tmp_path / f"{WANDB_TMP}{os.getpid()}.def"
+    for d in (left, live):
+        (d / "tmpxyzwandb-media").mkdir(parents=True)
+    r = CliRunner().invoke(main, ["plan", str(sched(tmp_path, model, INSTRUCTIONS, "instruction"))])
+    assert r.exit_code == 0, r.output
+    assert not left.exists() and live.is_dir()
