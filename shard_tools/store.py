@@ -282,21 +282,21 @@ class Checkpoints:
         holds might be needed."""
         whole = [c for c in self.all() if not verify_checkpoint(c, checksums=False)]
         manifests = {c: read_manifest(c) for c in whole}
-        kept = [c for c in whole if not manifests[c].layers_only][-keep_last:] + sorted(protect)
-        needs: dict[Path, set[int] | None] = {}
+        kept = list(dict.fromkeys([c for c in whole if not manifests[c].layers_only][-keep_last:] + sorted(protect)))
+        needs: dict[Path, set[int]] = {}  # source -> the layers kept checkpoints compose from it
+        untrimmed: set[Path] = set()  # the sources of ``protect``
         for ckpt in kept:
-            for layer, src in self.layer_sources(ckpt).items():
-                needs.setdefault(src, set())
-                if needs[src] is not None:
-                    needs[src].add(layer)
+            sources = self.layer_sources(ckpt)
+            for layer, src in sources.items():
+                needs.setdefault(src, set()).add(layer)
             if ckpt in protect:
-                needs.update((src, None) for src in self.layer_sources(ckpt).values())
+                untrimmed |= set(sources.values())
         older = [c for c in whole if c not in kept]
         # A record (``Manifest.layer_sources``) names older checkpoints: those kept for their layers
         # lose theirs first, and the rest go newest first, so that a reader never finds a full
         # checkpoint whose recorded source is gone.
         for ckpt in (c for c in older if c in needs):
-            if _keep_layers(ckpt, manifests[ckpt], needs[ckpt]):
+            if _keep_layers(ckpt, manifests[ckpt], None if ckpt in untrimmed else needs[ckpt]):
                 yield Purged(ckpt, removed=False)
         for ckpt in reversed([c for c in older if c not in needs]):
             trash = ckpt.with_name(f"{TMP_PREFIX}removing-{ckpt.name}.{os.getpid()}")
