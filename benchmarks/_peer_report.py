@@ -224,3 +224,26 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def alone(w: dict) -> dict:
+    """relayer's way without the peer (``--skip-peer``, or the peer failed): how far it got, its
+    steady step, and per switch (from each phase's records) the overhead and its pieces: the go
+    after the predecessor's last step, the engine built, the state restored, the first step."""
+    steady = steady_step(w["steps"])
+    switches = []
+    for before, after in zip(w["phases"], w["phases"][1:]):
+        t_last = before["t_last_step_end"]
+        switches.append({"to_phase": after["phase"], "threads": after.get("threads"),
+                         "overhead": after["t_first_step_end"] - t_last - (steady or 0.0),
+                         "go": after.get("t_go", t_last) - t_last,
+                         "engine_built": after.get("t_engine_built", 0) - after.get("t_go", 0),
+                         "restored": after.get("t_restored", 0) - after.get("t_engine_built", 0),
+                         "first_step": after.get("first_step_seconds")})
+    overheads = sorted(s["overhead"] for s in switches)
+    return {"finished": w.get("finished", True), "wall_seconds": w["wall_seconds"],
+            "steps_done": max((s["step"] for s in w["steps"] if "loss" in s), default=0),
+            "phases_done": len(w["phases"]), "steady_step_seconds": steady,
+            "threads": [p.get("threads") for p in w["phases"]], "torch_peaks": [p.get("memory_peak") for p in w["phases"]],
+            "device_peak": max((u for _, u in w["trace"]), default=None),
+            "switch_median_seconds": statistics.median(overheads) if overheads else None, "switches": switches}

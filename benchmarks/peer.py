@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _peer_report import plot, summarise, table
+from _peer_report import alone, plot, summarise, table
 from _shapes import LAYERS_PER_PHASE, SHAPES, chosen_shape, refuse_two_shapes, shape_arguments
 from _switch_watch import DeviceTrace, Devices, ManifestWatch, TreeMemory, finish_all, read_jsonl, start_all
 from switch import (
@@ -103,6 +103,9 @@ def traced(devices: Devices | None, run_dir: Path | None, argv: list[str], log: 
     start_all(watchers)
     try:
         wall, _ = run_logged(argv, log, what, timeout, child_env(cuda))
+    except BenchmarkError as e:  # what was traced until it failed or ran out of time stays with the error
+        e.partial = {"trace": trace.trace, "manifests": watchers[1].manifests if run_dir else {}}
+        raise
     finally:
         finish_all(watchers)
     return wall, trace.trace, watchers[1].manifests if run_dir else {}
@@ -143,23 +146,57 @@ def relayer_phases(peer: dict) -> list[dict]:
     return [{"steps": p["steps"], "layers": p["layers"]} for p in peer["phases"]]
 
 
-def run_relayer(setup: dict, devices: Devices | None, timeout: float, cuda: bool) -> dict:
+def run_relayer(setup: dict, devices: Devices | None, timeout: float, cuda: bool, partial: bool = False) -> dict:
+    """relayer's whole run, traced; ``partial``: one that fails or runs out of time is returned as
+    far as it got (``finished`` false) instead of raising."""
     d = Path(setup["relayer_dir"])
     d.mkdir(parents=True)
     sched = d / "schedule.toml"
     write_schedule(sched, setup)
     run = d / "run"
     t0 = time.time()
-    wall, trace, manifests = traced(devices, run, relayer_command() + ["run", str(sched)], d / "orchestrator.log",
-                                    "relayer", timeout, cuda)
+    try:
+        wall, trace, manifests = traced(devices, run, relayer_command() + ["run", str(sched)], d / "orchestrator.log",
+                                        "relayer", timeout, cuda)
+    except BenchmarkError as e:
+        if not partial:
+            raise
+        # Failed or out of time: its trace, journal and steps so far, said as such (issue #42's 7B at 24 GiB).
+        print(f"[peer] relayer did not finish: {e}", flush=True)
+        return {**relayer_record(setup, run, time.time() - t0, t0, **e.partial), "finished": False, "error": str(e)}
+    return {**relayer_record(setup, run, wall, t0, trace, manifests), "finished": True}
+
+
+def relayer_record(setup: dict, run: Path, wall: float, t0: float, trace: list, manifests: dict) -> dict:
+    """relayer's way as its run directory tells it: the phases done (each with its records), the steps."""
     journal = read_jsonl(run / "journal.jsonl")
     records = {e["phase"]: e["records"] for e in journal if e["event"] == "phase_done"}
-    phases = [{"phase": k, "layers": p["layers"], "steps": p["steps"], **records[k]} for k, p in enumerate(setup["phases"])]
+    phases = [{"phase": k, "layers": p["layers"], "steps": p["steps"], **records[k]}
+              for k, p in enumerate(setup["phases"]) if k in records]
     final = run / "final"
     model_bytes = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+    steps = read_jsonl(run / "metrics.jsonl")
     return {"wall_seconds": wall, "t_command": t0, "trace": trace, "phases": phases, "journal": journal,
-            "steps": read_jsonl(run / "metrics.jsonl"), "manifests": manifests, "model_bytes": model_bytes,
+            "steps": steps, "manifests": manifests, "model_bytes": model_bytes,
             "final_written": any(e["event"] == "final_model_written" for e in journal)}
+
+
+KEPT = ("orchestrator.log", "run/journal.jsonl", "run/metrics.jsonl", "run/phases/*/records.json",
+        "run/phases/*/worker.log", "run/phases/*/*profile*.txt")
+"""relayer's files kept (small: no checkpoint, no model), finished or not."""
+
+
+def keep_logs(relayer: Path, peer: Path, into: Path) -> None:
+    """relayer's logs, journal, steps and each phase's records and profiles, and the peer's log,
+    copied into ``into`` before the scratch folder goes."""
+    for pattern in KEPT:
+        for f in relayer.glob(pattern):
+            target = into / "relayer" / f.relative_to(relayer)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, target)
+    if (peer / "trainer.log").exists():
+        into.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(peer / "trainer.log", into / "peer-trainer.log")
 
 
 def new_result(name: str, date: dt.datetime, cuda: bool, hw: dict, shape_name: str, shape: dict, setup: dict) -> dict:
@@ -196,10 +233,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                          "relayer's, 0 on one process)")
     ap.add_argument("--every-seconds", type=float,
                     help="relayer's [checkpoint] every_seconds (default: relayer's; 0: a checkpoint at every phase end)")
+    ap.add_argument("--skip-peer", action="store_true", help="relayer alone, on LISA's phases drawn here: the "
+                    "results say the peer was not run (issue #42: its 7B run at 24 GiB needs the whole command)")
     ap.add_argument("--out", help="the results folder's name (default: DATE-DEVICE-SHAPE-peer)")
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
     ap.add_argument("--work", type=Path, help="scratch folder (default: a new temporary one, removed at the end)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds either way may run")
+    ap.add_argument("--deadline", type=float, help="a time (seconds since the epoch) relayer's run ends by, "
+                    "finished or not (a device command's limit)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     refuse_two_shapes(ap, args)
@@ -227,16 +268,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prepare(setup, shape, work, args.timeout, cuda)
         out.mkdir(parents=True, exist_ok=True)
-        print("[peer] the peer (HF Trainer + LISA callback) ...", flush=True)
-        result["ways"]["peer"] = run_peer(setup, devices, args.timeout, cuda)
-        setup["phases"] = result["shape"]["phases"] = relayer_phases(result["ways"]["peer"])
-        print(f"[peer] the peer: {result['ways']['peer']['wall_seconds']:.1f} s; relayer "
-              f"({len(setup['phases'])} phases) ...", flush=True)
-        result["ways"]["relayer"] = run_relayer(setup, devices, args.timeout, cuda)
+        if args.skip_peer:
+            result["peer"] = "not run (--skip-peer): relayer alone, on LISA's phases drawn here (lisa_phases)"
+            setup["phases"] = result["shape"]["phases"] = lisa_phases(setup)
+        else:
+            print("[peer] the peer (HF Trainer + LISA callback) ...", flush=True)
+            result["ways"]["peer"] = run_peer(setup, devices, args.timeout, cuda)
+            setup["phases"] = result["shape"]["phases"] = relayer_phases(result["ways"]["peer"])
+            print(f"[peer] the peer: {result['ways']['peer']['wall_seconds']:.1f} s", flush=True)
+        print(f"[peer] relayer ({len(setup['phases'])} phases) ...", flush=True)
+        timeout = min(args.timeout, args.deadline - time.time()) if args.deadline else args.timeout
+        result["ways"]["relayer"] = run_relayer(setup, devices, timeout, cuda,
+                                                partial=args.skip_peer or bool(setup.get("device_memory")))
     except BenchmarkError as e:
         print(f"peer.py: {e}", file=sys.stderr)
         return 1
     finally:
+        keep_logs(Path(setup["relayer_dir"]), Path(setup["peer_dir"]), out / "logs")
         for trained in (setup["peer_model"], setup["relayer_dir"]):  # GBs each: read, not kept
             shutil.rmtree(trained, ignore_errors=True)
         if args.work is None:
@@ -245,10 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     result["seconds_total"] = time.time() - t_start
     for way in result["ways"].values():  # NVML's used bytes of the device every 20 ms: the budget's check (#42)
         way["device_peak"] = max((u for _, u in way["trace"]), default=None)
-    if result["ways"]["peer"].get("finished") is False:
-        result["summary"] = {"peer_finished": False, "relayer_wall_seconds": result["ways"]["relayer"]["wall_seconds"]}
+    peer = result["ways"].get("peer", {"finished": False})
+    if peer.get("finished") is False or result["ways"]["relayer"]["finished"] is False:
+        result["summary"] = {"peer_finished": False if "peer" in result["ways"] else "not run",
+                             "relayer": alone(result["ways"]["relayer"])}
         write_atomic(out / "results.json", json.dumps(result, indent=1))
-        print(f"[peer] the peer did not finish; wrote {out}/results.json", flush=True)
+        print(f"[peer] relayer alone: {json.dumps({k: v for k, v in result['summary']['relayer'].items() if k != 'switches'})}"
+              f"; wrote {out}/results.json", flush=True)
         return 0
     result["summary"] = summarise(result)
     write_atomic(out / "results.json", json.dumps(result, indent=1))

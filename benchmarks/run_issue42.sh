@@ -37,7 +37,7 @@
 # no checkpoints) and, per run, the NVML peak beside the budget (budget.txt).
 # On a CPU, for trying the script itself: OUT=/tmp/o DS_ACCELERATOR=cpu I42_TINY=1 bash benchmarks/run_issue42.sh host1b
 set -uo pipefail
-STEP=${1:?usage: run_issue42.sh plan24|host1b|peer7b24}
+STEP=${1:?usage: run_issue42.sh plan24|host1b|relayer7b24|peer7b24}
 : "${OUT:?set OUT to the folder the results go to}"
 T0=$(date +%s)
 S=${I42_SCRATCH:-/tmp/i42}
@@ -125,22 +125,36 @@ host1b() {
     rm -rf "$S/work/$name"
 }
 
+# relayer7b24: relayer alone (peer.py --skip-peer, LISA's phases drawn there) at 7B under the budget,
+# with issue #42's options; I42_STEPS (default 200) and I42_PROFILE=1 (torch.profiler over each
+# phase's first two steps, cProfile over each switch: RELAYER_PROFILE_STEPS/SWITCH) for a short look.
+relayer7b24() {
+    local name=relayer7b-$BUDGET steps=${I42_STEPS:-200}
+    if [ "${I42_PROFILE:-0}" = 1 ]; then
+        export RELAYER_PROFILE_STEPS=1 RELAYER_PROFILE_SWITCH=1
+        name=$name-profile
+    fi
+    [ "${I42_PROFILE:-0}" = 1 ] && [ "$TINY" != 1 ] && $PY benchmarks/host_step.py --out "$S/results/host_step.json"
+    $PY benchmarks/peer.py --shape "$(shape 7b)" --model-dir "$SHM/m7b" --work "$S/work/$name" --results-dir "$S/results" \
+        --out "$name" --device-memory "$BUDGET" --gradient-checkpointing --zero-stage 2 --offload-optimizer \
+        --prewarm-depth 1 --micro-batch 1 --every-seconds 0 --keep-last 1 --skip-peer --steps "$steps" \
+        --deadline $((T0 + ${I42_DEADLINE:-570}))
+    say "peer.py $name: rc $?"
+    [ -f "$S/results/$name/results.json" ] && budget_check "$S/results/$name/results.json"
+    rm -rf "$S/work/$name"
+}
+
 peer7b24() {
     local name=peer7b-$BUDGET
     $PY benchmarks/peer.py --shape "$(shape 7b)" --model-dir "$SHM/m7b" --work "$S/work/$name" --results-dir "$S/results" \
         --out "$name" --device-memory "$BUDGET" --gradient-checkpointing --zero-stage 2 --offload-optimizer \
         --prewarm-depth 1 --micro-batch 1 --every-seconds 0 --callback auto --keep-last 1 --timeout 420
     say "peer.py $name: rc $?"
-    grep -h "orchestrator:" "$S/work/$name"/relayer/orchestrator.log 2>/dev/null | tail -3
     [ -f "$S/results/$name/results.json" ] && budget_check "$S/results/$name/results.json"
-    # A run that failed or ran out of time writes no results.json: its journal, metrics and logs stay.
-    mkdir -p "$S/results/$name/kept"
-    cp "$S/work/$name"/relayer/orchestrator.log "$S/work/$name"/relayer/run/journal.jsonl \
-        "$S/work/$name"/relayer/run/metrics.jsonl "$S/work/$name"/peer/trainer.log "$S/results/$name/kept/" 2>/dev/null
-    rm -rf "$S/work/$name"
+    rm -rf "$S/work/$name"  # peer.py kept the logs, journal, steps and records in results/$name/logs
 }
 
 case $STEP in
-    plan24|host1b|peer7b24) $STEP ;;
+    plan24|host1b|relayer7b24|peer7b24) $STEP ;;
     *) say "unknown step $STEP"; exit 2 ;;
 esac

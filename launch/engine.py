@@ -176,12 +176,14 @@ class ZeroBackend(Backend):
         cfg = deepspeed_config(spec, world, trainable_numel, zero)
         if offloads(cfg):  # torch's AdamW steps the fp32 partitions on the host (orchestrator.libfacts)
             cfg.setdefault("zero_force_ds_cpu_optimizer", False)
+            cfg["zero_optimization"] = {**cfg["zero_optimization"], "offload_optimizer": with_pinned(cfg)}
         return cfg
 
     def optimizer(self, groups: list[dict], spec: PhaseSpec, device: torch.device, world: int,
                   lr: float | None = None) -> torch.optim.Optimizer:
-        # Offloaded, it steps the partitions on the host: not fused for the device.
-        return adamw(groups, spec.optimizer, torch.device("cpu") if offloads(spec.deepspeed_config) else device, lr)
+        # Offloaded, it steps the partitions on the host: fused there too (``adamw``).
+        return adamw(groups, spec.optimizer, torch.device("cpu") if offloads(spec.deepspeed_config) else device, lr,
+                     fused=True if offloads(spec.deepspeed_config) else None)
 
     def param_groups(self, engine) -> list[dict]:
         return engine.optimizer.optimizer.param_groups
@@ -310,6 +312,13 @@ def offloads(cfg: dict) -> bool:
         and zero["offload_optimizer"].get("device") == "cpu"
 
 
+def with_pinned(cfg: dict) -> dict:
+    """``cfg``'s offload_optimizer with DeepSpeed's host buffers pinned unless the schedule says
+    otherwise (``pin_memory``, off by DeepSpeed's default): every micro-batch's gradients go to the
+    host and, accumulated, back (1.34 GB each way at 7B), and a pageable copy is staged by the driver."""
+    return {"pin_memory": True, **cfg["zero_optimization"]["offload_optimizer"]}
+
+
 def without_zero(cfg: dict) -> dict:
     """``cfg`` for relayer's ``MasterAdamW``, which keeps the fp32 masters and clips: DeepSpeed wraps
     nothing around it (no ZeRO, no bf16 or fp16 optimizer, no clipping of its own)."""
@@ -317,11 +326,14 @@ def without_zero(cfg: dict) -> dict:
             "zero_optimization": {"stage": 0}}
 
 
-def adamw(groups: list[dict], o, device: torch.device, lr: float | None = None) -> torch.optim.AdamW:
+def adamw(groups: list[dict], o, device: torch.device, lr: float | None = None,
+          fused: bool | None = None) -> torch.optim.AdamW:
     """The client optimizer ZeRO steps: torch's AdamW, fused on CUDA (one kernel over each flat
     fp32 partition: 4 ms of a 7B LISA step where the default multi-tensor one took 15,
-    benchmarks/results/2026-12-03-step-cost-h200), the default elsewhere."""
-    fused = True if device.type == "cuda" else None
+    benchmarks/results/2026-12-03-step-cost-h200) and where ``fused`` asks for it on the host (the
+    offloaded partitions: one pass over each, where the default makes one per op and allocates
+    temporaries of the partition's size), the default elsewhere."""
+    fused = True if device.type == "cuda" else fused
     return torch.optim.AdamW(groups, lr=o.lr if lr is None else lr, betas=o.betas, eps=o.eps,
                              weight_decay=o.weight_decay, fused=fused)
 
