@@ -6,6 +6,7 @@
 #
 #     run(kind="nvidia-h100-x1", carry=[".whl"], timeout_s=600, command="bash benchmarks/run_issue42.sh plan24")
 #     run(kind="nvidia-h100-x1", carry=[".whl"], timeout_s=600, command="bash benchmarks/run_issue42.sh host1b")
+#     run(kind="nvidia-h100-x1", carry=[".whl"], timeout_s=600, command="bash benchmarks/run_issue42.sh relayer7b24")
 #     run(kind="nvidia-h100-x1", carry=[".whl"], timeout_s=600, command="bash benchmarks/run_issue42.sh peer7b24")
 #
 # Run on an H100 on 2026-12-06 (benchmarks/results/2026-12-06-issue42-h100-cap/README.md): host1b took
@@ -24,6 +25,13 @@
 #                     predecessor's fp32 state in /dev/shm, its engine's memory let go); NVML every 20 ms
 #                     (the device's used bytes, every process of the run) against 24 GiB; the switch
 #                     median; records.json's device_released per phase.
+#   relayer7b24 <=9.5 min  relayer alone (peer.py --skip-peer: LISA's phases drawn there, the results say the
+#                     peer was not run) with peer7b24's options, 200 steps (I42_STEPS), ended at I42_DEADLINE
+#                     seconds after the script's start (570) finished or not: results.json keeps how far it
+#                     got, its NVML trace, each phase's records, and logs/ the run's journal, steps, records and
+#                     worker logs. I42_PROFILE=1 also times benchmarks/host_step.py (the host optimizer's
+#                     step and the gradients' copies, before the run) and profiles each phase's first two
+#                     steps (torch.profiler) and its switch (cProfile) into logs/.
 #   peer7b24  ~9 min  benchmarks/peer.py at 7B, 200 steps, batch 4 x 512, --device-memory 24GiB
 #                     --gradient-checkpointing --zero-stage 2 --offload-optimizer --prewarm-depth 1
 #                     --micro-batch 1 --every-seconds 0 (plan24's first plan named micro batch 4 as
@@ -134,7 +142,7 @@ relayer7b24() {
         export RELAYER_PROFILE_STEPS=1 RELAYER_PROFILE_SWITCH=1
         name=$name-profile
     fi
-    [ "${I42_PROFILE:-0}" = 1 ] && [ "$TINY" != 1 ] && $PY benchmarks/host_step.py --out "$S/results/host_step.json"
+    [ "${I42_PROFILE:-0}" = 1 ] && [ "$TINY" != 1 ] && $PY benchmarks/host_step.py --threads 16,4 --repeat 1 --out "$S/results/host_step.json"
     $PY benchmarks/peer.py --shape "$(shape 7b)" --model-dir "$SHM/m7b" --work "$S/work/$name" --results-dir "$S/results" \
         --out "$name" --device-memory "$BUDGET" --gradient-checkpointing --zero-stage 2 --offload-optimizer \
         --prewarm-depth 1 --micro-batch 1 --every-seconds 0 --keep-last 1 --skip-peer --steps "$steps" \
