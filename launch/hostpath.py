@@ -91,15 +91,23 @@ def from_blob(snap: PhaseState, offer: Offer, blob: Path) -> PhaseState:
 
 
 def release_device(ph: Phase) -> int:
-    """Lets go of every tensor of the finished phase's engine (its weights, gradients and optimizer
-    state: all is in host memory by now) and of the layers it carried; on CUDA the allocator's
-    cache goes back to the driver. The bytes it gave back (0 off CUDA)."""
+    """Lets go of every tensor of the finished phase's engine (its weights, buffers, gradients and
+    optimizer state: all is in host memory by now) and of the layers it carried; on CUDA the
+    allocator's cache goes back to the driver. The bytes it gave back (0 off CUDA).
+
+    The buffers too: the frozen weights lie in one block with them (``staging.module_to_device``),
+    and a buffer's view kept the whole block (12.1 GB at 7B on an H100, the device at 30-34 GiB at
+    every switch under a budget of 24, benchmarks/results/2026-12-06-issue42-h100-7b)."""
     cuda = ph.device.type == "cuda"
     before = torch.cuda.memory_reserved(ph.device) if cuda else 0
     engine = ph.built.engine
     for p in engine.module.parameters():
         p.grad = None
         p.data = torch.empty(0, dtype=p.data.dtype, device=p.data.device)
+    for m in engine.module.modules():
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = torch.empty(0, dtype=b.dtype, device=b.device)
     for t in _tensors(engine.optimizer):
         t.data = torch.empty(0, dtype=t.data.dtype, device=t.data.device)
     ph.made.carried = {}

@@ -42,3 +42,28 @@ def test_every_tensor_of_the_optimizer_is_found():
     assert {id(opt.master), id(opt.moments)} <= found
     inner_state = [t for s in opt.inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     assert inner_state and all(id(t) in found for t in inner_state)
+
+
+def test_release_lets_the_block_of_frozen_weights_go():
+    """A module's frozen weights and its buffers lie in one block (``staging.module_to_device``);
+    a buffer left pointing into it kept the whole block (12.1 GB at 7B) on the device."""
+    from types import SimpleNamespace
+
+    from launch.staging import one_block
+
+    model = torch.nn.Linear(4, 3)
+    model.register_buffer("inv_freq", torch.arange(4.0))
+    views = one_block([model.weight.data, model.bias.data, model.inv_freq], torch.device("cpu"))
+    model.weight.data, model.bias.data = views[0], views[1]
+    model._buffers["inv_freq"] = views[2]
+    block = views[0].untyped_storage().data_ptr()
+    del views
+
+    def in_block() -> list[torch.Tensor]:
+        return [t for t in (*model.parameters(), *model.buffers()) if t.untyped_storage().data_ptr() == block]
+
+    assert len(in_block()) == 3
+    ph = SimpleNamespace(device=torch.device("cpu"), made=SimpleNamespace(carried={}),
+                         built=SimpleNamespace(engine=SimpleNamespace(module=model, optimizer=SimpleNamespace())))
+    hostpath.release_device(ph)
+    assert in_block() == []
