@@ -153,7 +153,21 @@ def setup_model(model: nn.Module, spec: PhaseSpec) -> nn.Module:
         model.set_attn_implementation("flash_attention_2")
     if spec.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointed_layers_in_training(model)
     return model
+
+
+def checkpointed_layers_in_training(model: nn.Module) -> None:
+    """transformers checkpoints a layer only while the layer is in training mode, and a model read
+    with from_pretrained is in eval mode: without this, ``model.gradient_checkpointing`` did nothing
+    for a model read from a path (7B on an H100, micro batch 4: out of memory in the forward,
+    benchmarks/results/2026-12-06-issue42-h100-7b). Only the layers' own flag: the modules inside
+    them (dropout) keep the mode the model was built in."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for m in model.modules():
+        if isinstance(m, GradientCheckpointingLayer):
+            m.training = True
 
 
 def model_spec(spec: PhaseSpec) -> ModelSpec:
