@@ -26,7 +26,8 @@
 #                     (the device's used bytes, every process of the run) against 24 GiB; the switch
 #                     median; records.json's device_released per phase.
 #   relayer7b24 <=9.5 min  relayer alone (peer.py --skip-peer: LISA's phases drawn there, the results say the
-#                     peer was not run) with peer7b24's options, 200 steps (I42_STEPS), ended at I42_DEADLINE
+#                     peer was not run) with peer7b24's options but micro batch 4 (I42_MICRO; gradient
+#                     checkpointing, in effect since it was fixed, keeps it small), 200 steps (I42_STEPS), ended at I42_DEADLINE
 #                     seconds after the script's start (570) finished or not: results.json keeps how far it
 #                     got, its NVML trace, each phase's records, and logs/ the run's journal, steps, records and
 #                     worker logs. I42_PROFILE=1 also times benchmarks/host_step.py (the host optimizer's
@@ -145,7 +146,7 @@ relayer7b24() {
     [ "${I42_PROFILE:-0}" = 1 ] && [ "$TINY" != 1 ] && $PY benchmarks/host_step.py --threads 16,4 --repeat 1 --out "$S/results/host_step.json"
     $PY benchmarks/peer.py --shape "$(shape 7b)" --model-dir "$SHM/m7b" --work "$S/work/$name" --results-dir "$S/results" \
         --out "$name" --device-memory "$BUDGET" --gradient-checkpointing --zero-stage 2 --offload-optimizer \
-        --prewarm-depth 1 --micro-batch 1 --every-seconds 0 --keep-last 1 --skip-peer --steps "$steps" \
+        --prewarm-depth 1 --micro-batch "${I42_MICRO:-4}" --every-seconds 0 --keep-last 1 --skip-peer --steps "$steps" \
         --deadline $((T0 + ${I42_DEADLINE:-570}))
     say "peer.py $name: rc $?"
     [ -f "$S/results/$name/results.json" ] && budget_check "$S/results/$name/results.json"
