@@ -96,8 +96,9 @@ def release_device(ph: Phase) -> int:
     allocator's cache goes back to the driver. The bytes it gave back (0 off CUDA).
 
     The buffers too: the frozen weights lie in one block with them (``staging.module_to_device``),
-    and a buffer's view kept the whole block (12.1 GB at 7B on an H100, the device at 30-34 GiB at
-    every switch under a budget of 24, benchmarks/results/2026-12-06-issue42-h100-7b)."""
+    and a buffer's view keeps the whole block. Not enough yet: at 7B on an H100 (ZeRO 2, the
+    optimizer on the host) it gave back 4.2 GB of ~16 GB, the device at 30-34 GiB at every switch
+    under a budget of 24 until the process exits (benchmarks/results/2026-12-06-issue42-h100-7b)."""
     cuda = ph.device.type == "cuda"
     before = torch.cuda.memory_reserved(ph.device) if cuda else 0
     engine = ph.built.engine

@@ -120,8 +120,9 @@ def check_budget(loaded: LoadedSchedule, phases: list[Phase], option: int | None
 
 def _parts(loaded: LoadedSchedule, phases: list[Phase], estimate: PlanEstimate, index: int) -> str:
     waiting = waiting_during(loaded, phases, index)
-    return (f"its estimate {format_bytes(estimate.phases[index].total)} x {RESERVE} for the allocator + "
-            f"{format_bytes(PROCESS_BYTES)} a process"
+    m = estimate.phases[index]
+    return (f"its weights {format_bytes(m.weights)} + the rest of its estimate {format_bytes(m.total - m.weights)} "
+            f"x {RESERVE} for the allocator + {format_bytes(PROCESS_BYTES)} a process"
             + (f", {waiting} phase{'s' * (waiting > 1)} waiting pre-warmed" if waiting else ""))
 
 

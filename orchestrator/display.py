@@ -66,7 +66,7 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switc
         device = f", device {format_bytes(device_memory)}" if device_memory is not None else ""
         ckpt = "with" if s.model.gradient_checkpointing else "without"
         out.print(f"estimated device memory per process: {estimate.count.total:,} parameters, activations {ckpt} "
-                  f"gradient checkpointing; CUDA context, buffers and logits not counted{device}")
+                  f"gradient checkpointing and the logits; ZeRO's reduce bucket counted; the CUDA context not counted{device}")
         out.print(largest_phase(phases, estimate), markup=False, highlight=False)
 
 

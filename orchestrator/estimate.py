@@ -7,20 +7,24 @@ Per process, for one phase of a model with P parameters of which T train (head +
     weights      P x dtype bytes; partitioned over the processes under ZeRO-3
     optimizer    T x 12 bytes (fp32 master weights, Adam exp_avg, exp_avg_sq); partitioned under ZeRO >= 1;
                  none on the device where deepspeed.config offloads it (zero_optimization.offload_optimizer)
-    gradients    T x dtype bytes; partitioned under ZeRO >= 2; under ZeRO 0 (relayer's MasterAdamW)
-                 T x (dtype + 4) bytes: its fp32 gradient buffer beside the gradients as they come
-                 (a bound: with one micro-batch a step on one GPU its kernel needs no buffer)
+    gradients    T x dtype bytes; partitioned under ZeRO >= 2; under ZeRO 1 and 2 also DeepSpeed's
+                 reduce bucket (reduce_bucket_size x dtype bytes); offloaded, only that bucket and the
+                 largest trainable parameter x (dtype + 4) bytes (DeepSpeed's device buffer for its
+                 gradient and the fp32 copy made on the way to the host); under ZeRO 0 (relayer's
+                 MasterAdamW) T x (dtype + 4) bytes: its fp32 gradient buffer beside the gradients as
+                 they come (a bound: with one micro-batch a step on one GPU its kernel needs no buffer)
     activations  micro_batch x seq_len x hidden x layers x ACTIVATION_VALUES x dtype bytes; with
                  model.gradient_checkpointing, micro_batch x seq_len x hidden x dtype bytes x
                  (layers x CHECKPOINTED_VALUES + ACTIVATION_VALUES): each layer keeps only its input
-                 and backward recomputes one layer at a time (``activation_bytes``)
+                 and backward recomputes one layer at a time (``activation_bytes``); and the logits,
+                 micro_batch x seq_len x vocab x LOGIT_BYTES
 
 At a switch that hands the state over on the device (``launch.handover``, orchestrator/handover.py),
 the finished phase P and its successor S are both alive on one device for a while, beside the
 phases that wait pre-warmed. The overlap's peak on one device, as NVML sees it:
 
     on_device(P) + offered + offered + on_device(S) + waiting x PROCESS_BYTES
-    on_device    a phase's total x RESERVE + PROCESS_BYTES
+    on_device    a phase's weights + the rest of its total x RESERVE + PROCESS_BYTES
     offered      head x 12 bytes (fp32 masters, exp_avg, exp_avg_sq of the whole head, gathered: not
                  ZeRO's partition) + P's layers x per_layer x 4 bytes (their fp32 masters); under
                  ZeRO 0 P offers its optimizer's own memory, so only S's copy counts
@@ -31,7 +35,12 @@ same bytes into its own memory before it answers and before P lets go of anythin
 phase memory counts whole because its engine is built right after. The phase totals below count
 allocated bytes; a device holds more: every CUDA process a fixed part (``PROCESS_BYTES``: its
 context, library workspaces, what a phase's warm-up leaves), and a training process's caching
-allocator a reserve above its allocated peak (``RESERVE``). Both were measured on an H200
+allocator a reserve above its allocated peak (``RESERVE``), counted on all but the weights, which
+lie in blocks allocated once (the frozen ones in one, ``launch.staging``; the trained ones in the
+optimizer's flat buffers). At 7B under a budget of 24 GiB on an H100 (micro-batches of 4, gradient
+checkpointing, the optimizer on the host, one phase waiting) the phase's total is 16.9 GB against
+16.1-16.5 GB allocated at its peak, and the plan's 22.9 GB against NVML's 22.8 GB outside the
+switches (benchmarks/results/2026-12-06-issue42-h100-7b). The constants were measured on an H200
 (benchmarks/results/2026-12-01-handover-h200, NVML per process): a waiting phase held 2.54 GB at
 1.1B and 2.12 GB at 7B; a training process 12.6 GB at 1.1B (8.5 GB allocated at its peak) and
 41.35 GB at 7B (31.8 GB). At 7B on one H200 the formula gives 102.4 GB with three phases waiting;
@@ -39,10 +48,9 @@ NVML saw 83-103.5 GB (run7). The successor's worker compares this number
 (``HandoverPart.peak_bytes``) with its device's memory and reads the checkpoint instead where it
 does not fit.
 
-Not counted in a phase's total (``plan --device-memory`` checks it per phase): the CUDA context and
-allocator slack (counted in the overlap only), DeepSpeed's reduce/all-gather buckets, the
-layers ZeRO-3 gathers while they run, and the logits (micro_batch x seq_len x vocab, in fp32 for
-the loss), which matter with large vocabularies. Treat the total as a lower bound with a margin.
+Not counted in a phase's total: the CUDA context and allocator slack (counted by ``on_device``),
+ZeRO-3's prefetch and the layers it gathers while they run. Treat the total as a lower bound with
+a margin.
 
 Parameter counts follow the modules transformers builds for each family; tests compare them with
 real models. No torch here: the orchestrator never imports it.
@@ -55,6 +63,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from launch.contract.dsconfig import bucket_size
 from orchestrator.errors import ScheduleError
 from orchestrator.libfacts import offloads_optimizer
 from orchestrator.modelcheck import CONFIG, num_layers_of
@@ -85,6 +94,11 @@ PROCESS_BYTES = 2_600_000_000
 # waiting pre-warmed may allocate under a budget (``budget.waiting_cap``).
 CONTEXT_BYTES = 600_000_000
 RESERVE = 1.25
+# The logits' bytes per element (micro_batch x seq_len x vocab) at their peak: the model's bf16 logits,
+# the loss's fp32 copy and log-softmax, and in backward an fp32 gradient of one of them; at 7B (micro
+# batch 4 x 512, vocab 32000) 0.79 GB, where the phase's allocated peak was 16.1-16.5 GB on an H100
+# with the terms above (benchmarks/results/2026-12-06-issue42-h100-7b).
+LOGIT_BYTES = 12
 
 # Config defaults of each family's transformers config class, for keys a config.json leaves out.
 _LLAMA = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
@@ -116,6 +130,8 @@ class ParamCount:
     per_layer: int
     num_layers: int
     hidden: int
+    vocab: int = 0
+    """The logits' width (0: not counted)."""
 
     @property
     def total(self) -> int:
@@ -160,7 +176,7 @@ def _llama_like(cfg: dict[str, Any], family: str, layers: int) -> ParamCount:
     per_layer = attention + mlp + qk_norms + 2 * hidden
     embed = vocab * hidden
     head = {"model.embed_tokens": embed, "lm_head": 0 if cfg["tie_word_embeddings"] else embed, "model.norm": hidden}
-    return ParamCount(head=head, per_layer=per_layer, num_layers=layers, hidden=hidden)
+    return ParamCount(head=head, per_layer=per_layer, num_layers=layers, hidden=hidden, vocab=vocab)
 
 
 def _gpt2(cfg: dict[str, Any], layers: int) -> ParamCount:
@@ -172,7 +188,7 @@ def _gpt2(cfg: dict[str, Any], layers: int) -> ParamCount:
     embed = vocab * hidden
     head = {"transformer.wte": embed, "transformer.wpe": positions * hidden, "transformer.ln_f": 2 * hidden,
             "lm_head": 0 if cfg["tie_word_embeddings"] else embed}
-    return ParamCount(head=head, per_layer=per_layer, num_layers=layers, hidden=hidden)
+    return ParamCount(head=head, per_layer=per_layer, num_layers=layers, hidden=hidden, vocab=vocab)
 
 
 @dataclass(frozen=True)
@@ -199,16 +215,32 @@ def activation_bytes(count: ParamCount, *, width: int, micro_batch: int, seq_len
 
 
 def phase_memory(count: ParamCount, trainable: int, *, dtype: str, zero_stage: int, world: int,
-                 micro_batch: int, seq_len: int, checkpointing: bool = False, offload: bool = False) -> PhaseMemory:
+                 micro_batch: int, seq_len: int, checkpointing: bool = False, offload: bool = False,
+                 bucket: int = 0, largest: int = 0) -> PhaseMemory:
+    """``bucket``: ZeRO's reduce bucket in elements (stages 1 and 2); ``largest``: the largest
+    trainable parameter's elements (what the offload stages on the device)."""
     width = DTYPE_BYTES[dtype]
     return PhaseMemory(
         weights=math.ceil(count.total * width / (world if zero_stage >= 3 else 1)),
         optimizer=0 if offload else math.ceil(trainable * ADAM_BYTES / (world if zero_stage >= 1 else 1)),
-        gradients=(math.ceil(trainable * width / (world if zero_stage >= 2 else 1)) if zero_stage
-                   else trainable * (width + MASTER_BYTES)),
+        gradients=gradient_bytes(trainable, width=width, zero_stage=zero_stage, world=world, offload=offload,
+                                 bucket=bucket, largest=largest),
         activations=activation_bytes(count, width=width, micro_batch=micro_batch, seq_len=seq_len,
-                                     checkpointing=checkpointing),
+                                     checkpointing=checkpointing) + micro_batch * seq_len * count.vocab * LOGIT_BYTES,
     )
+
+
+def gradient_bytes(trainable: int, *, width: int, zero_stage: int, world: int, offload: bool, bucket: int,
+                   largest: int) -> int:
+    """The gradients' device memory: relayer's MasterAdamW's (stage 0); ZeRO's partition and its
+    reduce bucket (stages 1-2; 3 its partition); offloaded, the bucket, and the largest parameter's
+    gradient staged for the host (DeepSpeed's buffer of it) and copied to fp32 before the copy out."""
+    if zero_stage == 0:
+        return trainable * (width + MASTER_BYTES)
+    reduce = bucket * width if zero_stage in (1, 2) else 0
+    if offload:
+        return reduce + largest * (width + MASTER_BYTES)
+    return math.ceil(trainable * width / (world if zero_stage >= 2 else 1)) + reduce
 
 
 def offered_bytes(count: ParamCount, head: int, layers: int) -> int:
@@ -218,8 +250,10 @@ def offered_bytes(count: ParamCount, head: int, layers: int) -> int:
 
 
 def on_device(memory: PhaseMemory) -> int:
-    """Bytes NVML sees for one training process of a phase: its allocator's reserve and fixed part."""
-    return math.ceil(memory.total * RESERVE) + PROCESS_BYTES
+    """Bytes NVML sees for one training process of a phase: its weights, the rest with its allocator's
+    reserve, and its fixed part. The weights lie in one block (the frozen ones, ``launch.staging``)
+    and the optimizer's flat buffers, allocated once: no reserve above them."""
+    return memory.weights + math.ceil((memory.total - memory.weights) * RESERVE) + PROCESS_BYTES
 
 
 def overlap_peak(before: PhaseMemory, after: PhaseMemory, offered: int, waiting: int, gathered: bool = True) -> int:
@@ -270,16 +304,25 @@ def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
     count = param_count(model_config(loaded))
     persistent = s.model.persistent if s.model.persistent is not None else list(count.head)
     head = sum(count.head.get(p, 0) for p in persistent)
-    out = [phase_memory(count, head + len(ph.layers) * count.per_layer, dtype=s.model.dtype,
-                        zero_stage=s.deepspeed.zero_stage, world=ph.nproc * s.launch.nnodes,
-                        micro_batch=s.data.micro_batch_size, seq_len=s.data.seq_len,
-                        checkpointing=s.model.gradient_checkpointing,
-                        offload=offloads_optimizer(loaded.deepspeed_config)) for ph in phases]
+    largest = max([count.head.get(p, 0) for p in persistent] + [count.per_layer // 4])
+    out = [phase_memory(count, trainable, dtype=s.model.dtype, zero_stage=s.deepspeed.zero_stage,
+                        world=ph.nproc * s.launch.nnodes, micro_batch=s.data.micro_batch_size, seq_len=s.data.seq_len,
+                        checkpointing=s.model.gradient_checkpointing, offload=offloads_optimizer(loaded.deepspeed_config),
+                        bucket=reduce_bucket(loaded, trainable), largest=largest)
+           for ph in phases for trainable in [head + len(ph.layers) * count.per_layer]]
     overlaps = [overlap_peak(out[i], out[i + 1], offered_bytes(count, head, len(phases[i].layers)),
                              waiting_beside(loaded, phases, i + 1), gathered=s.deepspeed.zero_stage > 0)
                 for i in range(len(phases) - 1)]
     return PlanEstimate(phases=out, count=count, unsized=[p for p in persistent if p not in count.head],
                         overlaps=overlaps)
+
+
+def reduce_bucket(loaded: LoadedSchedule, trainable: int) -> int:
+    """ZeRO's reduce bucket in elements: the schedule's deepspeed.config where it sets one, else
+    relayer's (``launch.contract.dsconfig.bucket_size``)."""
+    zero = loaded.deepspeed_config.get("zero_optimization")
+    size = zero.get("reduce_bucket_size") if isinstance(zero, dict) else None
+    return int(size) if isinstance(size, (int, float)) and not isinstance(size, bool) else bucket_size(trainable)
 
 
 def size_option(text: str, option: str) -> int:

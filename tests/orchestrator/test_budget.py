@@ -63,13 +63,11 @@ def test_7b_at_40gib_names_the_keys_that_would_fit(tmp_path, tiny_data):
     with pytest.raises(ScheduleError) as e:  # run refuses it as plan does: in loading, nothing written
         load_schedule(path)
     message = str(e.value)
-    assert message.startswith(f"{path.resolve()}: launch.device_memory: phase 0 needs 50.0 GiB of one device ")
-    assert message.endswith("more than 40.0 GiB; would fit (39.6 GiB): model.gradient_checkpointing = true and "
-                            "data.micro_batch_size = 1")
+    assert message.startswith(f"{path.resolve()}: launch.device_memory: phase 0 needs 47.8 GiB of one device ")
+    assert message.endswith("more than 40.0 GiB; would fit (38.1 GiB): model.gradient_checkpointing = true")
     assert e.value.exit_code == 2
-    # Checkpointing alone is short by a little; with it and micro-batches of 1 the plan passes.
     loaded = load_schedule(schedule_7b(tmp_path, tiny_data, launch={"device_memory": "40GiB"},
-                                       gradient_checkpointing=True), overrides=["data.micro_batch_size=1"])
+                                       gradient_checkpointing=True))
     assert loaded.schedule.launch.device_memory == "40GiB"
 
 
@@ -77,10 +75,10 @@ def test_plan_device_memory_stands_in_for_the_key(tmp_path, tiny_data):
     path = schedule_7b(tmp_path, tiny_data, launch={"device_memory": "40GiB"})
     r = CliRunner().invoke(main, ["plan", str(path), "--device-memory", "80GiB"])
     assert r.exit_code == 0, r.output
-    assert "device budget 80.0 GiB (--device-memory): a phase holds at most 50.0 GiB of one device (phase 0: " in r.stdout
+    assert "device budget 80.0 GiB (--device-memory): a phase holds at most 47.8 GiB of one device (phase 0: " in r.stdout
     r = CliRunner().invoke(main, ["plan", str(path), "--device-memory", "16GiB"])
     assert r.exit_code == 2 and r.stdout == ""
-    assert r.stderr.startswith(f"orchestrator: {path.resolve()}: --device-memory: phase 0 needs 50.0 GiB")
+    assert r.stderr.startswith(f"orchestrator: {path.resolve()}: --device-memory: phase 0 needs 47.8 GiB")
     assert "nothing relayer offers fits: " in r.stderr  # the bf16 weights alone are 12.6 GiB
 
 
@@ -138,12 +136,13 @@ def test_handover_host_sends_every_switch_through_host_memory(tmp_path, tiny_dat
 def test_7b_fits_24gib_with_its_optimizer_state_on_the_host(tmp_path, tiny_data):
     """The 7B LISA job (batch 4 x 512) at 24 GiB: the plan names gradient checkpointing, ZeRO 2 with
     the optimizer's state on the host and one phase pre-warmed; with them it passes, its phases'
-    estimates hold no optimizer state and gather nothing at their end."""
+    estimates hold no optimizer state and gather nothing at their end. That run on an H100 held
+    21.25 GiB by NVML outside its switches (benchmarks/results/2026-12-06-issue42-h100-7b)."""
     path = schedule_7b(tmp_path, tiny_data, launch={"device_memory": "24GiB"})
     with pytest.raises(ScheduleError) as e:
         load_schedule(path)
     assert str(e.value).endswith(
-        "would fit (23.0 GiB): model.gradient_checkpointing = true and deepspeed.zero_stage = 2 and "
+        "would fit (21.3 GiB): model.gradient_checkpointing = true and deepspeed.zero_stage = 2 and "
         'deepspeed.config.zero_optimization.offload_optimizer = { device = "cpu" } and launch.prewarm_depth = 1')
     loaded = load_schedule(path, overrides=[
         "model.gradient_checkpointing=true", "deepspeed.zero_stage=2", "launch.prewarm_depth=1",
@@ -152,3 +151,21 @@ def test_7b_fits_24gib_with_its_optimizer_state_on_the_host(tmp_path, tiny_data)
     estimate = estimate_plan(loaded, phases)
     assert {m.optimizer for m in estimate.phases} == {0}
     assert budget.phase_peak(loaded, phases, estimate, 0) == on_device(estimate.phases[0]) + PROCESS_BYTES
+
+
+def test_the_planned_peak_at_7b_under_24gib_is_what_an_h100_held(tmp_path, tiny_data):
+    """benchmarks/results/2026-12-06-issue42-h100-7b: the 7B LISA job at 24 GiB with gradient
+    checkpointing, micro-batches of 4, ZeRO 2 with the optimizer on the host and one phase
+    pre-warmed held 16.07-16.46 GB allocated per phase (torch's peak) and 22.82 GB of the device
+    by NVML outside its switches (at phase 0's end). The gradients on the device: ZeRO's reduce
+    bucket (5e8 bf16 elements) and the largest parameter (the embedding) staged for the host."""
+    loaded = load_schedule(schedule_7b(tmp_path, tiny_data, launch={"device_memory": "24GiB", "prewarm_depth": 1},
+                                       gradient_checkpointing=True), overrides=[
+        "deepspeed.zero_stage=2", 'deepspeed.config={zero_optimization = {offload_optimizer = {device = "cpu"}}}'])
+    phases = plan_phases(loaded)
+    estimate = estimate_plan(loaded, phases)
+    phase = estimate.phases[0]
+    assert phase.gradients == 500_000_000 * 2 + 32000 * 4096 * (2 + 4)
+    assert abs(phase.total - 16.46e9) <= 0.05 * 16.46e9
+    nvml = 22_819_569_664
+    assert abs(budget.phase_peak(loaded, phases, estimate, 0) - nvml) <= 0.05 * nvml

@@ -19,7 +19,7 @@ from transformers import (
 from orchestrator.cli import main
 from orchestrator.errors import ScheduleError
 from orchestrator.estimate import (
-    ACTIVATION_VALUES, CHECKPOINTED_VALUES, EstimateError, ParamCount, param_count, phase_memory, size_option,
+    ACTIVATION_VALUES, CHECKPOINTED_VALUES, LOGIT_BYTES, EstimateError, ParamCount, param_count, phase_memory, size_option,
 )
 from shard_tools.sizes import format_bytes
 from tests.conftest import ROOT, SEQ, schedule_dict, write_schedule
@@ -116,13 +116,15 @@ def test_gradient_checkpointing_keeps_each_layers_input_and_one_layer_recomputed
 
 
 def test_gradient_checkpointing_at_7b_micro_batch_4():
-    # Llama 2 7B, batch 4 x 512, bf16: 8.5 GiB of activations without, 0.77 GiB with (32 inputs + one layer).
+    # Llama 2 7B, batch 4 x 512, bf16: 8.5 GiB of activations without, 0.77 GiB with (32 inputs + one
+    # layer); the logits (4 x 512 x 32000, LOGIT_BYTES each) either way.
     count = param_count({"model_type": "llama", "num_hidden_layers": 32})
     kw = dict(dtype="bfloat16", zero_stage=0, world=1, micro_batch=4, seq_len=512)
     plain, ckpt = (phase_memory(count, 0, **kw, checkpointing=c).activations for c in (False, True))
-    assert plain == 4 * 512 * 4096 * 32 * 17 * 2
-    assert ckpt == 4 * 512 * 4096 * (32 + 17) * 2
-    assert plain / ckpt > 11
+    logits = 4 * 512 * 32000 * LOGIT_BYTES
+    assert plain == 4 * 512 * 4096 * 32 * 17 * 2 + logits
+    assert ckpt == 4 * 512 * 4096 * (32 + 17) * 2 + logits
+    assert plain / ckpt > 5
 
 
 @pytest.mark.parametrize("text,size", [
@@ -163,9 +165,12 @@ def test_plan_prints_the_estimate(schedule, tiny_model, tmp_path):
     total = sum(p.numel() for p in model.parameters())
     head = _numel(model, "model.embed_tokens") + _numel(model, "lm_head") + _numel(model, "model.norm")
     trainable = head + _numel(model, "model.layers.0")
-    # The tiny schedule: fp32, ZeRO-2, one process, micro-batch 4 of 16 tokens, 4 layers of width 32.
-    expect = [format_bytes(b) for b in (total * 4, trainable * 12, trainable * 4, 4 * SEQ * 32 * 4 * ACTIVATION_VALUES * 4)]
-    expect.append(format_bytes(total * 4 + trainable * 16 + 4 * SEQ * 32 * 4 * ACTIVATION_VALUES * 4))
+    # The tiny schedule: fp32, ZeRO-2, one process, micro-batch 4 of 16 tokens, 4 layers of width 32;
+    # ZeRO's reduce bucket (relayer's least, 5e5 elements) and the logits counted too.
+    gradients = trainable * 4 + 500_000 * 4
+    activations = 4 * SEQ * 32 * 4 * ACTIVATION_VALUES * 4 + 4 * SEQ * model.config.vocab_size * LOGIT_BYTES
+    expect = [format_bytes(b) for b in (total * 4, trainable * 12, gradients, activations)]
+    expect.append(format_bytes(total * 4 + trainable * 12 + gradients + activations))
     rows = table_rows(r.stdout)
     assert [row[:5] for row in rows] == [["0", "10", "0-9", "0", "1"], ["1", "10", "10-19", "1", "1"],
                                          ["2", "10", "20-29", "0", "1"]]
@@ -183,9 +188,10 @@ def test_plan_counts_gradient_checkpointing(tmp_path, tiny_model, tiny_data):
         assert r.exit_code == 0, r.output
         rows[on] = table_rows(r.stdout)[0]
         assert f"activations {'with' if on else 'without'} gradient checkpointing" in r.stdout
-    # The tiny model: 4 layers of width 32, micro-batch 4 x SEQ, fp32.
-    assert rows[False][8] == format_bytes(4 * SEQ * 32 * 4 * ACTIVATION_VALUES * 4)
-    assert rows[True][8] == format_bytes(4 * SEQ * 32 * (4 + ACTIVATION_VALUES) * 4)
+    # The tiny model: 4 layers of width 32, micro-batch 4 x SEQ, fp32; its logits (vocab 96) either way.
+    logits = 4 * SEQ * AutoModelForCausalLM.from_pretrained(tiny_model).config.vocab_size * LOGIT_BYTES
+    assert rows[False][8] == format_bytes(4 * SEQ * 32 * 4 * ACTIVATION_VALUES * 4 + logits)
+    assert rows[True][8] == format_bytes(4 * SEQ * 32 * (4 + ACTIVATION_VALUES) * 4 + logits)
     assert rows[False][5:8] == rows[True][5:8]
 
 
