@@ -247,6 +247,8 @@ def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False) -> 
     ph.timeline.add(handover=("host" if shm else "device") if reason is None else "checkpoint", handover_reason=reason)
     if reason is not None:
         return None, restore
+    if shm and ph.spec.memory_cap and ph.device.type == "cuda":  # a budget: nothing more on the device till it is gone
+        ph.timeline.add(predecessor_exit_wait=hostpath.wait_gone(offered.pid))
     _upload(ph)  # after the answer: the copies in _copy_in do not wait for it
     # After the answer: these come from committed checkpoints, not the predecessor, which need not
     # wait for them to free its device and write its own.

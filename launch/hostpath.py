@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from launch import engine
@@ -117,6 +119,32 @@ def release_device(ph: Phase) -> int:
     torch.cuda.synchronize(ph.device)
     torch.cuda.empty_cache()
     return before - torch.cuda.memory_reserved(ph.device)
+
+
+PREDECESSOR_EXIT_SECONDS = 60.0
+"""How long a successor under a device budget waits for its predecessor to exit before it puts its
+weights on the device (``wait_gone``): the predecessor writes its checkpoint first (0.8-1.4 s at 7B)."""
+
+
+def wait_gone(pid: int, timeout: float = PREDECESSOR_EXIT_SECONDS, poll: float = 0.02) -> float | None:
+    """Waits until process ``pid`` has exited (a zombie holds no device memory: gone too); the
+    seconds it waited, None where ``timeout`` passed first.
+
+    Under a budget the successor waits for this before it puts its weights on the device: the
+    predecessor's ``release_device`` does not give all of its memory back (at 7B on an H100 the
+    device held both phases' weights at every switch, 30-34 GiB under a budget of 24,
+    benchmarks/results/2026-12-06-issue42-h100-7b), its exit does."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(poll)
+    else:
+        return None
+    return time.monotonic() - t0
 
 
 def _tensors(optimizer: object) -> list[torch.Tensor]:

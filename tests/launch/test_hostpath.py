@@ -67,3 +67,23 @@ def test_release_lets_the_block_of_frozen_weights_go():
                          built=SimpleNamespace(engine=SimpleNamespace(module=model, optimizer=SimpleNamespace())))
     hostpath.release_device(ph)
     assert in_block() == []
+
+
+def test_under_a_budget_the_successor_waits_for_its_predecessor_to_be_gone():
+    """``release_device`` does not give all of a finished phase's device memory back; its exit does.
+    An exited process not yet reaped (a zombie) counts as gone; one that stays is waited for no longer
+    than the timeout."""
+    import subprocess
+
+    short = subprocess.Popen(["sleep", "0.3"])
+    try:
+        waited = hostpath.wait_gone(short.pid, timeout=10)  # not reaped here: a zombie once it exits
+        assert waited is not None and 0.2 < waited < 9
+    finally:
+        short.wait()
+    long = subprocess.Popen(["sleep", "30"])
+    try:
+        assert hostpath.wait_gone(long.pid, timeout=0.3) is None
+    finally:
+        long.kill()
+        long.wait()
