@@ -25,14 +25,16 @@
 #                     predecessor's fp32 state in /dev/shm, its engine's memory let go); NVML every 20 ms
 #                     (the device's used bytes, every process of the run) against 24 GiB; the switch
 #                     median; records.json's device_released per phase.
-#   relayer7b24 <=9.5 min  relayer alone (peer.py --skip-peer: LISA's phases drawn there, the results say the
+#   relayer7b24 ~4.5 min  relayer alone (peer.py --skip-peer: LISA's phases drawn there, the results say the
 #                     peer was not run) with peer7b24's options but micro batch 4 (I42_MICRO; gradient
 #                     checkpointing, in effect since it was fixed, keeps it small), 200 steps (I42_STEPS), ended at I42_DEADLINE
 #                     seconds after the script's start (570) finished or not: results.json keeps how far it
 #                     got, its NVML trace, each phase's records, and logs/ the run's journal, steps, records and
 #                     worker logs. I42_PROFILE=1 also times benchmarks/host_step.py (the host optimizer's
 #                     step and the gradients' copies, before the run) and profiles each phase's first two
-#                     steps (torch.profiler) and its switch (cProfile) into logs/.
+#                     steps (torch.profiler) and its switch (cProfile) into logs/. On an H100 on 2026-12-06
+#                     (benchmarks/results/2026-12-06-issue42-h100-7b): 255 s in all, relayer 220 s, at
+#                     micro batch 1 (profiled) 533 s.
 #   peer7b24  ~9 min  benchmarks/peer.py at 7B, 200 steps, batch 4 x 512, --device-memory 24GiB
 #                     --gradient-checkpointing --zero-stage 2 --offload-optimizer --prewarm-depth 1
 #                     --micro-batch 1 --every-seconds 0 (plan24's first plan named micro batch 4 as
