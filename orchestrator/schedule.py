@@ -213,8 +213,9 @@ class DeepSpeedSection(Section):
     gradient_clipping, optimizer, scheduler, zero_optimization.stage, bf16.enabled, fp16.enabled)
     may appear only as "auto" or as relayer sets it; any other "auto" is dropped (relayer's or
     DeepSpeed's default stands). zero_optimization.offload_optimizer = { device = "cpu" } (ZeRO 1
-    or 2) keeps the optimizer's state on the host, where torch's AdamW steps it: no optimizer state
-    on the device, a slower step, the same AdamW (bitwise on the CPU)."""
+    or 2) keeps the optimizer's state on the host, where torch's fused AdamW steps it (one pass over
+    the partition), with DeepSpeed's host buffers pinned unless `pin_memory = false` is given: no
+    optimizer state on the device, a slower step, the same AdamW up to rounding."""
 
     @field_validator("zero_stage", mode="before")
     @classmethod
