@@ -23,7 +23,7 @@ def spec_with(table: dict) -> SimpleNamespace:
 def test_the_host_step_is_fused_and_steps_as_the_default_does():
     """torch's default AdamW on the host makes one pass over the partition per op and allocates
     temporaries of its size (2.7 GB at 7B); fused, it makes one pass, to within fp32's rounding."""
-    weights = torch.randn(4096)
+    weights = torch.randn(4096, generator=torch.Generator().manual_seed(42))
     fused, default = (torch.nn.Parameter(weights.clone()) for _ in range(2))
     opts = [ZeroBackend(2).optimizer([{"params": [p]}], spec_with(table), torch.device("cpu"), 1)
             for p, table in ((fused, OFFLOAD), (default, {}))]
@@ -34,7 +34,7 @@ def test_the_host_step_is_fused_and_steps_as_the_default_does():
         for p, opt in zip((fused, default), opts):
             p.grad = grad.clone()
             opt.step()
-    assert torch.allclose(fused, default, rtol=0, atol=1e-7)
+    assert torch.allclose(fused, default, rtol=1e-6, atol=1e-7)
 
 
 def test_offloaded_buffers_are_pinned_unless_the_schedule_says():
