@@ -16,6 +16,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _pytest.mark import MarkMatcher  # the matcher -m uses: the tier here is -m's own
+from _pytest.mark.expression import Expression
 
 from tests import run
 from tests.conftest import COSTS, ROOT, order, shared
@@ -105,10 +107,24 @@ def test_a_shared_folder_is_made_once_and_again_after_a_failed_make(tmp_path_fac
     assert made == [folder] and not (folder / "half").exists()
 
 
-def test_the_fast_tier_covers_every_package():
+def fast_tier(session: pytest.Session) -> list[str]:
+    """The node ids ``make test-fast`` runs. Where this session collected the whole suite unfiltered
+    (``make test``, ``make test-fast``: every test module is imported already), from its own items
+    by the same marker expression as ``-m``; else from a collection of its own (``--collect-only``:
+    30 s on the 2-core machine under the suite, to import every test module again)."""
+    config = session.config
+    whole = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword \
+        and config.option.markexpr in ("", run.FAST)
+    if whole:
+        expression = Expression.compile(run.FAST)
+        return [i.nodeid for i in session.items if expression.evaluate(MarkMatcher.from_markers(i.iter_markers()))]
     r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", "-m", run.FAST],
                        cwd=ROOT, capture_output=True, text=True, check=True)
-    tests = [line for line in r.stdout.splitlines() if "::" in line]
+    return [line for line in r.stdout.splitlines() if "::" in line]
+
+
+def test_the_fast_tier_covers_every_package(request):
+    tests = fast_tier(request.session)
     for package in ("tests/orchestrator/", "tests/launch/", "tests/shard_tools/", "tests/benchmarks/"):
         assert any(t.startswith(package) for t in tests), package
     # and a real run against the plain-PyTorch reference (a module all multiprocess: marked smoke)
