@@ -16,6 +16,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _pytest.mark import MarkMatcher  # the matcher -m uses: the tier here is -m's own
+from _pytest.mark.expression import Expression
 
 from tests import run
 from tests.conftest import COSTS, ROOT, order, shared
@@ -43,7 +45,9 @@ def test_the_suite_runs_on_every_core_then_what_must_run_alone(monkeypatch):
     spread, alone = run.passes(False, ["-k", "x"])
     assert spread[spread.index("-n") + 1] == "2" and spread[spread.index("--dist") + 1] == "loadscope"
     assert "--alone=skip" in spread and "--alone=only" in alone and "-n" not in alone
-    assert spread[-2:] == alone[-2:] == ["-k", "x"]  # the caller's arguments reach both passes
+    assert spread[-2:] == alone[-3:-1] == ["-k", "x"]  # the caller's arguments reach both passes
+    assert alone[-1:] == run.alone_modules() == ["tests/test_first_run.py"]  # and the second collects only these
+    assert run.passes(False, ["tests/shard_tools"])[1][-1] == "tests/shard_tools"  # unless the caller names a path
     fast = run.passes(True, [])
     assert all(any(p[i:i + 2] == ["-m", run.FAST] for i in range(3, len(p))) for p in fast)
     monkeypatch.setenv("TEST_WORKERS", "1")
@@ -105,10 +109,24 @@ def test_a_shared_folder_is_made_once_and_again_after_a_failed_make(tmp_path_fac
     assert made == [folder] and not (folder / "half").exists()
 
 
-def test_the_fast_tier_covers_every_package():
+def fast_tier(session: pytest.Session) -> list[str]:
+    """The node ids ``make test-fast`` runs. Where this session collected the whole suite unfiltered
+    (``make test``, ``make test-fast``: every test module is imported already), from its own items
+    by the same marker expression as ``-m``; else from a collection of its own (``--collect-only``:
+    30 s on the 2-core machine under the suite, to import every test module again)."""
+    config = session.config
+    whole = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword \
+        and config.option.markexpr in ("", run.FAST)
+    if whole:
+        expression = Expression.compile(run.FAST)
+        return [i.nodeid for i in session.items if expression.evaluate(MarkMatcher.from_markers(i.iter_markers()))]
     r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", "-m", run.FAST],
                        cwd=ROOT, capture_output=True, text=True, check=True)
-    tests = [line for line in r.stdout.splitlines() if "::" in line]
+    return [line for line in r.stdout.splitlines() if "::" in line]
+
+
+def test_the_fast_tier_covers_every_package(request):
+    tests = fast_tier(request.session)
     for package in ("tests/orchestrator/", "tests/launch/", "tests/shard_tools/", "tests/benchmarks/"):
         assert any(t.startswith(package) for t in tests), package
     # and a real run against the plain-PyTorch reference (a module all multiprocess: marked smoke)

@@ -182,18 +182,24 @@ def test_a_stop_is_the_journals_last_word_after_a_late_commit(tmp_path, tiny_mod
 def test_two_processes_preempt_and_resume(tmp_path, tiny_model, tiny_data, final):
     """Two ranks stopped twice and resumed end as one uninterrupted process does (the same
     schedule; its batch split over two ranks changes no sum on this model: bitwise equal on the
-    CPU, 1e-6 allowed)."""
-    launch = {"launcher": "deepspeed", "nproc": 2, "grace_seconds": 20}
-    sched = schedule(tmp_path, tiny_model, tiny_data, launch=launch)
+    CPU, 1e-6 allowed). The first stop reaches them through the deepspeed runner; the second stop and
+    the end run them forked by the run's fork server (``launch.*`` may change on a resume), each run
+    of the runner costing some 25 s of CPU here (a cold start of the runner and each rank a phase)."""
+    runner = schedule(tmp_path, tiny_model, tiny_data, "runner.toml",
+                      launch={"launcher": "deepspeed", "nproc": 2, "grace_seconds": 20})
+    forked = schedule(tmp_path, tiny_model, tiny_data, launch={"launcher": "local", "nproc": 2, "grace_seconds": 20})
     run = tmp_path / "run"
-    for target in (12, 24):
+    for sched, target in ((runner, 12), (forked, 24)):
         orch = start(sched)
         wait_for(lambda: metrics_steps(run) >= target, what=f"step {target}")
         orch.terminate()
         assert orch.wait(timeout=120) == 75, orch.communicate()[1]
         assert not any(alive(p) for p in rank_pids(run))
-    r = cli("orchestrator", "run", str(sched))
+        forks = any(e["event"] == "zygote_started" for e in events(run))
+        assert forks == (sched == forked) and (sched == forked or (run / "phases/phase-0001/pids/launcher.json").exists())
+    r = cli("orchestrator", "run", str(forked))
     assert r.returncode == 0, r.stderr
+    assert {read_manifest(c).world_size for c in Checkpoints(run).all()} == {2}
     assert max_abs_diff(composed(tiny_model, run), final) <= 1e-6
 
 
