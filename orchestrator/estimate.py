@@ -304,6 +304,8 @@ def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
     count = param_count(model_config(loaded))
     persistent = s.model.persistent if s.model.persistent is not None else list(count.head)
     head = sum(count.head.get(p, 0) for p in persistent)
+    # The largest trainable parameter: a head module (the embedding), or a layer's largest matrix,
+    # taken as a quarter of the layer (a Llama layer's MLP matrix is 0.22 of it).
     largest = max([count.head.get(p, 0) for p in persistent] + [count.per_layer // 4])
     out = [phase_memory(count, trainable, dtype=s.model.dtype, zero_stage=s.deepspeed.zero_stage,
                         world=ph.nproc * s.launch.nnodes, micro_batch=s.data.micro_batch_size, seq_len=s.data.seq_len,
