@@ -228,9 +228,14 @@ class Supervisor:
         self.predecessor_done(pred.group)
 
     def _kill_now(self) -> None:
-        """The predecessor failed: this group's checkpoints would compose layers that are lost."""
-        procs.signal_all(procs.recorded(self.group.phase_dir, RANK), signal.SIGKILL)
+        """The predecessor failed: this group's checkpoints would compose layers that are lost. Once its
+        ranks are gone, what they left goes too (prepared files, bytes offered on): where this group had
+        handed over already, its own supervisor has returned and cleans up nothing (CI, 2026-12-06)."""
+        ranks = procs.recorded(self.group.phase_dir, RANK)
+        procs.signal_all(ranks, signal.SIGKILL)
         self.ctx.event("successor_stopped", phase=self.phase.index, reason="its predecessor failed")
+        procs.wait_gone(ranks, 10)
+        self.ctx.groups.clean_up(self.group)
 
     def _enter(self, state: State) -> None:
         if state not in NEXT[self.state]:  # a bug in relayer, also under python -O

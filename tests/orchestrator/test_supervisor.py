@@ -282,6 +282,13 @@ def test_a_predecessor_that_fails_takes_its_successor_down_at_once(run, sleepers
     rank = sleepers()
     g2 = run.group(2, 14, 18)
     record_rank(g2.phase_dir, 0, rank)
+    # What its rank made: its prepared checkpoint files and the bytes it offered on (had it handed over,
+    # its own supervisor would have returned, and cleaned up nothing after it).
+    prepared = run.run_dir / "checkpoints" / f".tmp-prepared.{rank.pid}.1"
+    offered = g2.phase_dir / "handover" / "rank-0.bin"
+    for made in (prepared, offered):
+        made.parent.mkdir(parents=True, exist_ok=True)
+        made.write_bytes(b"x")
     done = []
     succ = Supervisor(run.context, g2, [], predecessor=pred, predecessor_done=done.append)
     succ._start()
@@ -293,6 +300,7 @@ def test_a_predecessor_that_fails_takes_its_successor_down_at_once(run, sleepers
     assert rank.wait(5) == -signal.SIGKILL
     assert run.named("successor_stopped") == [{"phase": 2, "reason": "its predecessor failed"}]
     assert done == [] and succ.predecessor is None
+    assert not prepared.exists() and not offered.exists()
 
 
 def test_a_successor_that_ends_before_it_answered_has_the_offer_declined(run, monkeypatch):
