@@ -8,6 +8,7 @@ a silent ``pip install -q``.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -151,3 +152,18 @@ def test_the_costs_are_each_multiprocess_modules_seconds_from_a_junit_report(tmp
     </testsuite></testsuites>""")
     multiprocess = {"tests/orchestrator/test_a.py", "tests/launch/test_b.py"}
     assert run.costs(report, multiprocess) == {"tests/launch/test_b.py": 4.0, "tests/orchestrator/test_a.py": 12.5}
+
+
+def test_the_cpu_costs_add_up_by_module_and_rank_the_tests(tmp_path):
+    from tests import cpu_costs
+
+    lines = [{"id": "tests/a.py::t1", "wall": 9.0, "self": 0.5, "children": 1.5},
+             {"id": "tests/a.py::t2", "wall": 1.0, "self": 0.0, "children": 0.5},
+             {"id": "tests/b.py::t3", "wall": 3.0, "self": 0.2, "children": 2.8}]
+    (tmp_path / "gw0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines[:2]))
+    (tmp_path / "gw1.jsonl").write_text(json.dumps(lines[2]) + "\n")
+    text = cpu_costs.summary(tmp_path).splitlines()
+    assert text[0] == "3 tests: 6 s of CPU, 13 s of wall time summed"
+    modules = text[text.index("CPU s   wall s  module") + 1:][:2]
+    assert [m.split() for m in modules] == [["3", "3", "tests/b.py"], ["2", "10", "tests/a.py"]]
+    assert text[-3:] == ["   3.0     3.0  tests/b.py::t3", "   2.0     9.0  tests/a.py::t1", "   0.5     1.0  tests/a.py::t2"]
