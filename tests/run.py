@@ -65,14 +65,17 @@ def costs(report: Path, multiprocess: set[str]) -> dict[str, float]:
     return {m: round(s, 1) for m, s in sorted(seconds.items())}
 
 
+def marked_modules(marker: str) -> list[str]:
+    """The test modules with a test marked ``marker``, relative to the checkout, sorted."""
+    return sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("tests/**/test_*.py") if f"pytest.mark.{marker}" in p.read_text())
+
+
 def alone_modules() -> list[str]:
-    """The test modules with a test marked alone, relative to the checkout (as ``multiprocess_modules``)."""
-    return sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("tests/**/test_*.py") if "pytest.mark.alone" in p.read_text())
+    return marked_modules("alone")
 
 
 def multiprocess_modules() -> set[str]:
-    """The test modules with a test marked multiprocess, relative to the checkout."""
-    return {str(p.relative_to(ROOT)) for p in ROOT.glob("tests/**/test_*.py") if "pytest.mark.multiprocess" in p.read_text()}
+    return set(marked_modules("multiprocess"))
 
 
 def write_costs(report: Path) -> None:
