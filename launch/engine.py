@@ -182,8 +182,8 @@ class ZeroBackend(Backend):
     def optimizer(self, groups: list[dict], spec: PhaseSpec, device: torch.device, world: int,
                   lr: float | None = None) -> torch.optim.Optimizer:
         # Offloaded, it steps the partitions on the host: fused there too (``adamw``).
-        return adamw(groups, spec.optimizer, torch.device("cpu") if offloads(spec.deepspeed_config) else device, lr,
-                     fused=True if offloads(spec.deepspeed_config) else None)
+        host = offloads(spec.deepspeed_config)
+        return adamw(groups, spec.optimizer, torch.device("cpu") if host else device, lr, fused=True if host else None)
 
     def param_groups(self, engine) -> list[dict]:
         return engine.optimizer.optimizer.param_groups
