@@ -21,7 +21,7 @@ import psutil
 import pytest
 import torch
 
-from launch.contract.files import RANK
+from launch.contract.files import RANK, PhaseDir
 from orchestrator.procs import recorded
 from shard_tools.checkpoint import load_tensors
 from shard_tools.store import Checkpoints
@@ -288,22 +288,41 @@ def test_a_kill_fails_the_phase_and_a_run_again_resumes(tmp_path, tiny_model, ti
     assert_clean(run_dir)
 
 
+def wait_recorded(phase_dir: Path, orch: subprocess.Popen, what: str) -> list[psutil.Process]:
+    """The phase's live ranks on record, once there are any (these schedules run one process)."""
+    deadline = time.time() + 300
+    while not (ranks := recorded(phase_dir, RANK)):
+        assert time.time() < deadline and orch.poll() is None, what
+        time.sleep(0.02)
+    return ranks
+
+
 def test_a_successor_gone_before_the_switch_is_not_waited_for(tmp_path, tiny_model, tiny_data, device, reference):
     """The pre-warmed successor dies while it prepares: the orchestrator answers its predecessor
-    "not taken" (which then writes its checkpoint) and starts the phase afresh."""
+    "not taken" (which then writes its checkpoint) and starts the phase afresh.
+
+    Phase 0 is stopped (SIGSTOP) from its start until the successor's death is on record, so that
+    it cannot reach its switch first however the machine schedules the processes."""
     sched = schedule(tmp_path, tiny_model, tiny_data, device, handing_over(device))
     orch = subprocess.Popen([str(Path(sys.executable).parent / "orchestrator"), "run", str(sched)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, **device_env(device)})
     run_dir = tmp_path / "run"
+    first, second = run_dir / "phases" / "phase-0000", run_dir / "phases" / "phase-0001"
     try:
-        deadline = time.time() + 300
-        while not (ranks := recorded(run_dir / "phases" / "phase-0001", RANK)):
-            assert time.time() < deadline and orch.poll() is None, "phase 1 was not pre-warmed"
-            time.sleep(0.05)
-        assert not (run_dir / "phases" / "phase-0000" / "handover").exists(), "too late: phase 0 offered"
+        running = wait_recorded(first, orch, "phase 0 did not start")
+        for p in running:
+            p.send_signal(signal.SIGSTOP)
+        ranks = wait_recorded(second, orch, "phase 1 was not pre-warmed")
+        assert not (first / "handover").exists(), "too late: phase 0 offered"
         for p in ranks:
             p.send_signal(signal.SIGKILL)
+        deadline = time.time() + 60
+        while PhaseDir(second).read_exit(0) is None:  # the fork server reaped it: the orchestrator sees it gone
+            assert time.time() < deadline and orch.poll() is None, "the successor's end was not recorded"
+            time.sleep(0.05)
+        for p in running:
+            p.send_signal(signal.SIGCONT)
         _, err = orch.communicate(timeout=600)
     finally:
         if orch.poll() is None:
