@@ -189,8 +189,8 @@ def test_keep_goes_through_the_checkpoint_and_refuses_a_handover_by_name(tmp_pat
     sched = write_schedule(tmp_path / "schedule.toml", raw)
     r = invoke("plan", str(sched))
     assert r.exit_code == 0, r.output
-    assert ("optimizer state (keep): each layer's kept from its last visit (new on its first), the head's "
-            "carried") in r.stdout
+    assert ("optimizer state (keep): each layer's kept in the checkpoint from its last visit (new on its first), "
+            "as LMFlow's and axolotl's LISA callbacks; the head's carried") in r.stdout
     assert 'switches after phases 0-1: through the checkpoint: schedule.optimizer_state = "keep"' in r.stdout
     assert "checkpoints: every phase end writes up to" in r.stdout
     loaded = validate_schedule(raw, sched)
