@@ -158,6 +158,8 @@ def load_state(ckpt: Path, mapped: bool = False) -> tuple[PhaseState, Manifest]:
         return map_tensors(ckpt / file, populate=False) if mapped else load_tensors(ckpt / file)
 
     body = None if manifest.phase_complete else _unflatten(ckpt / BODY_OPTIM, tensors(BODY_OPTIM), KEPT_KEYS)
+    if body is not None and not body["step"]:
+        del body["step"]  # not under "keep"
     lr = manifest.extra.get("lr")
     state = PhaseState(
         step=manifest.global_step, phase=manifest.phase, layers=manifest.layers,
