@@ -132,7 +132,8 @@ def _state(ph: Phase, phase_complete: bool, head: dict, masters: dict, body: dic
     carried = sorted({carried_layer(ph, n) for n in ph.made.carried})
     return PhaseState(step=ph.step, phase=spec.phase, layers=list(spec.layers), phase_complete=phase_complete,
                       head_step=head_step, body_step=body_step, head=head, masters=masters, run=run_state(ph),
-                      body=body, kept=kept, lr=lr_at(max(ph.step - 1, 0), spec.optimizer, spec.phase_start_step), carried=carried,
+                      body=body, kept=kept, carried=carried,
+                      lr=lr_at(max(ph.step - 1, 0), spec.optimizer, spec.phase_start_step),
                       state_from=ph.timeline.get("state_from") or dict.fromkeys((*ph.made.head_names,
                                                                                   *ph.made.body_names), "fresh"))
 

@@ -141,7 +141,8 @@ def build_engine(ph: Phase, made: Prepared, source: Source) -> Assembled:
         backend.place(model, ph.device, made.staging, trainable)
     ph.timeline.mark("t_on_device")
     starts = body_starts(ph, source)
-    groups, roles, group_starts = param_groups(model, set(made.head_names), set(made.body_names), spec.optimizer, starts)
+    groups, roles, group_starts = param_groups(model, set(made.head_names), set(made.body_names), spec.optimizer,
+                                               starts)
     index = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
     group_of = {n: index[id(p)] for n, p in model.named_parameters() if n in made.body_names}
     engine = backend.initialize(model, backend.optimizer(groups, spec, ph.device, ph.world), ds_config)
@@ -189,7 +190,8 @@ def restore(ph: Phase) -> None:
     same_phase = not m.phase_complete and m.phase == ph.spec.phase
     head_carries = same_phase or ph.spec.optimizer_state != "drop-all"
     head_step = m.head_step if head_carries else 0
-    steps = [head_step if role in (HEAD_DECAY, HEAD_NO_DECAY) else start for role, start in zip(built.roles, built.starts)]
+    steps = [head_step if role in (HEAD_DECAY, HEAD_NO_DECAY) else start
+             for role, start in zip(built.roles, built.starts)]
     ph.timeline.add(state_from=state_from(built, m, same_phase, head_carries))
     backend.materialise(built.engine, steps)
     if built.source.populating is not None:

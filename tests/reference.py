@@ -43,13 +43,15 @@ def sample_index(g: int, n: int, seed: int) -> int:
 
 def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]]], *, seed: int = 0,
                   lr: float = 1e-3, batch: int = 8, micro: int = 4, grad_clip: float = 1.0,
-                  weight_decay: float = 0.0, carry_body: bool = False, reset_head: bool = False, keep_body: bool = False,
+                  weight_decay: float = 0.0, carry_body: bool = False, reset_head: bool = False,
+                  keep_body: bool = False,
                   grad_scale: float = 1.0, mean_of_means: bool = False, phase_warmup: int = 0,
                   head_modules: tuple[str, ...] = ("model.embed_tokens", "lm_head", "model.norm"),
                   losses: list[float] | None = None) -> dict[str, torch.Tensor]:
     """Final weights (fp32, by parameter name) of the LISA schedule ``phases`` = [(steps, layers)];
     each step's loss is appended to ``losses`` when given. ``reset_head``: a new AdamW for the head
-    every phase too (BAdam's "drop-all"); ``keep_body``: each layer's AdamW kept between its visits ("keep"); ``phase_warmup``: step s of each phase at lr x (s + 1) /
+    every phase too (BAdam's "drop-all"); ``keep_body``: each layer's AdamW kept between its visits
+    ("keep"); ``phase_warmup``: step s of each phase at lr x (s + 1) /
     (phase_warmup + 1) while s < phase_warmup; ``head_modules``: the head's modules that train."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids, labels, mask = load_tokens(data)

@@ -200,6 +200,6 @@ def test_keep_goes_through_the_checkpoint_and_refuses_a_handover_by_name(tmp_pat
         assert (spec.optimizer_state, spec.handover.offer, spec.handover.take) == ("keep", False, False)
     for mode in ("on", "host"):
         r = invoke("plan", str(sched), "--set", f"launch.handover={mode}")
-        assert r.exit_code == 2 and ('launch.handover: expected "auto" or "off" with schedule.optimizer_state = '
-                                     f"\"keep\" (a layer's kept state goes through the checkpoint), got '{mode}'") in r.output
+        assert r.exit_code == 2 and ('launch.handover: expected "auto" or "off" with schedule.optimizer_state = "keep" '
+                                     f"(a layer's kept state goes through the checkpoint), got '{mode}'") in r.output
     assert not (tmp_path / "run").exists()
