@@ -169,7 +169,7 @@ def body_starts(ph: Phase, source: Source) -> dict[str, int]:
         raise RuntimeError('optimizer_state "keep" reads a layer\'s kept state from the checkpoint: no handover')
     sources = ph.checkpoints.layer_sources(source.restore)
     mine = {l: sources[l] for l in spec.layers if l in sources}
-    source.kept = kept_state(mine)
+    source.kept = kept_state(mine, mapped=True)  # copied into the optimizer by ``restore``
     source.kept_from = {}
     for layer, src in mine.items():
         m_src = ph.checkpoints.manifest(src)

@@ -239,12 +239,13 @@ def layer_weights(sources: dict[int, Path], mapped: bool = False) -> dict[str, t
     return _weights_only(_of_layers(sources, mapped))
 
 
-def kept_state(sources: dict[int, Path]) -> dict[str, dict[str, torch.Tensor]]:
+def kept_state(sources: dict[int, Path], mapped: bool = False) -> dict[str, dict[str, torch.Tensor]]:
     """The kept Adam state (optimizer_state "keep") of the given layers, {``KEPT_KEYS``: {parameter:
     tensor}}, each from its source checkpoint's layers file, where the phase that wrote it kept it
-    there: a layer whose file holds none (trained under "reset", or never) is not in it."""
+    there: a layer whose file holds none (trained under "reset", or never) is not in it.
+    ``mapped``: views of the files' pages, as ``layer_weights``'."""
     out: dict[str, dict[str, torch.Tensor]] = {k: {} for k in KEPT_KEYS}
-    for name, t in _of_layers(sources, mapped=False).items():
+    for name, t in _of_layers(sources, mapped).items():
         param, _, key = name.rpartition("/")
         if key in out:
             out[key][param] = t
