@@ -8,7 +8,8 @@ warm-up after each switch on one process (ZeRO-2, each switch through the checkp
 mid-phase and resumed (bitwise); weighted, windowed lisa with "drop-all" on two processes of
 relayer's own optimizer (ZeRO 0) handing each phase's state over (through the host here); and
 "keep" (each layer's Adam state parked in the checkpoint between its visits) on one process of
-relayer's own optimizer, killed mid-phase and resumed (bitwise), and on two of ZeRO-2.
+relayer's own optimizer, killed mid-phase and resumed (bitwise), and on two of ZeRO-2 (one in
+between).
 """
 
 from __future__ import annotations
@@ -130,10 +131,11 @@ def test_weighted_windowed_lisa_with_drop_all_on_two_processes_handing_over(tmp_
 KEEP_PHASES = [(4, [0, 3]), (6, [1, 3]), (5, [0, 1, 2])]
 
 
-def keep_schedule(path: Path, model_dir: Path, data_path: Path, **sections) -> Path:
+def keep_schedule(path: Path, model_dir: Path, data_path: Path, nprocs: tuple[int, ...] = (1, 1, 1),
+                  **sections) -> Path:
+    phases = [{"steps": s, "layers": l, "nproc": n} for (s, l), n in zip(KEEP_PHASES, nprocs)]
     return write_schedule(path, schedule_dict(
-        model_dir, data_path, schedule={"phases": [{"steps": s, "layers": l} for s, l in KEEP_PHASES],
-                                        "optimizer_state": "keep"},
+        model_dir, data_path, schedule={"phases": phases, "optimizer_state": "keep"},
         checkpoint={"every_steps": 3, "keep_last": 1}, **sections))
 
 
@@ -195,8 +197,11 @@ def test_keep_killed_mid_phase_resumes_bitwise(keep, tmp_path, tiny_model):
 
 
 def test_keep_on_two_processes_of_zero_2_matches_reference(tmp_path, tiny_model, tiny_data, keep_reference):
-    sched = keep_schedule(tmp_path / "s.toml", tiny_model, tiny_data, launch={"nproc": 2})
+    """Phases 0 and 2 on two processes, phase 1 on one: a layer's state kept by two ranks is
+    restored into one (layer 3), and the other way (layer 1), from full tensors."""
+    sched = keep_schedule(tmp_path / "s.toml", tiny_model, tiny_data, nprocs=(2, 1, 2))
     r = cli("orchestrator", "run", str(sched))
     assert r.returncode == 0, r.stderr
-    assert {(m.world_size, m.zero_stage) for m in map(read_manifest, Checkpoints(tmp_path / "run").all())} == {(2, 2)}
+    ends = {m.global_step: (m.world_size, m.zero_stage) for m in map(read_manifest, Checkpoints(tmp_path / "run").all())}
+    assert ends == {10: (1, 2), 15: (2, 2)}
     assert max_abs_diff(keep_reference, composed(tiny_model, tmp_path / "run")) <= TOL
