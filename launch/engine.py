@@ -338,26 +338,31 @@ def adamw(groups: list[dict], o, device: torch.device, lr: float | None = None,
                              weight_decay=o.weight_decay, fused=fused)
 
 
-def param_groups(model: nn.Module, head: set[str], body: set[str], opt) -> tuple[list[dict], list[int]]:
-    """Four groups (head/body x decay/no-decay; 1-D parameters never decay), empty ones dropped.
+def param_groups(model: nn.Module, head: set[str], body: set[str], opt,
+                 starts: dict[str, int] | None = None) -> tuple[list[dict], list[int], list[int]]:
+    """Four groups (head/body x decay/no-decay; 1-D parameters never decay), empty ones dropped;
+    and each group's role and the Adam step it starts from.
 
-    The head and the body must not share a group: Adam's step (bias correction) is per group.
+    The head and the body must not share a group: Adam's step (bias correction) is per group. So
+    body parameters that start from different steps (``starts``, by name: optimizer_state "keep",
+    a layer's step of its last visit; 0 where not given) are split into a group per step too.
     """
-    buckets: list[list[nn.Parameter]] = [[], [], [], []]
+    starts = starts or {}
+    buckets: dict[tuple[int, int], list[nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         no_decay = p.ndim < 2
         role = (HEAD_NO_DECAY if no_decay else HEAD_DECAY) if name in head else (BODY_NO_DECAY if no_decay else BODY_DECAY)
         assert name in head or name in body, name
-        buckets[role].append(p)
-    groups, roles = [], []
-    for role, params in enumerate(buckets):
-        if params:
-            wd = 0.0 if role in (HEAD_NO_DECAY, BODY_NO_DECAY) else opt.weight_decay
-            groups.append({"params": params, "weight_decay": wd})
-            roles.append(role)
-    return groups, roles
+        buckets.setdefault((role, 0 if name in head else starts.get(name, 0)), []).append(p)
+    groups, roles, steps = [], [], []
+    for (role, step), params in sorted(buckets.items()):
+        wd = 0.0 if role in (HEAD_NO_DECAY, BODY_NO_DECAY) else opt.weight_decay
+        groups.append({"params": params, "weight_decay": wd})
+        roles.append(role)
+        steps.append(step)
+    return groups, roles, steps
 
 
 def to_host(t: torch.Tensor, shape: torch.Size, out: torch.Tensor | None, staging: Staging | None) -> torch.Tensor:

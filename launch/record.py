@@ -91,6 +91,11 @@ class Source:
     """The predecessor's checkpoint, not yet committed at the go: this phase commits nothing before it."""
     populating: Later[None] | None = None
     """Maps the head's moments (``launch.switch.read_delta``) while the engine is built."""
+    kept: dict[str, dict[str, torch.Tensor]] | None = None
+    """optimizer_state "keep", a new phase: the kept Adam state of its layers trained before
+    (``shard_tools.state.kept_state``), on the host until ``launch.switch.restore`` puts it in."""
+    kept_from: dict[str, str] = field(default_factory=dict)
+    """Per parameter of ``kept``: the checkpoint it was kept in, "phase P step S"."""
 
 
 @dataclass
@@ -103,6 +108,11 @@ class Assembled:
     """The engine's parameters of the head and of this phase's layers, by name."""
     roles: list[int]
     """The role (``engine.HEAD_DECAY``...) of each of the optimizer's param groups."""
+    starts: list[int]
+    """The Adam step each param group starts the phase from where it is the body's
+    (``engine.param_groups``; the head's come from the state carried on)."""
+    group_of: dict[str, int]
+    """The param group of each of the body's parameters, by name."""
     gas: int
     """Gradient accumulation steps."""
     source: Source

@@ -24,6 +24,8 @@ def snapshot(ph: Phase) -> PhaseState:
     """The phase-end state on the device, full tensors on every rank (collectives): what a finished
     phase offers its successor (``launch.handover``) and, once answered, writes from its own memory."""
     built, backend = ph.built, ph.backend
+    if ph.spec.optimizer_state == "keep":  # orchestrator.handover: never offered
+        raise RuntimeError('optimizer_state "keep" parks a layer\'s state in the checkpoint: no handover')
     ph.timeline.add(carried_wait_seconds=ph.made.host.flush(ph.made.carried, ph.device, ph.made.staging))
     backend.relink(built.engine)
     head = backend.get_state(built.head, on_device=True)
@@ -92,39 +94,57 @@ def _gather(ph: Phase, phase_complete: bool, prepared: StateFiles | None) -> Pha
     """The phase's state in full on rank 0 (None on the others, which only take part)."""
     built, backend, writer = ph.built, ph.backend, ph.rank == 0
     head_into, masters_into = (prepared.head, prepared.masters) if prepared is not None else ({}, {})
+    kept_into = prepared.kept if prepared is not None else {}
     gather = {"keep": writer, "staging": ph.made.staging}
     ph.made.host.settle()  # the carried layers on the host
     backend.relink(built.engine)
     head = backend.get_state(built.head, into=head_into, **gather)
-    if phase_complete:
+    keeps = ph.spec.optimizer_state == "keep"
+    if phase_complete and not keeps:
         masters, body = backend.get_masters(built.body, into=masters_into, **gather), None
     else:
-        body = backend.get_state(built.body, into={"master": masters_into}, **gather)
+        body = backend.get_state(built.body, into={**kept_into, "master": masters_into}, **gather)
         masters = body.pop("master", {})
+        if keeps and writer:
+            body["step"] = body_steps(ph, kept_into.get("step", {}))
     carried = {n: to_host(t, t.shape, None, ph.made.staging) for n, t in ph.made.carried.items()} \
         if writer else {}
-    state = _state(ph, phase_complete, head, {**carried, **masters}, body)  # collectives: every rank
+    kept, body = (body, None) if phase_complete and keeps else (None, body)
+    state = _state(ph, phase_complete, head, {**carried, **masters}, body, kept)  # collectives: every rank
     return state if writer else None
 
 
-def _state(ph: Phase, phase_complete: bool, head: dict, masters: dict, body: dict | None = None) -> PhaseState:
+def body_steps(ph: Phase, into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each body parameter's Adam step (its param group's), one int64 each, into ``into``'s where given."""
+    steps = ph.backend.group_steps(ph.built.engine)
+    out = {}
+    for name, group in ph.built.group_of.items():
+        t = into.get(name, torch.empty(1, dtype=torch.int64))
+        t.fill_(steps.get(group, 0))
+        out[name] = t
+    return out
+
+
+def _state(ph: Phase, phase_complete: bool, head: dict, masters: dict, body: dict | None = None,
+           kept: dict | None = None) -> PhaseState:
     spec = ph.spec
     head_step, body_step = _steps(ph)
     carried = sorted({carried_layer(ph, n) for n in ph.made.carried})
     return PhaseState(step=ph.step, phase=spec.phase, layers=list(spec.layers), phase_complete=phase_complete,
                       head_step=head_step, body_step=body_step, head=head, masters=masters, run=run_state(ph),
-                      body=body, lr=lr_at(max(ph.step - 1, 0), spec.optimizer, spec.phase_start_step), carried=carried,
+                      body=body, kept=kept, carried=carried,
+                      lr=lr_at(max(ph.step - 1, 0), spec.optimizer, spec.phase_start_step),
                       state_from=ph.timeline.get("state_from") or dict.fromkeys((*ph.made.head_names,
                                                                                   *ph.made.body_names), "fresh"))
 
 
 def _steps(ph: Phase) -> tuple[int, int]:
-    """The head's and the body's optimizer steps."""
+    """The head's and the body's optimizer steps (the most of any of its param groups: under "keep"
+    the body's groups count from their layers' earlier visits)."""
     steps = ph.backend.group_steps(ph.built.engine)
-    roles = ph.built.roles
-    by_role = dict(zip(roles, range(len(roles))))
-    head_step = max(steps.get(by_role.get(r, -1), 0) for r in (HEAD_DECAY, HEAD_NO_DECAY))
-    body_step = max((steps.get(by_role.get(r, -1), 0) for r in (BODY_DECAY, BODY_NO_DECAY)), default=0)
+    of = {role: [steps.get(i, 0) for i, r in enumerate(ph.built.roles) if r == role] for role in set(ph.built.roles)}
+    head_step = max((s for r in (HEAD_DECAY, HEAD_NO_DECAY) for s in of.get(r, [])), default=0)
+    body_step = max((s for r in (BODY_DECAY, BODY_NO_DECAY) for s in of.get(r, [])), default=0)
     return head_step, body_step
 
 
@@ -162,7 +182,7 @@ def prepare_files(ph: Phase, made: Prepared) -> StateFiles | None:
     shapes = ph.backend.full_shapes(list(made.model.named_parameters()))
     try:
         return StateFiles(ph.run_dir, {n: shapes[n] for n in made.head_names}, {n: shapes[n] for n in made.body_names},
-                          list(ph.spec.layers), made.origin.layers_attr)
+                          list(ph.spec.layers), made.origin.layers_attr, kept=ph.spec.optimizer_state == "keep")
     except CheckpointError as e:
         print(f"relayer: {e}; the checkpoint will be written without them", file=sys.stderr, flush=True)
         return None

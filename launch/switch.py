@@ -19,7 +19,7 @@ from shard_tools.checkpoint import populate_pages
 from shard_tools.errors import CheckpointError
 from shard_tools.later import Later
 from shard_tools.manifest import Manifest
-from shard_tools.state import PhaseState, layer_weights, load_state
+from shard_tools.state import PhaseState, kept_state, layer_weights, load_state
 
 
 @dataclass(frozen=True)
@@ -140,28 +140,58 @@ def build_engine(ph: Phase, made: Prepared, source: Source) -> Assembled:
     else:
         backend.place(model, ph.device, made.staging, trainable)
     ph.timeline.mark("t_on_device")
-    groups, roles = param_groups(model, set(made.head_names), set(made.body_names), spec.optimizer)
+    starts = body_starts(ph, source)
+    groups, roles, group_starts = param_groups(model, set(made.head_names), set(made.body_names), spec.optimizer,
+                                               starts)
+    index = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+    group_of = {n: index[id(p)] for n, p in model.named_parameters() if n in made.body_names}
     engine = backend.initialize(model, backend.optimizer(groups, spec, ph.device, ph.world), ds_config)
     named = dict(engine.module.named_parameters())
     ph.timeline.add(memory_engine=memory_now())
     ph.timeline.mark("t_engine_built")
     return Assembled(engine=engine, head=[(n, named[n]) for n in made.head_names],
-                     body=[(n, named[n]) for n in made.body_names], roles=roles,
-                     gas=ds_config["gradient_accumulation_steps"], source=source)
+                     body=[(n, named[n]) for n in made.body_names], roles=roles, starts=group_starts,
+                     group_of=group_of, gas=ds_config["gradient_accumulation_steps"], source=source)
+
+
+def body_starts(ph: Phase, source: Source) -> dict[str, int]:
+    """The Adam step each body parameter starts the phase from (none given: 0). Resuming inside
+    its phase, the checkpoint's: each one's own where it says (optimizer_state "keep"), else the
+    body's. A new phase under "keep": the step of its layer's last visit, whose kept state
+    (``Source.kept``) is read here, from the checkpoint that holds the layer's newest weights."""
+    m, spec = source.carried, ph.spec
+    if m is not None and not m.phase_complete and m.phase == spec.phase:
+        steps = (m.body or {}).get("step") or {}
+        return {n: int(steps[n].item()) if n in steps else m.body_step for n in ph.made.body_names}
+    if spec.optimizer_state != "keep" or source.restore is None:
+        return {}
+    if source.taken:  # orchestrator.handover: never under "keep"
+        raise RuntimeError('optimizer_state "keep" reads a layer\'s kept state from the checkpoint: no handover')
+    sources = ph.checkpoints.layer_sources(source.restore)
+    mine = {l: sources[l] for l in spec.layers if l in sources}
+    source.kept = kept_state(mine, mapped=True)  # copied into the optimizer by ``restore``
+    source.kept_from = {}
+    for layer, src in mine.items():
+        m_src = ph.checkpoints.manifest(src)
+        prefix = f"{ph.made.origin.layers_attr}.{layer}."
+        source.kept_from.update({n: f"phase {m_src.phase} step {m_src.global_step}"
+                                 for n in source.kept["step"] if n.startswith(prefix)})
+    return {n: int(t.item()) for n, t in source.kept["step"].items()}
 
 
 def restore(ph: Phase) -> None:
     """Head optimizer state carries on (its moments new where ``optimizer_state`` is "drop-all");
-    body state too only when resuming inside its phase."""
+    body state too when resuming inside its phase, and under "keep" a layer's kept state of its last
+    visit (``Source.kept``); the rest of the body starts new."""
     made, built, backend = ph.made, ph.built, ph.backend
     m = built.source.carried
     if m is None:
         return
     same_phase = not m.phase_complete and m.phase == ph.spec.phase
-    body_step = m.body_step if same_phase else 0
     head_carries = same_phase or ph.spec.optimizer_state != "drop-all"
     head_step = m.head_step if head_carries else 0
-    steps = [head_step if role in (HEAD_DECAY, HEAD_NO_DECAY) else body_step for role in built.roles]
+    steps = [head_step if role in (HEAD_DECAY, HEAD_NO_DECAY) else start
+             for role, start in zip(built.roles, built.starts)]
     ph.timeline.add(state_from=state_from(built, m, same_phase, head_carries))
     backend.materialise(built.engine, steps)
     if built.source.populating is not None:
@@ -171,29 +201,40 @@ def restore(ph: Phase) -> None:
     backend.set_state(built.head, m.head if head_carries else {"master": m.head["master"]},
                       with_moments=head_carries, staging=made.staging)
     ph.timeline.mark("t_head_set")
-    body_masters = {n: made.trained[n] for n, _ in built.body if n in made.trained}
-    if same_phase:
-        backend.set_state(built.body, {**m.body, "master": body_masters}, with_moments=True)
-    else:
-        fresh = [(n, p) for n, p in built.body if n in body_masters]
-        backend.set_state(fresh, {"master": body_masters}, with_moments=False, staging=made.staging)
+    _restore_body(ph, m, same_phase)
     backend.refresh_lp(built.engine)
     # The loss scale carries across phases like the head's state does.
     restore_scaler(backend.loss_scaler(built.engine), m.run.scaler)
     if same_phase:
         _restore_rng(ph, m.run.rng)
-    built.source.carried = None  # on the device now; the mapping of the head file can go
+    built.source.carried = built.source.kept = None  # on the device now; the mapping of the head file can go
     made.trained = {}
     ph.timeline.mark("t_restored")
 
 
+def _restore_body(ph: Phase, m: PhaseState, same_phase: bool) -> None:
+    """The body's masters trained before, and its moments: the phase's own (resuming inside it),
+    a layer's kept ones (``Source.kept``), or none (new)."""
+    made, built, backend = ph.made, ph.built, ph.backend
+    body_masters = {n: made.trained[n] for n, _ in built.body if n in made.trained}
+    if same_phase:
+        backend.set_state(built.body, {**m.body, "master": body_masters}, with_moments=True)
+        return
+    kept = built.source.kept or {"step": {}}
+    with_kept = [(n, p) for n, p in built.body if n in body_masters and n in kept["step"]]
+    backend.set_state(with_kept, {**kept, "master": body_masters}, with_moments=True, staging=made.staging)
+    fresh = [(n, p) for n, p in built.body if n in body_masters and n not in kept["step"]]
+    backend.set_state(fresh, {"master": body_masters}, with_moments=False, staging=made.staging)
+
+
 def state_from(built: Assembled, m: PhaseState, body_carries: bool, head_carries: bool) -> dict[str, str]:
     """Per trained tensor, what its optimizer state starts this phase from: "fresh", or the state
-    of the checkpoint (or handover) ``m`` at its step ("phase P step S"); the phase's records and
-    checkpoints say it (``shard-tools inspect``)."""
+    of the checkpoint (or handover) ``m`` at its step ("phase P step S"), or under "keep" that of
+    the checkpoint a layer's state was kept in; the phase's records and checkpoints say it
+    (``shard-tools inspect``)."""
     kept = f"phase {m.phase} step {m.step}"
     return {**{n: kept if head_carries else "fresh" for n, _ in built.head},
-            **{n: kept if body_carries else "fresh" for n, _ in built.body}}
+            **{n: kept if body_carries else built.source.kept_from.get(n, "fresh") for n, _ in built.body}}
 
 
 def _restore_rng(ph: Phase, saved: dict[str, torch.Tensor]) -> None:

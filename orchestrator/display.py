@@ -86,7 +86,9 @@ def _choice_line(s) -> str:
     if sc.window:
         how += f", no layer twice within {sc.window} phases"
     state = {"reset": "the body's new each phase, the head's carried",
-             "drop-all": "the body's and the head's new each phase"}[sc.optimizer_state]
+             "drop-all": "the body's and the head's new each phase",
+             "keep": "each layer's kept in the checkpoint from its last visit (new on its first), as LMFlow's "
+                     "and axolotl's LISA callbacks; the head's carried"}[sc.optimizer_state]
     return f"layers: {how}; optimizer state ({sc.optimizer_state}): {state}" + \
         (f"; lr warm-up of {warmup} steps after each switch" if warmup else "")
 

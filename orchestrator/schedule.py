@@ -151,10 +151,15 @@ class ScheduleSection(Section):
     window: PositiveInt | None = None
     """With strategy lisa: phases per window (0-based phases [0, window), [window, 2 x window) ...)
     within which no layer is drawn twice; window x layers_per_phase must not pass the layers drawable."""
-    optimizer_state: Literal["reset", "drop-all"] = "reset"
+    optimizer_state: Literal["reset", "drop-all", "keep"] = "reset"
     """What the optimizer's state does at a switch. reset (LISA): the body's layers start each
     phase with new Adam state (step 0), the head's carries on; drop-all (BAdam): the head's restarts
-    too. Resuming inside a phase restores both, whichever. Which head modules train: model.persistent."""
+    too; keep (LMFlow's and axolotl's LISA callbacks): a layer trained before gets back its Adam
+    state (moments and step) of the end of its last visit, parked in that phase's checkpoint beside
+    its weights, never on the device, while a layer trained for the first time starts new and the
+    head's carries on (the lr schedule stays the run's); every switch then goes through the
+    checkpoint. Resuming inside a phase restores both, whichever. Which head modules train:
+    model.persistent."""
 
     _epochs_float = field_validator("epochs", mode="before")(int_is_float)
 
@@ -347,6 +352,9 @@ class Schedule(Section):
         if self.deepspeed.zero_stage == 0 and self.model.dtype == "float16":
             raise KeyProblem("deepspeed.zero_stage", "0 (relayer's fp32-master AdamW, no ZeRO) takes model.dtype "
                              "bfloat16 or float32: float16 needs DeepSpeed's loss scaler, under ZeRO 1-3")
+        if self.schedule.optimizer_state == "keep" and self.launch.handover in ("on", "host"):
+            raise KeyProblem("launch.handover", f'expected "auto" or "off" with schedule.optimizer_state = "keep" '
+                             f"(a layer's kept state goes through the checkpoint), got {_show(self.launch.handover)}")
         return self
 
 

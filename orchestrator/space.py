@@ -4,7 +4,8 @@ both, ``run`` refuses (exit 2, before any phase process starts) where the need e
 Sizes follow orchestrator/estimate.py's parameter counts:
 
     a checkpoint   head x 12 bytes (fp32 master, exp_avg, exp_avg_sq) + the phase's layers x per_layer x 4
-                   (their fp32 masters); a stop's mid-phase checkpoint also the body's Adam moments (x 8);
+                   (their fp32 masters; x 12 under schedule.optimizer_state "keep", their kept Adam
+                   moments beside them); a stop's mid-phase checkpoint also the body's Adam moments (x 8);
                    where phase ends may write none (``carries``), every layer the run trains (a
                    checkpoint holds the layers trained since the last one), and the layers-only
                    sources then at most one more copy of each (an estimate, not a bound)
@@ -78,7 +79,8 @@ def carries(loaded: LoadedSchedule) -> bool:
     """Whether a phase end may write no checkpoint, its successor carrying its layers on
     (``checkpoint.every_seconds`` with a handover)."""
     s = loaded.schedule
-    hands_over = s.launch.handover != "off" and s.launch.prewarm and s.launch.nnodes == 1
+    hands_over = s.launch.handover != "off" and s.launch.prewarm and s.launch.nnodes == 1 \
+        and s.schedule.optimizer_state != "keep"  # orchestrator.handover: through the checkpoint
     return not end_writes(due=s.checkpoint.every_seconds == 0, takes=hands_over)
 
 
@@ -90,7 +92,7 @@ def write_rate(loaded: LoadedSchedule, phases: list[Phase]) -> str | None:
         return None
     head, every = trained_head(loaded, count), loaded.schedule.checkpoint.every_seconds
     widest = max(len(p.layers) for p in phases)
-    phase_end = format_bytes(_full(count, head, widest))
+    phase_end = format_bytes(_full(count, head, widest, _per_layer_param(loaded)))
     if not carries(loaded):
         return f"checkpoints: every phase end writes up to {phase_end} (checkpoint.every_seconds = {every:g})"
     most = _full(count, head, trained_layers(phases))
@@ -99,8 +101,13 @@ def write_rate(loaded: LoadedSchedule, phases: list[Phase]) -> str | None:
             f"{format_bytes(int(most / every))}/s; else every phase end writes up to {phase_end}")
 
 
-def _full(count: ParamCount, head: int, layers: int) -> int:
-    return head * ADAM_BYTES + layers * count.per_layer * MASTER_BYTES
+def _full(count: ParamCount, head: int, layers: int, per_param: int = MASTER_BYTES) -> int:
+    return head * ADAM_BYTES + layers * count.per_layer * per_param
+
+
+def _per_layer_param(loaded: LoadedSchedule) -> int:
+    """A layers file's bytes per parameter: its fp32 master, and under "keep" its kept moments."""
+    return ADAM_BYTES if loaded.schedule.schedule.optimizer_state == "keep" else MASTER_BYTES
 
 
 def disk_need(loaded: LoadedSchedule, phases: list[Phase], data_bytes: int) -> DiskNeed | None:
@@ -113,13 +120,14 @@ def disk_need(loaded: LoadedSchedule, phases: list[Phase], data_bytes: int) -> D
         return None
     widest = max(len(p.layers) for p in phases)
     held = trained_layers(phases) if carries(loaded) else widest
-    full = _full(count, trained_head(loaded, count), held)
+    per_param = _per_layer_param(loaded)
+    full = _full(count, trained_head(loaded, count), held, per_param)
     stop = widest * count.per_layer * (ADAM_BYTES - MASTER_BYTES)  # a stop's body optimizer state
     # Retention runs once the next checkpoint is durable: keep_last + 1 for a while, and spares the
     # waiting phases' preloads. An older checkpoint kept as a layer source keeps its layers file alone.
     ahead = s.launch.prewarm_depth if s.launch.prewarm and not carries(loaded) else 0
     kept = min(s.checkpoint.keep_last + 1 + ahead, len(phases) + 1)
-    sources = layer_sources(phases, s.checkpoint.keep_last) * _full(count, 0, widest)
+    sources = layer_sources(phases, s.checkpoint.keep_last) * _full(count, 0, widest, per_param)
     if carries(loaded):  # the layers-only sources beside checkpoints of every layer: about one more copy of each
         sources = min(sources, _full(count, 0, held))
     final = count.total * DTYPE_BYTES[s.model.dtype] if s.run.final_model else 0

@@ -2,8 +2,11 @@
 ``load_state`` reads it back. The files, side by side:
 
     head.safetensors        the head's fp32 masters and Adam moments, as "<key>/<parameter>"
-    layers.safetensors      the fp32 masters of the phase's layers (its metadata: which, under what prefix)
+    layers.safetensors      the fp32 masters of the phase's layers (its metadata: which, under what prefix);
+                            at a phase end under optimizer_state "keep" also their kept Adam state,
+                            as "<parameter>/<key>" (``KEPT_KEYS``): composed, kept and trimmed with them
     body_optim.safetensors  mid-phase only: those layers' Adam moments, as "<key>/<parameter>"
+                            (under "keep" also each one's Adam step, "step/<parameter>")
     state.safetensors       the data position, the global step, every rank's RNG ("rng/"), the
                             fp16 loss scaler ("loss_scaler/")
 
@@ -31,6 +34,8 @@ from shard_tools.store import Checkpoints
 
 OPTIM_KEYS = ("master", "exp_avg", "exp_avg_sq")
 MOMENTS = OPTIM_KEYS[1:]
+KEPT_KEYS = (*MOMENTS, "step")
+"""A layer's kept Adam state (optimizer_state "keep"): its moments, and its step (int64, one element)."""
 _RNG, _SCALER = "rng/", "loss_scaler/"
 
 
@@ -81,7 +86,8 @@ class PhaseState:
     """The fp32 masters of the phase's layers, by parameter."""
     run: RunState
     body: dict[str, dict[str, torch.Tensor]] | None = None
-    """Mid-phase: the phase's layers' Adam moments, {``MOMENTS``: {parameter: tensor}}."""
+    """Mid-phase: the phase's layers' Adam moments, {``MOMENTS``: {parameter: tensor}}; under "keep"
+    also "step": each one's Adam step (``KEPT_KEYS``)."""
     lr: float | None = None
     """The learning rate of the last step taken (None where a manifest does not say)."""
     carried: list[int] = field(default_factory=list)
@@ -90,6 +96,9 @@ class PhaseState:
     state_from: dict[str, str] | None = None
     """Per trained tensor, what its optimizer state started the phase from: "fresh", or "phase P
     step S" (kept from that checkpoint's state); the manifest's ``extra.state_from``."""
+    kept: dict[str, dict[str, torch.Tensor]] | None = None
+    """At a phase end under optimizer_state "keep": the phase's layers' Adam state, {``KEPT_KEYS``:
+    {parameter: tensor}}, written beside their masters for the phase that trains them next."""
 
     @property
     def stored_layers(self) -> list[int]:
@@ -119,7 +128,8 @@ def save_state(run_dir: Path, state: PhaseState, origin: Origin, *, durable: boo
     """Writes ``state`` as the run's checkpoint at ``state.step`` (``write_checkpoint``: every file
     under a temporary name, checksummed, the manifest last, the folder renamed into place), into
     ``prepared``'s files where they fit; ``prepared`` is used up either way."""
-    files = {HEAD: flatten(state.head), LAYERS: state.masters, STATE: state.run.tensors(state.step)}
+    kept = {f"{name}/{key}": t for key, by_name in (state.kept or {}).items() for name, t in by_name.items()}
+    files = {HEAD: flatten(state.head), LAYERS: {**state.masters, **kept}, STATE: state.run.tensors(state.step)}
     if not state.phase_complete:
         files[BODY_OPTIM] = flatten(state.body or {})
     manifest = Manifest(
@@ -147,12 +157,14 @@ def load_state(ckpt: Path, mapped: bool = False) -> tuple[PhaseState, Manifest]:
     def tensors(file: str) -> dict[str, torch.Tensor]:
         return map_tensors(ckpt / file, populate=False) if mapped else load_tensors(ckpt / file)
 
-    body = None if manifest.phase_complete else _unflatten(ckpt / BODY_OPTIM, tensors(BODY_OPTIM), MOMENTS)
+    body = None if manifest.phase_complete else _unflatten(ckpt / BODY_OPTIM, tensors(BODY_OPTIM), KEPT_KEYS)
+    if body is not None and not body["step"]:
+        del body["step"]  # not under "keep"
     lr = manifest.extra.get("lr")
     state = PhaseState(
         step=manifest.global_step, phase=manifest.phase, layers=manifest.layers,
         phase_complete=manifest.phase_complete, head_step=manifest.head_step, body_step=manifest.body_step,
-        head=_unflatten(ckpt / HEAD, tensors(HEAD), OPTIM_KEYS), masters=tensors(LAYERS),
+        head=_unflatten(ckpt / HEAD, tensors(HEAD), OPTIM_KEYS), masters=_weights_only(tensors(LAYERS)),
         run=RunState.of(load_tensors(ckpt / STATE)), body=body, lr=lr if isinstance(lr, (int, float)) else None,
         carried=list(manifest.carried_layers))
     return state, manifest
@@ -161,6 +173,11 @@ def load_state(ckpt: Path, mapped: bool = False) -> tuple[PhaseState, Manifest]:
 def flatten(state: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """{key: {parameter: tensor}} as a file's tensors, "<key>/<parameter>"."""
     return {f"{key}/{name}": t for key, by_name in state.items() for name, t in by_name.items()}
+
+
+def _weights_only(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A layers file's masters, without the kept Adam state beside them ("<parameter>/<key>")."""
+    return {n: t for n, t in tensors.items() if "/" not in n}
 
 
 def _unflatten(path: Path, tensors: dict[str, torch.Tensor], keys: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
@@ -181,19 +198,25 @@ class StateFiles:
     """Rank 0's head and layers files of its next checkpoint, made ahead (``PreparedFiles``):
     ``head`` and ``masters`` are tensors over their pages, shaped as ``PhaseState``'s, for a gather
     to copy into (so on a GPU the copy from the device is the write). CheckpointError where they
-    cannot be made (a full disk); used once, by ``save_state``, or discarded."""
+    cannot be made (a full disk); used once, by ``save_state``, or discarded. ``kept``: the layers
+    file also holds the layers' kept Adam state (a phase end under optimizer_state "keep"), ``kept``'s
+    views {``KEPT_KEYS``: {parameter: tensor}}."""
 
     def __init__(self, run_dir: Path, head_shapes: dict[str, tuple[int, ...]],
-                 layer_shapes: dict[str, tuple[int, ...]], layers: list[int], layers_attr: str):
+                 layer_shapes: dict[str, tuple[int, ...]], layers: list[int], layers_attr: str, kept: bool = False):
+        kept_specs = {f"{n}/{k}": (torch.int64, (1,)) if k == "step" else (torch.float32, s)
+                      for n, s in layer_shapes.items() for k in KEPT_KEYS} if kept else {}
         layouts = {HEAD: {f"{k}/{n}": (torch.float32, s) for n, s in head_shapes.items() for k in OPTIM_KEYS},
-                   LAYERS: {n: (torch.float32, s) for n, s in layer_shapes.items()}}
+                   LAYERS: {**{n: (torch.float32, s) for n, s in layer_shapes.items()}, **kept_specs}}
         self.files: PreparedFiles | None = PreparedFiles(run_dir, layouts, _metadata(layers, layers_attr))
         self.head = {k: {n: self.files.views[HEAD][f"{k}/{n}"] for n in head_shapes} for k in OPTIM_KEYS}
-        self.masters = dict(self.files.views[LAYERS])
+        self.masters = {n: self.files.views[LAYERS][n] for n in layer_shapes}
+        self.kept = {k: {n: self.files.views[LAYERS][f"{n}/{k}"] for n in layer_shapes} for k in KEPT_KEYS} \
+            if kept else {}
 
     def release(self) -> PreparedFiles:
         """The files, for ``write_checkpoint``; this object holds no view of them from here on."""
-        files, self.files, self.head, self.masters = self.files, None, {}, {}
+        files, self.files, self.head, self.masters, self.kept = self.files, None, {}, {}, {}
         return files
 
     def discard(self) -> None:
@@ -213,16 +236,34 @@ def layer_weights(sources: dict[int, Path], mapped: bool = False) -> dict[str, t
 
     ``mapped``: views of the files' pages (``map_tensors``), not copies: for a reader that copies
     them on at once anyway (a phase putting them into its model: 176 MB a layer of a 1.1B model)."""
+    return _weights_only(_of_layers(sources, mapped))
+
+
+def kept_state(sources: dict[int, Path], mapped: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    """The kept Adam state (optimizer_state "keep") of the given layers, {``KEPT_KEYS``: {parameter:
+    tensor}}, each from its source checkpoint's layers file, where the phase that wrote it kept it
+    there: a layer whose file holds none (trained under "reset", or never) is not in it.
+    ``mapped``: views of the files' pages, as ``layer_weights``'."""
+    out: dict[str, dict[str, torch.Tensor]] = {k: {} for k in KEPT_KEYS}
+    for name, t in _of_layers(sources, mapped).items():
+        param, _, key = name.rpartition("/")
+        if key in out:
+            out[key][param] = t
+    return out
+
+
+def _of_layers(sources: dict[int, Path], mapped: bool) -> dict[str, torch.Tensor]:
+    """Every tensor of the given layers (their masters and any kept state), each layer's from its source."""
     by_source: dict[Path, set[int]] = {}
     for layer, src in sources.items():
         by_source.setdefault(src, set()).add(layer)
-    weights: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
     for src, layers in by_source.items():
         try:
-            weights.update(_layers_of(src, layers, mapped))
+            tensors.update(_layers_of(src, layers, mapped))
         except CheckpointError:  # its file trimmed since its manifest was read (a new name): read again
-            weights.update(_layers_of(src, layers, mapped))
-    return weights
+            tensors.update(_layers_of(src, layers, mapped))
+    return tensors
 
 
 def _layers_of(src: Path, layers: set[int], mapped: bool) -> dict[str, torch.Tensor]:

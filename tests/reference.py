@@ -8,7 +8,9 @@ step s takes samples [s*B, (s+1)*B), micro-step m of rank r the slice starting a
 The loss of a step is the summed token loss of its whole batch over the batch's target tokens
 (labels aligned as in Hugging Face, -100: none; rows shorter than the longest are padded and
 masked). ``carry_body``, ``reset_head`` and ``mean_of_means`` (each micro-batch's mean, averaged)
-give wrong semantics, so tests can show they would fail.
+give wrong semantics, so tests can show they would fail; ``keep_body`` is optimizer_state "keep":
+an AdamW per body layer that lives through the run, stepped only in the phases that train the
+layer, so its state (and step, per parameter as torch keeps it) waits between its visits.
 """
 
 from __future__ import annotations
@@ -42,12 +44,14 @@ def sample_index(g: int, n: int, seed: int) -> int:
 def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]]], *, seed: int = 0,
                   lr: float = 1e-3, batch: int = 8, micro: int = 4, grad_clip: float = 1.0,
                   weight_decay: float = 0.0, carry_body: bool = False, reset_head: bool = False,
+                  keep_body: bool = False,
                   grad_scale: float = 1.0, mean_of_means: bool = False, phase_warmup: int = 0,
                   head_modules: tuple[str, ...] = ("model.embed_tokens", "lm_head", "model.norm"),
                   losses: list[float] | None = None) -> dict[str, torch.Tensor]:
     """Final weights (fp32, by parameter name) of the LISA schedule ``phases`` = [(steps, layers)];
     each step's loss is appended to ``losses`` when given. ``reset_head``: a new AdamW for the head
-    every phase too (BAdam's "drop-all"); ``phase_warmup``: step s of each phase at lr x (s + 1) /
+    every phase too (BAdam's "drop-all"); ``keep_body``: each layer's AdamW kept between its visits
+    ("keep"); ``phase_warmup``: step s of each phase at lr x (s + 1) /
     (phase_warmup + 1) while s < phase_warmup; ``head_modules``: the head's modules that train."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids, labels, mask = load_tokens(data)
@@ -62,6 +66,7 @@ def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]
 
     head_opt = adamw(head)
     body_opts: dict[tuple[int, ...], torch.optim.AdamW] = {}
+    layer_opts: dict[int, torch.optim.AdamW] = {}
     step = 0
     for steps, layers in phases:
         body = [n for n in params if any(n.startswith(f"model.layers.{i}.") for i in layers)]
@@ -71,11 +76,16 @@ def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]
         if reset_head:
             head_opt = adamw(head)
         key = tuple(layers)
-        body_opt = body_opts.get(key) if carry_body else None
-        if body_opt is None:
-            body_opt = body_opts[key] = adamw(body)
+        if keep_body:
+            opts = [layer_opts.setdefault(i, adamw([n for n in body if n.startswith(f"model.layers.{i}.")]))
+                    for i in layers]
+        else:
+            body_opt = body_opts.get(key) if carry_body else None
+            if body_opt is None:
+                body_opt = body_opts[key] = adamw(body)
+            opts = [body_opt]
         for s in range(steps):
-            for g in (*head_opt.param_groups, *body_opt.param_groups):
+            for g in (*head_opt.param_groups, *(g for o in opts for g in o.param_groups)):
                 g["lr"] = lr * (s + 1) / (phase_warmup + 1) if s < phase_warmup else lr
             rows = [sample_index(g, len(ids), seed) for g in range(step * batch, (step + 1) * batch)]
             targets = int((labels[rows, 1:] != -100).sum())
@@ -100,10 +110,9 @@ def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]
                     p.grad.mul_(grad_scale)
             if grad_clip:
                 torch.nn.utils.clip_grad_norm_(trainable_params, grad_clip)
-            head_opt.step()
-            body_opt.step()
-            head_opt.zero_grad(set_to_none=True)
-            body_opt.zero_grad(set_to_none=True)
+            for o in (head_opt, *opts):
+                o.step()
+                o.zero_grad(set_to_none=True)
             step += 1
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 

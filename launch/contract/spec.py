@@ -110,8 +110,9 @@ class PhaseSpec(_Spec):
     """Where orchestrator_pid lives: ranks on other nodes cannot watch it (their launcher does)."""
     handover: HandoverPart = HandoverPart()
     """The device handover at this phase's start (``take``) and end (``offer``)."""
-    optimizer_state: Literal["reset", "drop-all"] = "reset"
-    """schedule.optimizer_state: "drop-all" starts the head's Adam state anew at the phase's start too."""
+    optimizer_state: Literal["reset", "drop-all", "keep"] = "reset"
+    """schedule.optimizer_state: "drop-all" starts the head's Adam state anew at the phase's start too;
+    "keep" gives a layer trained before its Adam state of the end of its last visit back."""
     memory_cap: int = 0
     """Bytes this phase's caching allocator may reserve on its device (launch.device_memory less the
     fixed part of every process beside it: orchestrator/budget.py); 0: no cap."""

@@ -127,7 +127,7 @@ def micro_batch(examples: Examples, order: SampleOrder, step: int, batch_size: i
     ``input_ids``, ``labels`` (-100 on padding and non-targets) and ``attention_mask`` [mb, seq_len],
     or its rows packed whole flattened with their ``position_ids`` (``rows``)."""
     batch = rows(examples, _indices(order, step, batch_size, micro, rank, world, mb))
-    faults.point("data.micro_batch", batch=batch)
+    faults.point("data.micro_batch", batch=batch, step=step, rank=rank)
     return batch
 
 

@@ -97,4 +97,4 @@ if _plan:
     if hold_batch := float(_plan.get("hold_data_batch", 0)):
         faults.install("data.batch", lambda: time.sleep(hold_batch))
     if _plan.get("cross_examples"):
-        faults.install("data.micro_batch", lambda batch: batch.pop("position_ids", None))
+        faults.install("data.micro_batch", lambda batch, **_: batch.pop("position_ids", None))

@@ -6,12 +6,16 @@ warm-up after each switch are the reference's own.
 One run per variant, several checks on each: BAdam's block walk with its "drop-all" policy and a
 warm-up after each switch on one process (ZeRO-2, each switch through the checkpoint), then stopped
 mid-phase and resumed (bitwise); weighted, windowed lisa with "drop-all" on two processes of
-relayer's own optimizer (ZeRO 0) handing each phase's state over (through the host here).
+relayer's own optimizer (ZeRO 0) handing each phase's state over (through the host here); and
+"keep" (each layer's Adam state parked in the checkpoint between its visits) on one process of
+relayer's own optimizer, killed mid-phase and resumed (bitwise), and on two of ZeRO-2 (one in
+between).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -21,7 +25,8 @@ from orchestrator.plan import plan_phases
 from orchestrator.validate import load_schedule
 from shard_tools.manifest import read_manifest
 from shard_tools.store import Checkpoints
-from tests.conftest import cli, schedule_dict, write_schedule
+from shard_tools.state import kept_state
+from tests.conftest import cli, faults_env, schedule_dict, write_schedule
 from tests.reference import bitwise_equal, composed, max_abs_diff, reference_run
 
 TOL = 1e-5  # tests/launch/test_equivalence.py says why
@@ -118,3 +123,85 @@ def test_weighted_windowed_lisa_with_drop_all_on_two_processes_handing_over(tmp_
     weights = composed(tiny_model, run)
     assert max_abs_diff(ref, weights) <= TOL
     assert torch.equal(weights["model.embed_tokens.weight"], ref["model.embed_tokens.weight"])  # untrained
+
+
+# Layer 0 comes back after a phase away (its step 4 -> 9), layer 1 straight after its visit (6 ->
+# 11), layer 2 is new (0 -> 5): three body steps in one phase; layer 3's state of phase 0 is kept in
+# phase 1 and parked, after it, in a layers-only checkpoint whose file retention trimmed to it.
+KEEP_PHASES = [(4, [0, 3]), (6, [1, 3]), (5, [0, 1, 2])]
+
+
+def keep_schedule(path: Path, model_dir: Path, data_path: Path, nprocs: tuple[int, ...] = (1, 1, 1),
+                  **sections) -> Path:
+    phases = [{"steps": s, "layers": l, "nproc": n} for (s, l), n in zip(KEEP_PHASES, nprocs)]
+    return write_schedule(path, schedule_dict(
+        model_dir, data_path, schedule={"phases": phases, "optimizer_state": "keep"},
+        checkpoint={"every_steps": 3, "keep_last": 1}, **sections))
+
+
+@pytest.fixture(scope="module")
+def keep(tmp_path_factory, tiny_model, tiny_data) -> tuple[Path, Path]:
+    """(schedule, run): "keep" on one process, ZeRO 0 (relayer's own AdamW)."""
+    d = tmp_path_factory.mktemp("keep")
+    sched = keep_schedule(d / "s.toml", tiny_model, tiny_data, deepspeed={"zero_stage": 0})
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    return sched, d / "run"
+
+
+@pytest.fixture(scope="module")
+def keep_reference(tiny_model, tiny_data) -> dict[str, torch.Tensor]:
+    return reference_run(tiny_model, tiny_data, KEEP_PHASES, keep_body=True)
+
+
+def layer_of(name: str) -> int | None:
+    return int(name.split(".")[2]) if name.startswith("model.layers.") else None
+
+
+def test_keep_matches_reference_and_says_where_each_state_came_from(keep, keep_reference, tiny_model, tiny_data):
+    sched, run = keep
+    assert max_abs_diff(keep_reference, composed(tiny_model, run)) <= TOL
+    assert max_abs_diff(keep_reference, reference_run(tiny_model, tiny_data, KEEP_PHASES)) > 10 * TOL  # "reset"
+    ends = {m.global_step: (c, m) for c in Checkpoints(run).all() for m in [read_manifest(c)]}
+    assert sorted(ends) == [10, 15] and ends[10][1].layers_only and ends[10][1].kept_layers == [3]
+    last, m = ends[15]
+    origin = {10: {1: "fresh", 3: "phase 0 step 4", None: "phase 0 step 4"},
+              15: {0: "phase 0 step 4", 1: "phase 1 step 10", 2: "fresh", None: "phase 1 step 10"}}
+    for step, (_, manifest) in ends.items():
+        assert {n: origin[step][layer_of(n)] for n in manifest.extra["state_from"]} == manifest.extra["state_from"]
+    # Each layer's kept step: where it left off before, plus this visit's (per parameter, as torch's).
+    steps = {layer_of(n): int(t) for n, t in kept_state({0: last, 1: last, 2: last, 3: ends[10][0]})["step"].items()}
+    assert steps == {0: 9, 1: 11, 2: 5, 3: 10}
+    shown = cli("shard-tools", "inspect", str(last))
+    assert shown.returncode == 0, shown.stderr
+    # The head's and layer 1's from the phase before, layer 0's from phase 0, layer 2's new (9 tensors a layer).
+    assert ("optimizer state started from: phase 1 step 10: 12 tensors; phase 0 step 4: 9 tensors; fresh: 9 tensors"
+            in shown.stdout)
+
+
+def test_keep_killed_mid_phase_resumes_bitwise(keep, tmp_path, tiny_model):
+    """A SIGKILL in step 13 (phase 2, its three layers at steps 6, 8 and 2 by the checkpoint at 12):
+    the rerun resumes there, each layer at its own step, and ends bitwise as the uninterrupted run."""
+    sched, whole = keep
+    sched = Path(shutil.copy(sched, tmp_path / "s.toml"))
+    r = cli("orchestrator", "run", str(sched), env={**os.environ, **faults_env(
+        kill_at={"point": "data.micro_batch", "step": 13, "rank": 0})})
+    assert r.returncode == 1, r.stderr
+    mid = read_manifest(Checkpoints(tmp_path / "run").newest_whole()[0])
+    assert (mid.global_step, mid.phase, mid.phase_complete) == (12, 2, False)
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    assert bitwise_equal(composed(tiny_model, tmp_path / "run"), composed(tiny_model, whole))
+    last = read_manifest(Checkpoints(tmp_path / "run").newest_whole()[0])
+    assert set(last.extra["state_from"].values()) == {"phase 2 step 12"}
+
+
+def test_keep_on_two_processes_of_zero_2_matches_reference(tmp_path, tiny_model, tiny_data, keep_reference):
+    """Phases 0 and 2 on two processes, phase 1 on one: a layer's state kept by two ranks is
+    restored into one (layer 3), and the other way (layer 1), from full tensors."""
+    sched = keep_schedule(tmp_path / "s.toml", tiny_model, tiny_data, nprocs=(2, 1, 2))
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    ends = {m.global_step: (m.world_size, m.zero_stage) for m in map(read_manifest, Checkpoints(tmp_path / "run").all())}
+    assert ends == {10: (1, 2), 15: (2, 2)}
+    assert max_abs_diff(keep_reference, composed(tiny_model, tmp_path / "run")) <= TOL

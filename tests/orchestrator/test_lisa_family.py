@@ -89,7 +89,7 @@ def test_weights_and_windows_the_model_cannot_meet_are_refused(tmp_path, tiny_da
     (None, {"window": 2}, 'schedule.window: takes schedule.strategy = "lisa", got strategy none (explicit phases)'),
     ("lisa", {"layer_weights": [1, -1] + [1] * 6}, "schedule.layer_weights[1]: expected a non-negative number, got -1"),
     ("lisa", {"layer_weights": "owlore"}, 'schedule.layer_weights: expected a list of weights or "uniform", got \'owlore\''),
-    ("lisa", {"optimizer_state": "keep-some"}, "schedule.optimizer_state: expected 'reset' or 'drop-all'"),
+    ("lisa", {"optimizer_state": "keep-some"}, "schedule.optimizer_state: expected 'reset', 'drop-all' or 'keep'"),
 ])
 def test_keys_in_the_wrong_place_name_the_key(tmp_path, tiny_data, strategy, keys, message):
     raw = strategy_raw(tiny_data, strategy or "lisa", **keys)
@@ -174,3 +174,32 @@ def test_the_family_examples_plan_as_their_comments_say(tmp_path, tiny_model, ti
     if name == "owlore":  # weight 0 never drawn; no layer twice within a window of 2 phases
         assert all(3 not in d for d in drawn)
         assert all(not set(drawn[i]) & set(drawn[i + 1]) for i in range(0, len(drawn), 2))
+
+
+def test_keep_goes_through_the_checkpoint_and_refuses_a_handover_by_name(tmp_path, tiny_model, tiny_data):
+    """optimizer_state "keep" parks a layer's Adam state in its phase's end checkpoint: plan says
+    what it does, every switch goes through the checkpoint (so every phase end writes one, whatever
+    the cadence), the spec carries the policy and neither offers nor takes, and a handover asked
+    for by name is exit 2 naming the keys, nothing written."""
+    from tests.conftest import schedule_dict, write_schedule
+
+    raw = schedule_dict(tiny_model, tiny_data, checkpoint={"every_seconds": 300}, schedule={
+        "phases": [{"steps": 4, "layers": [0]}, {"steps": 4, "layers": [1]}, {"steps": 4, "layers": [0]}],
+        "optimizer_state": "keep"})
+    sched = write_schedule(tmp_path / "schedule.toml", raw)
+    r = invoke("plan", str(sched))
+    assert r.exit_code == 0, r.output
+    assert ("optimizer state (keep): each layer's kept in the checkpoint from its last visit (new on its first), "
+            "as LMFlow's and axolotl's LISA callbacks; the head's carried") in r.stdout
+    assert 'switches after phases 0-1: through the checkpoint: schedule.optimizer_state = "keep"' in r.stdout
+    assert "checkpoints: every phase end writes up to" in r.stdout
+    loaded = validate_schedule(raw, sched)
+    phases = plan_phases(loaded)
+    for i in (0, 1):
+        spec = phasespec.phase_spec(loaded, phases, Work(phases[i], 4 * i, None), tmp_path / "pd", None)
+        assert (spec.optimizer_state, spec.handover.offer, spec.handover.take) == ("keep", False, False)
+    for mode in ("on", "host"):
+        r = invoke("plan", str(sched), "--set", f"launch.handover={mode}")
+        assert r.exit_code == 2 and ('launch.handover: expected "auto" or "off" with schedule.optimizer_state = "keep" '
+                                     f"(a layer's kept state goes through the checkpoint), got '{mode}'") in r.output
+    assert not (tmp_path / "run").exists()

@@ -15,7 +15,7 @@ from shard_tools.errors import CheckpointError, InputError
 from shard_tools.manifest import BODY_OPTIM, FINAL, HEAD, LAYERS, MANIFEST, STATE, read_manifest
 from shard_tools.model import ModelSpec
 from shard_tools.state import (
-    OPTIM_KEYS, Origin, PhaseState, RunState, StateFiles, load_state, run_weights, save_state,
+    KEPT_KEYS, OPTIM_KEYS, Origin, PhaseState, RunState, StateFiles, kept_state, load_state, run_weights, save_state,
 )
 from shard_tools.store import Checkpoints, Purged
 
@@ -62,6 +62,33 @@ def test_what_save_state_writes_load_state_reads_back_bitwise(tmp_path, complete
     assert after.run.data_position == 80 and after.run.scaler == before.run.scaler and same(after.run.rng, before.run.rng)
     mapped, _ = load_state(path, mapped=True)
     assert same(mapped.head, before.head) and manifest == read_manifest(path)
+
+
+def kept(s: PhaseState, adam_step: int) -> PhaseState:
+    """``s`` with its layers' kept Adam state (optimizer_state "keep")."""
+    s.kept = {**{k: {n: t + i + 1 for n, t in s.masters.items()} for i, k in enumerate(KEPT_KEYS[:2])},
+              "step": {n: torch.tensor([adam_step]) for n in s.masters}}
+    return s
+
+
+def test_kept_state_lies_beside_the_weights_composed_and_trimmed_with_them(tmp_path):
+    """optimizer_state "keep": a phase end's layers file holds its layers' Adam state beside their
+    masters ("<parameter>/<key>"); the weights' readers see the masters alone, ``kept_state`` the
+    state of each layer's newest weights, also once retention trimmed their checkpoint."""
+    first, second = kept(state(4, 0, [0, 1]), 4), kept(state(8, 1, [1], seed=1), 10)
+    p1, p2 = (save_state(tmp_path, s, ORIGIN).path for s in (first, second))
+    with safe_open(str(p2 / LAYERS), framework="pt") as f:
+        assert sorted(f.keys()) == ["model.layers.1.w", *(f"model.layers.1.w/{k}" for k in KEPT_KEYS)]
+    assert same(load_state(p1)[0].masters, first.masters)
+    assert run_weights(tmp_path, p2).keys() == {"model.layers.0.w", "model.layers.1.w", "model.norm.weight"}
+    store = Checkpoints(tmp_path)
+    expected = {k: {"model.layers.0.w": first.kept[k]["model.layers.0.w"],
+                    "model.layers.1.w": second.kept[k]["model.layers.1.w"]} for k in KEPT_KEYS}
+    assert same(kept_state(store.layer_sources(p2)), expected)
+    assert [p.removed for p in store.purge(1, set())] == [False]
+    assert read_manifest(p1).kept_layers == [0]  # a trimmed copy, layer 1's older state gone with its weights
+    assert same(kept_state(store.layer_sources(p2)), expected)
+    assert same(kept_state({0: p1}), {k: {"model.layers.0.w": v["model.layers.0.w"]} for k, v in first.kept.items()})
 
 
 def test_the_files_are_those_every_reader_knows(tmp_path):
