@@ -6,7 +6,6 @@ Their runs against the plain-PyTorch reference are tests/launch/test_lisa_family
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
