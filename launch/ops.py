@@ -15,9 +15,10 @@ baton would have it removed under it.
 torch builds into one folder per user (``~/.cache/torch_extensions/py311_cpu``) whatever the
 environment, and a build from another virtual environment (other include paths) makes ninja
 build again: two checkouts on one machine would rebuild the op for each other all day, each
-build minutes on a busy CPU. Each environment builds into a folder of its own instead, unless
-``TORCH_EXTENSIONS_DIR`` says where (``launch.contract.ops``), once: a process that finds the
-op built there loads its library without ninja.
+build minutes on a busy CPU. relayer builds into a folder of its own per Python, torch and
+DeepSpeed versions instead, unless ``TORCH_EXTENSIONS_DIR`` says where (``launch.contract.ops``),
+once: a process that finds the op built there, by whichever environment, loads its library
+without ninja.
 """
 
 from __future__ import annotations

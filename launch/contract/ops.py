@@ -2,11 +2,13 @@
 torch-free, so that the orchestrator can say, before a phase starts, that the build is ahead
 (minutes on a busy CPU), and afterwards how long it took (``launch.ops`` builds it).
 
-One folder per environment, keyed on the environment's resolved path (``sys.prefix`` through
-every symbolic link: a checkout whose ``.venv`` links to another's shares its build), the Python,
-torch and DeepSpeed versions. Once built, ``BUILT`` beside the library records it; a process that
-finds it loads the library as it is, without asking ninja, whose verdict changed with the include
-paths' spelling (one environment reached through a link rebuilt for minutes).
+One folder per Python, torch and DeepSpeed version, shared by every environment that has them:
+two checkouts (or a fresh clone beside a working one) build once. Once built, ``BUILT`` beside the
+library records it; a process that finds it loads the library as it is, without asking ninja, whose
+verdict changes with the include paths (those of another environment, or one environment's reached
+through a link, made it build again for minutes: before ``BUILT``, each environment had a folder of
+its own). The library needs nothing of the environment that built it: torch's libraries, which it
+links to, are loaded by name, and every process has imported torch before it.
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ def _version(package: str) -> str:
 
 def extensions_dir() -> Path:
     """Where this environment's JIT builds go: ``TORCH_EXTENSIONS_DIR``, else a folder of torch's
-    default root (``$XDG_CACHE_HOME/torch_extensions``, ``~/.cache`` by default) of its own."""
+    default root (``$XDG_CACHE_HOME/torch_extensions``, ``~/.cache`` by default) for its Python,
+    torch and DeepSpeed versions."""
     if "TORCH_EXTENSIONS_DIR" in os.environ:
         return Path(os.environ["TORCH_EXTENSIONS_DIR"])
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    key = " ".join([os.path.realpath(sys.prefix), sys.version, _version("torch"), _version("deepspeed")])
+    key = " ".join([sys.version, _version("torch"), _version("deepspeed")])
     return Path(os.path.realpath(os.path.join(cache, "torch_extensions"))) / \
         f"relayer-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
