@@ -79,10 +79,10 @@ def test_the_comm_ops_build_is_said_with_how_long_it_took(tmp_path, tiny_model, 
     display.on_stage({"stage": "loading the model"})
     said = lines(capsys)
     assert said[0].startswith("phase 0: starting its processes (importing torch and DeepSpeed); first DeepSpeed's "
-                              "CPU comm op is built for this environment (once: ")
+                              "CPU comm op is built for these Python, torch and DeepSpeed versions (once: ")
     assert said[1].startswith("phase 0: still waiting for its processes to start (1:0") and "comm op" in said[1]
-    assert said[2] == (f"DeepSpeed's CPU comm op built in 216 s, once for this environment ({tmp_path / 'ext'}); "
-                       "later runs load it")
+    assert said[2] == ("DeepSpeed's CPU comm op built in 216 s, once for these Python, torch and DeepSpeed versions "
+                       f"({tmp_path / 'ext'}); later runs load it")
     assert said[3] == "phase 0: loading the model"
     later = Display(loaded, machine_has_gpu=False)  # built: nothing said of it
     later.on_state(State.STARTING, group_of(plan_phases(loaded)[0], tmp_path))
