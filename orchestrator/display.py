@@ -172,7 +172,8 @@ class Display(Observer):
         """What the phase running now waits for before its first step; "" once it trains."""
         gpu = machine_has_gpu if machine_has_gpu is not None else _has_gpu()
         self._op_ahead = not gpu and ops.built() is None
-        """DeepSpeed's CPU comm op is built for these Python, torch and DeepSpeed versions by this run's first process (minutes)."""
+        """DeepSpeed's CPU comm op is built for these Python, torch and DeepSpeed versions by this
+        run's first process (minutes)."""
 
     def say(self, text: str) -> None:
         """A line above the bar; off a terminal, a log line with the time."""
@@ -201,8 +202,8 @@ class Display(Observer):
         if record is None:
             return None
         self._op_ahead = False
-        return (f"DeepSpeed's CPU comm op built in {record.get('seconds', 0):.0f} s, once for these Python, torch and DeepSpeed versions "
-                f"({ops.extensions_dir()}); later runs load it")
+        return (f"DeepSpeed's CPU comm op built in {record.get('seconds', 0):.0f} s, once for these Python, torch "
+                f"and DeepSpeed versions ({ops.extensions_dir()}); later runs load it")
 
     def __enter__(self) -> Display:
         self._progress.start()
@@ -284,8 +285,8 @@ class Display(Observer):
             self._last_plain = time.time()
 
 
-OP_BUILD = ("first DeepSpeed's CPU comm op is built for these Python, torch and DeepSpeed versions (once: a few minutes on a busy "
-            "2-core machine; the next runs load it)")
+OP_BUILD = ("first DeepSpeed's CPU comm op is built for these Python, torch and DeepSpeed versions (once: a few "
+            "minutes on a busy 2-core machine; the next runs load it)")
 
 
 def _has_gpu() -> bool:
