@@ -9,8 +9,7 @@ Two pytest runs, every failure of both reported, the wall time printed at the en
    fixtures, such as the reference run its tests compare with, are built once), in the order
    ``tests/conftest.py`` gives: the fast modules first, then the multiprocess ones, longest first;
 2. the tests marked ``alone`` (they need the machine's cores to themselves, or a fixed resource), one
-   at a time; no second pass where no test module has one and the caller named no path (today none
-   has: the README's first run, beside another run, runs among the rest).
+   at a time.
 
 ``--costs REPORT.xml`` rewrites ``tests/costs.json`` (the seconds of each multiprocess module, by which
 the modules are ordered) from the junit report of a whole run (``make test PYTEST_ARGS=--junitxml=REPORT.xml``).
@@ -52,9 +51,8 @@ def passes(fast: bool, args: list[str]) -> list[list[str]]:
     # The second pass collects only the modules with a test marked alone, unless the caller named what to
     # collect: a collection of the whole suite imports every test module again (some 6 s on 2 cores).
     named = any(Path(a.split("::")[0]).exists() for a in args)
-    alone = [] if named else alone_modules()
-    second = [[*pytest, "--durations=5", "--alone=only", *tier, *args, *alone]] if named or alone else []
-    return [[*pytest, *spread, "--durations=15", "--alone=skip", *tier, *args], *second]
+    return [[*pytest, *spread, "--durations=15", "--alone=skip", *tier, *args],
+            [*pytest, "--durations=5", "--alone=only", *tier, *args, *([] if named else alone_modules())]]
 
 
 def costs(report: Path, multiprocess: set[str]) -> dict[str, float]:

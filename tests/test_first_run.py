@@ -22,9 +22,8 @@ import pytest
 from tests.conftest import ROOT, schedule_dict, write_schedule
 from tests.orchestrator.test_preemption import ORCH, wait_for
 
-# Among the rest of the suite (no other test uses the checkout's own examples/tiny folders): beside
-# another run and the other worker's tests, as a user's first run beside someone's training.
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+# alone: it is itself the run beside another, in the checkout's own examples/tiny folders.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.alone]
 
 
 def first_run_block() -> str:

@@ -43,17 +43,12 @@ def test_make_test_shows_progress_reports_every_failure_and_the_slowest(target, 
 
 def test_the_suite_runs_on_every_core_then_what_must_run_alone(monkeypatch):
     monkeypatch.setenv("TEST_WORKERS", "2")
-    assert run.alone_modules() == []  # today none: a single pass
-    assert [p[p.index("--alone=skip") - 1:] for p in run.passes(False, ["-k", "x"])] == [
-        ["--durations=15", "--alone=skip", "-k", "x"]]
-    monkeypatch.setattr(run, "alone_modules", lambda: ["tests/test_x.py"])
     spread, alone = run.passes(False, ["-k", "x"])
     assert spread[spread.index("-n") + 1] == "2" and spread[spread.index("--dist") + 1] == "loadscope"
     assert "--alone=skip" in spread and "--alone=only" in alone and "-n" not in alone
     assert spread[-2:] == alone[-3:-1] == ["-k", "x"]  # the caller's arguments reach both passes
-    assert alone[-1:] == ["tests/test_x.py"]  # and the second collects only the modules with one
-    monkeypatch.setattr(run, "alone_modules", lambda: [])
-    assert run.passes(False, ["tests/shard_tools"])[1][-1] == "tests/shard_tools"  # a named path: both passes
+    assert alone[-1:] == run.alone_modules() == ["tests/test_first_run.py"]  # and the second collects only these
+    assert run.passes(False, ["tests/shard_tools"])[1][-1] == "tests/shard_tools"  # unless the caller names a path
     fast = run.passes(True, [])
     assert all(any(p[i:i + 2] == ["-m", run.FAST] for i in range(3, len(p))) for p in fast)
     monkeypatch.setenv("TEST_WORKERS", "1")
@@ -63,7 +58,6 @@ def test_the_suite_runs_on_every_core_then_what_must_run_alone(monkeypatch):
 def test_the_runner_fails_where_either_pass_fails_and_says_its_wall_time(monkeypatch, capsys):
     statuses = iter([0, 1])
     monkeypatch.setattr(run.subprocess, "call", lambda command: next(statuses))
-    monkeypatch.setattr(run, "alone_modules", lambda: ["tests/test_x.py"])
     assert run.main([]) == 1
     assert "pass 2 exited 1" in capsys.readouterr().out
     statuses = iter([0, run.NO_TESTS])  # no test marked alone in the selection
