@@ -4,8 +4,8 @@
 
 Two pytest runs, every failure of both reported, the wall time printed at the end:
 
-1. every test not marked ``alone``, spread over ``TEST_WORKERS`` processes (pytest-xdist; default: one
-   more than the cores this process may use, at most 4), a test module at a time (``--dist loadscope``: a module's
+1. every test not marked ``alone``, spread over ``TEST_WORKERS`` processes (pytest-xdist; default: the
+   cores this process may use, at most 4), a test module at a time (``--dist loadscope``: a module's
    fixtures, such as the reference run its tests compare with, are built once), in the order
    ``tests/conftest.py`` gives: the fast modules first, then the multiprocess ones, longest first;
 2. the tests marked ``alone`` (they need the machine's cores to themselves, or a fixed resource), one
@@ -37,12 +37,9 @@ NO_TESTS = 5
 
 
 def workers() -> int:
-    """One more than the cores: the tests wait (the stall tests' watchdogs, processes starting and
-    stopping, checkpoints made durable) about a quarter of the time; with a worker a core, a core
-    was idle then (CPU 2,015 s over 1,393 s of two cores: 72%)."""
     if "TEST_WORKERS" in os.environ:
         return int(os.environ["TEST_WORKERS"])
-    return max(1, min(4, len(os.sched_getaffinity(0)) + 1))
+    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 def passes(fast: bool, args: list[str]) -> list[list[str]]:
