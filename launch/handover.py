@@ -56,11 +56,14 @@ WEIGHTS, BUFFERS = "module", "buffer"
 its keys (``engine.KEYS``; "master" holds the head's and the layers' masters)."""
 
 
-def _pack(model: torch.nn.Module, snap: PhaseState, on_host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What the transport offers: all but the carried layers ``on_host`` (offered where they lie)."""
+def _pack(model: torch.nn.Module, snap: PhaseState, on_host: dict[str, torch.Tensor], resident: bool
+          ) -> dict[str, torch.Tensor]:
+    """What the transport offers: all but the carried layers ``on_host`` (offered where they lie),
+    and the model's weights only where they are not the holder's (``launch.resident``)."""
     masters = {n: t for n, t in snap.masters.items() if n not in on_host}
-    parts = {WEIGHTS: {n: p.data for n, p in model.named_parameters()}, BUFFERS: dict(model.named_buffers()),
-             **snap.head, "master": {**snap.head["master"], **masters}}
+    parts = {**snap.head, "master": {**snap.head["master"], **masters}}
+    if not resident:  # else the successor maps the holder's block, which has this phase's weights
+        parts |= {WEIGHTS: {n: p.data for n, p in model.named_parameters()}, BUFFERS: dict(model.named_buffers())}
     return {f"{part}/{n}": t for part, by_name in parts.items() for n, t in by_name.items() if t.numel()}
 
 
@@ -90,7 +93,7 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
         blocks, refs = hostpath.export(hostpath.pack_state(snap), blob, ph.made.staging, phase=ph.spec.phase,
                                        rank=ph.rank)
     else:
-        tensors = _pack(ph.built.engine.module, snap, on_host)
+        tensors = _pack(ph.built.engine.module, snap, on_host, ph.made.resident is not None)
         blocks, refs = export_cuda(tensors) if transport == "cuda" else export_host(tensors, blob)
     made = Offer(pid=os.getpid(), device="host" if transport == "shm" else device_id(ph.device), transport=transport,
                  blocks=blocks, tensors=refs, carried=_carried(ph, snap, on_host if transport != "shm" else {}))
@@ -313,22 +316,8 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool = False) -> Phase
     parts = _unpack(map_offer(offered, blob, ph.device))
     faults.point("handover.copying", phase=ph.spec.phase, rank=ph.rank)
     with torch.no_grad():
-        # New parameters in place of the skeleton's (on the meta device), tied ones tied still; the
-        # frozen ones in one block (one allocation, and one IPC handle when this phase offers them).
-        named = list(made.model.named_parameters())
-        trainable = {*made.head_names, *made.body_names}
-        frozen = [n for n, _ in named if n not in trainable]
-        copies = dict(zip(frozen, _in_one_block({n: parts[WEIGHTS][n] for n in frozen}).values()))
-        new = {id(p): torch.nn.Parameter(copies[n] if n in copies else parts[WEIGHTS][n].clone(),
-                                         requires_grad=p.requires_grad) for n, p in named}
-        for module in made.model.modules():
-            for leaf, p in module._parameters.items():
-                if p is not None and id(p) in new:
-                    module._parameters[leaf] = new[id(p)]
-        for name, _ in list(made.model.named_buffers()):
-            owner, _, leaf = name.rpartition(".")
-            module = made.model.get_submodule(owner)
-            module._buffers[leaf] = parts[BUFFERS][name].clone()
+        if made.resident is None:  # else its model is the holder's block, mapped
+            _own_weights(made, parts)
         head = {k: {n: parts[k][n].clone() for n in made.head_names} for k in engine.KEYS}
         layers = _layers_in(ph, parts["master"], offered.carried.host_layers, keep)
     del parts
@@ -342,6 +331,25 @@ def _copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool = False) -> Phase
         step=carried.global_step, phase=carried.phase, layers=carried.layers, phase_complete=True,
         head_step=carried.head_step, body_step=carried.body_step, head=head, masters=layers,
         run=RunState(data_position=carried.global_step * ph.spec.data.batch_size, scaler=dict(carried.scaler)))
+
+
+def _own_weights(made: Prepared, parts: dict[str, dict[str, torch.Tensor]]) -> None:
+    """New parameters in place of the skeleton's (on the meta device), tied ones tied still; the
+    frozen ones in one block (one allocation, and one IPC handle when this phase offers them)."""
+    named = list(made.model.named_parameters())
+    trainable = {*made.head_names, *made.body_names}
+    frozen = [n for n, _ in named if n not in trainable]
+    copies = dict(zip(frozen, _in_one_block({n: parts[WEIGHTS][n] for n in frozen}).values()))
+    new = {id(p): torch.nn.Parameter(copies[n] if n in copies else parts[WEIGHTS][n].clone(),
+                                     requires_grad=p.requires_grad) for n, p in named}
+    for module in made.model.modules():
+        for leaf, p in module._parameters.items():
+            if p is not None and id(p) in new:
+                module._parameters[leaf] = new[id(p)]
+    for name, _ in list(made.model.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        module = made.model.get_submodule(owner)
+        module._buffers[leaf] = parts[BUFFERS][name].clone()
 
 
 def _layers_in(ph: Phase, offered: dict[str, torch.Tensor], host_layers: list[dict], keep: bool

@@ -18,7 +18,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from launch import handover, procs, rendezvous
+from launch import handover, procs, rendezvous, resident
 from launch.contract.files import DATA_CACHE
 from launch.contract.spec import PhaseSpec
 from launch.data.examples import SampleOrder, load_examples, load_validation, micro_batch, prepare as prepare_data
@@ -102,8 +102,12 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
     """The model (taking every weight from its predecessor, only its structure), its parts, the
     data, and the weights known before the go."""
     spec, m = ph.spec, ph.spec.model
-    skeleton = refusal is None and not spec.handover.shm_take  # the host path reads into a host model
-    model = setup_model(build_skeleton(model_spec(spec)) if skeleton else base_model(model_spec(spec), ph.prebuilt), spec)
+    # The host path reads into a host model; with the holder's weights (launch.resident), the
+    # model is its block, mapped, and the phase reads as one with a host model would.
+    skeleton = refusal is None and not spec.handover.shm_take and spec.resident is None
+    bare = skeleton or spec.resident is not None
+    model = setup_model(build_skeleton(model_spec(spec)) if bare else base_model(model_spec(spec), ph.prebuilt), spec)
+    views = resident.map_into(ph, model) if spec.resident is not None else None
     persistent, layers_attr = detect_parts(model, m.persistent, m.layers)
     origin = Origin(base_model=model_spec(spec), tokenizer=m.tokenizer, persistent=persistent,
                     layers_attr=layers_attr, world_size=ph.world, zero_stage=ph.backend.stage,
@@ -111,14 +115,16 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
     head_names = head_param_names(model, persistent)
     body_names = [n for i in spec.layers for n in layer_param_names(model, layers_attr, i)]
     preload = spec.preload or spec.restore
-    moving = None if preload or spec.prewarm else _to_device_early(ph, model, staging, {*head_names, *body_names})
+    moving = None if preload or spec.prewarm or views is not None else \
+        _to_device_early(ph, model, staging, {*head_names, *body_names})
     ph.stage("preparing data")
     examples, validation = _load_data(ph)
     made = Prepared(
         staging=staging, refusal=refusal, model=model, skeleton=skeleton, origin=origin,
         head_names=head_names, body_names=body_names, examples=examples, validation=validation,
         order=SampleOrder(len(examples), spec.seed, spec.data.shuffle),
-        preloaded=ph.checkpoints.layer_sources(Path(preload)) if preload else {}, trained={}, moving=moving)
+        preloaded=ph.checkpoints.layer_sources(Path(preload)) if preload else {}, trained={}, moving=moving,
+        resident=views)
     if skeleton:
         handover.preload_layers(ph, made)
     else:
@@ -192,7 +198,7 @@ def _load_data(ph: Phase) -> tuple:
 
 def _prepare_host_side(ph: Phase, made: Prepared) -> StateFiles | None:
     """This phase's checkpoint files, made ahead, and its weights registered (see ``_warm``)."""
-    if made.skeleton:
+    if made.skeleton or (made.resident is not None and made.refusal is None):
         # Taking over, it holds nothing that grows with the model while it waits: no host weights
         # (they come from the predecessor's device at the go), and no checkpoint files made ahead
         # (1.9 GB of page cache at 1.1B, 4.7 GB at 7B): it writes its own end off the critical
@@ -200,6 +206,8 @@ def _prepare_host_side(ph: Phase, made: Prepared) -> StateFiles | None:
         return None
     files = prepare_files(ph, made)
     ph.timeline.mark("t_files_prepared")
+    if made.resident is not None:  # its weights are the holder's, on the device: nothing to register or own
+        return files
     if made.staging is not None and not ph.backend.partitions_weights:
         with ph.timeline.span("t_register_start", "t_registered"):
             registered = made.staging.register_module(made.model)

@@ -64,14 +64,20 @@ class Prepared:
     once ``host`` has settled."""
     host: HostCarry = field(default_factory=HostCarry)
     """The shared host memory ``carried`` lies in."""
+    resident: dict[str, torch.Tensor] | None = None
+    """Where the model's weights are the holder's (``launch.resident``): its block's views by name,
+    which ``model`` is made of (until the phase's own trainable copies, ``resident.own``)."""
 
     def overlay(self, weights: dict[str, torch.Tensor]) -> None:
-        """Puts ``weights`` into the host model; keeps the trainable ones' fp32 values in ``trained``."""
+        """Puts ``weights`` into the host model; keeps the trainable ones' fp32 values in ``trained``.
+        With the holder's weights, only that: its block has every layer's newest weights already,
+        and no phase but the one that trained them writes there (``resident.write_back``)."""
         params = dict(self.model.named_parameters())
         keep = set(self.head_names) | set(self.body_names)
         with torch.no_grad():
             for name, t in weights.items():
-                params[name].copy_(t.to(params[name].dtype))
+                if self.resident is None:
+                    params[name].copy_(t.to(params[name].dtype))
                 if name in keep:
                     self.trained[name] = t
 

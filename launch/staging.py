@@ -181,11 +181,12 @@ class Staging:
 BLOCK_ALIGN = 256
 
 
-def one_block(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+def one_block(tensors: list[torch.Tensor], device: torch.device, block: torch.Tensor | None = None
+              ) -> list[torch.Tensor]:
     """Empty tensors shaped as ``tensors``, views into one allocation on ``device`` (each at a
-    multiple of 256 bytes), in their order."""
+    multiple of 256 bytes), in their order; into ``block`` (bytes, large enough) where given."""
     sizes = [-(-t.nbytes // BLOCK_ALIGN) * BLOCK_ALIGN for t in tensors]
-    block = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    block = torch.empty(sum(sizes), dtype=torch.uint8, device=device) if block is None else block
     out, at = [], 0
     for t, size in zip(tensors, sizes):
         out.append(block[at:at + t.nbytes].view(t.dtype).view(t.shape) if t.numel() else torch.empty(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from launch import handover, procs
+from launch import handover, procs, resident
 from launch.prepare import host_model, memory_now
 from launch.record import Assembled, Phase, Prepared, Source
 from launch.scaler import restore_scaler
@@ -135,7 +135,9 @@ def build_engine(ph: Phase, made: Prepared, source: Source) -> Assembled:
         p.requires_grad_(name in trainable)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ds_config = backend.config(spec, ph.world, numel)
-    if made.moving is not None:
+    if made.resident is not None:
+        resident.own(model, trainable)
+    elif made.moving is not None:
         made.moving.result()
     else:
         backend.place(model, ph.device, made.staging, trainable)

@@ -71,11 +71,18 @@ def map_offer(offer: Offer, blob: Path, device: torch.device) -> dict[str, torch
         return {r.name: whole[offer.blocks[r.block]["offset"]:][:offer.blocks[r.block]["size"]]
                 .view(getattr(torch, r.dtype)).as_strided(r.shape, r.stride) for r in offer.tensors}
 
-    def storage(b: dict) -> torch.UntypedStorage:
-        f = {k: base64.b64decode(v) if isinstance(v, str) else v for k, v in b.items()}
-        return torch.UntypedStorage._new_shared_cuda(device.index, f["handle"], f["size"], f["offset"],
-                                                     f["rc_handle"], f["rc_offset"], f["event"], f["event_sync"])
+    storages = [cuda_storage(b, device) for b in offer.blocks]
+    return {r.name: view(storages[r.block], r) for r in offer.tensors}
 
-    storages = [storage(b) for b in offer.blocks]
-    return {r.name: torch.empty(0, dtype=getattr(torch, r.dtype), device=device).set_(
-        storages[r.block], r.offset, r.shape, r.stride) for r in offer.tensors}
+
+def cuda_storage(block: dict, device: torch.device) -> torch.UntypedStorage:
+    """The storage another process exported (``export_cuda``'s fields of one block), mapped here."""
+    f = {k: base64.b64decode(v) if isinstance(v, str) else v for k, v in block.items()}
+    return torch.UntypedStorage._new_shared_cuda(device.index, f["handle"], f["size"], f["offset"],
+                                                 f["rc_handle"], f["rc_offset"], f["event"], f["event_sync"])
+
+
+def view(storage: torch.UntypedStorage, r: TensorRef) -> torch.Tensor:
+    """Tensor ``r`` of an offer or record, a view into ``storage``."""
+    return torch.empty(0, dtype=getattr(torch, r.dtype), device=storage.device).set_(storage, r.offset, r.shape,
+                                                                                      r.stride)

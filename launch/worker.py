@@ -42,6 +42,10 @@ def main(argv: list[str], prebuilt: dict | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, _request_stop)
     try:
+        if spec.holds:  # the holder of the model's weights (launch.resident), not a phase
+            from launch.resident import hold
+
+            return hold(spec, rank, prebuilt or {})
         from launch.phase import run_phase
 
         return run_phase(spec, rank, world, stop, prebuilt)

@@ -9,6 +9,7 @@ The channels are FIFOs in the run directory, mode 0600: fork requests to the for
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -22,6 +23,7 @@ from launch.contract.channels import EARLY, FORK_REQUESTS, FORK_SERVER, FORK_SER
 from launch.contract.files import RANK, UNRECORDED, Answer, PhaseDir, RunDir, read_reasons
 from launch.contract.spec import PhaseSpec
 from orchestrator import procs
+from orchestrator.errors import PhaseFailed
 from orchestrator.nodes import silent_ranks
 from orchestrator.schedule import LaunchSection, Phase
 from shard_tools.files import describe, open_append, open_regular, write_atomic
@@ -117,6 +119,8 @@ class PhaseProcesses:
         self.early_out: IO[bytes] | None = None
         """What the early fork server printed before it was told its log."""
         self.zygote_fd = -1
+        self.holder: ForkedProc | None = None
+        """The holder of the model's weights (``launch.resident``), forked with the first phase."""
         self.stopped: set[int] = set()
         """Fork servers this process ended (their end is no failure of theirs)."""
 
@@ -148,6 +152,8 @@ class PhaseProcesses:
         # finished phase's checkpoint being made durable (``orchestrator.commit``).
         write_atomic(files.spec, spec.model_dump_json(indent=1), durable=False)
         zygote = self.fork_server(files.spec)
+        if zygote is not None and spec.resident is not None and self.holder is None:
+            self.holder = self._hold(spec, work, zygote)
         if zygote is not None:
             os.write(self.zygote_fd, FORK_REQUESTS.encode(spec=str(files.spec), nproc=ph.nproc))
             proc: subprocess.Popen | ForkedProc = ForkedProc(files.path, ph.nproc, zygote)
@@ -160,6 +166,34 @@ class PhaseProcesses:
                      go_fd=go_fd, world=ph.nproc * self.launch.nnodes, port=spec.master_port,
                      preload=work.restore if prewarm else None, offers=spec.handover.offer,
                      takes=spec.handover.take)
+
+    def _hold(self, spec: PhaseSpec, work: Work, zygote: subprocess.Popen) -> ForkedProc:
+        """Forks the holder of the model's weights (``launch.resident``), one per rank, before the
+        run's first phase: the base model with the layers of ``work.restore`` in (the run's start)."""
+        files = self.files.resident
+        shutil.rmtree(files.path, ignore_errors=True)  # an earlier orchestrator's
+        files.path.mkdir(mode=0o700, parents=True)
+        held = spec.changed(holds=True, phase_dir=str(files.path), prewarm=False, go_fifo=None, preload=None,
+                            restore=str(work.restore) if work.restore else None, handover={})
+        write_atomic(files.spec, held.model_dump_json(indent=1), durable=False)
+        os.write(self.zygote_fd, FORK_REQUESTS.encode(spec=str(files.spec), nproc=work.phase.nproc))
+        self.event("holder_started", nproc=work.phase.nproc, restore=held.restore)
+        return ForkedProc(files.path, work.phase.nproc, zygote)
+
+    def check_holder(self) -> None:
+        """A PhaseFailed once the holder of the model's weights has ended before the run: the phases
+        that mapped its block keep it until they end, but no later phase could map it."""
+        holder = self.holder
+        if holder is None or holder.poll() is None or holder.zygote.pid in self.stopped:
+            return
+        files = self.files.resident
+        reasons = files.error_reasons()
+        pids = [r.pid for r in files.pid_records()]
+        self.event("holder_failed", how=exit_text(holder.returncode), pids=pids, reasons=reasons)
+        why = "".join(f"\n  {r}" for r in reasons)
+        raise PhaseFailed(f"the holder of the model's weights (launch.resident, pid {', '.join(map(str, pids))}) ended "
+                          f"{exit_text(holder.returncode)}; earlier checkpoints are intact: run the same command "
+                          f"again to resume.{why}\nlast lines of {files.log}:\n{log_tail(files.log)}")
 
     def forks(self) -> bool:
         """Whether this run's phases are forked by a fork server: one-node local runs with prewarm on."""
@@ -244,7 +278,8 @@ class PhaseProcesses:
         if self.zygote is None:
             return
         self.stopped.add(self.zygote.pid)
-        self._end(self.zygote)
+        self._end(self.zygote)  # the holder with it (its process group, and its parent-death signal)
+        self.holder = None
         os.close(self.zygote_fd)
         self.files.zygote_fifo.unlink(missing_ok=True)
         self.zygote = None

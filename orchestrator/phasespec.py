@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from launch.contract.spec import DataPart, ModelPart, OptimizerPart, PhaseSpec
 from orchestrator.budget import memory_cap, waiting_cap
@@ -18,17 +18,20 @@ from orchestrator.datastep import data_spec
 from orchestrator.estimate import EstimateError, PlanEstimate, estimate_plan
 from orchestrator.groups import Work
 from orchestrator.handover import handover_part
+from orchestrator.machine import this_machine
 from orchestrator.modelcheck import tokenizer_of
 from orchestrator.nodes import master_addr
 from orchestrator.plan import check_batch
 from orchestrator.ports import free_port
+from orchestrator.resident import resident_dir
 from orchestrator.schedule import LoadedSchedule, Phase
 
 
 def phase_spec(loaded: LoadedSchedule, phases: list[Phase], work: Work, phase_dir: Path,
-               estimate: PlanEstimate | None) -> PhaseSpec:
+               estimate: PlanEstimate | None, resident: Path | None = None) -> PhaseSpec:
     """The spec of ``work``, whose processes keep their files in ``phase_dir``; ``estimate``: the
-    run's (``plan_estimate``), made once per run."""
+    run's (``plan_estimate``), made once per run; ``resident``: the holder's folder where the phases
+    map its weights (``orchestrator.resident``)."""
     s, ph = loaded.schedule, work.phase
     check_batch(s.data, ph.nproc, loaded.source, ph.index, nnodes=s.launch.nnodes)
     return PhaseSpec(
@@ -45,7 +48,17 @@ def phase_spec(loaded: LoadedSchedule, phases: list[Phase], work: Work, phase_di
         orchestrator_pid=os.getpid(), orchestrator_host=socket.gethostname(),
         handover=handover_part(loaded, phases, ph.index, estimate), optimizer_state=s.schedule.optimizer_state,
         memory_cap=memory_cap(loaded, phases, ph.index), waiting_cap=waiting_cap(loaded),
+        resident=str(resident) if resident is not None else None,
     )
+
+
+def spec_maker(loaded: LoadedSchedule, phases: list[Phase]) -> Callable[[Work, Path], PhaseSpec]:
+    """``phase_spec`` for this run's work, with what is decided once per run: the handovers' planned
+    peaks (``plan_estimate``) and where the phases map the model's weights (``resident_dir``; exit 2
+    where ``launch.resident = "on"`` cannot be)."""
+    estimate = plan_estimate(loaded, phases)
+    holder = resident_dir(loaded, phases, this_machine().gpus)
+    return lambda work, phase_dir: phase_spec(loaded, phases, work, phase_dir, estimate, holder)
 
 
 def plan_estimate(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate | None:

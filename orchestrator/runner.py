@@ -28,7 +28,7 @@ from orchestrator.quiet import Pauser
 from orchestrator.resume import next_work, restore_point, resume_point, set_aside_after
 from orchestrator.retention import named_at_stop, retain
 from orchestrator.rundir import SCHEDULE_COPY, RunLock, check_entries, create_run_dir, prune_phase_dirs, read_copy, write_copy
-from orchestrator.phasespec import phase_spec, plan_estimate
+from orchestrator.phasespec import spec_maker
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import LoadedSchedule, Phase
 from orchestrator.space import check_space
@@ -91,9 +91,7 @@ class Runner:
         self.changed: list[str] = []  # how the schedule given differs from the run's copy, where accepted
         self.checkpoints = Checkpoints(self.run_dir)
         self.ahead: list[Group] = []  # the pre-warmed groups of the next phases, in order
-        estimate = plan_estimate(loaded, self.phases)  # the handovers' planned peaks
-        self.groups = PhaseProcesses(self.run_dir, loaded.schedule.launch, self._event,
-                                     lambda work, phase_dir: phase_spec(loaded, self.phases, work, phase_dir, estimate))
+        self.groups = PhaseProcesses(self.run_dir, loaded.schedule.launch, self._event, spec_maker(loaded, self.phases))
         self.pauser = Pauser(loaded.schedule.launch.pause_preparing_seconds, self._event)
         self.committer = Committer(self._phase_done)
         self.exporter: final.Exporter | None = None  # started before the last checkpoint exists (_prewarm_final)

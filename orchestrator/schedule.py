@@ -282,6 +282,13 @@ class LaunchSection(Section):
     choreography on a CPU); "host" always through host memory (the predecessor's fp32 state in
     shared memory, its device memory freed before its successor builds; for a card that cannot
     hold two phases); "off" always through the checkpoint."""
+    resident: Literal["auto", "on", "off"] = "auto"
+    """Where the model's weights live: "auto" in one copy per GPU for the whole run, kept by a holder
+    process that every phase maps instead of copying them (one model on the device at a switch, not
+    two; a phase owns only what it trains), where the run has a GPU, forks its phases (prewarm, the
+    local launcher, one node), runs every phase on as many processes, ZeRO stage 0-2 and no
+    launch.device_memory; "on" the same, also without a GPU (in host memory: for testing it on a CPU),
+    and exit 2 where the run cannot; "off" every phase its own copy."""
     device_memory: str | None = None
     """The device memory relayer's processes may hold on one GPU, all of them together: a size
     (24GiB, 24GB, 24e9); None: the GPU's own. Each switch goes the first way that fits it: on the

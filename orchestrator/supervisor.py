@@ -255,7 +255,9 @@ class Supervisor:
 
     def _watch(self) -> bool:
         """One look at the group: False once it is to be reaped (it ended, or its deadline passed)
-        or is handed to the runner (HANDING_OVER)."""
+        or is handed to the runner (HANDING_OVER); a PhaseFailed where the holder of the model's
+        weights has ended (``launch.resident``)."""
+        self.ctx.groups.check_holder()
         self._watch_predecessor()
         if self.group.proc.poll() is not None or self._stalled():
             return False

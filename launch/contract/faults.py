@@ -12,6 +12,8 @@ the handlers. Points:
   (``launch.handover``), before it waits for the answer.
 - ``handover.copying`` (``phase``: the successor's index; ``rank``): a successor's rank has
   mapped its predecessor's offer, before it copies and answers.
+- ``resident.writing`` (``phase``, ``rank``): a finished phase's rank has written some of its
+  trained weights back into the holder's block (``launch.resident``), not all.
 - ``data.batch``: a batch of records is about to be rendered and tokenized (``datasets.map``,
   in its workers too).
 - ``journal.fsync`` (``event``, ``phase``): the orchestrator has written a journal event and is

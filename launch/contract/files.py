@@ -36,6 +36,9 @@ BLOB = ".bin"
 """How a rank's offered bytes (the host transport of the handover) end: ``handover/rank-N.bin``."""
 SHM = Path("/dev/shm")
 """Where the host path's offered bytes lie (``HandoverPart.shm_offer``): memory, never the disk."""
+RESIDENT = "resident"
+"""RUN_DIR/resident: the holder's folder (``launch.resident``), a ``PhaseDir`` of its own (spec, log,
+pids, exits, errors) with its ``Resident`` record per rank."""
 
 
 def rank_name(rank: int) -> str:
@@ -84,6 +87,10 @@ class RunDir:
 
     def phase(self, index: int) -> PhaseDir:
         return PhaseDir(self.path / PHASES / f"phase-{index:04d}")
+
+    @property
+    def resident(self) -> PhaseDir:
+        return PhaseDir(self.path / RESIDENT)
 
     def phase_dirs(self) -> list[PhaseDir]:
         return [PhaseDir(p) for p in sorted((self.path / PHASES).glob("phase-*"))]
@@ -225,6 +232,16 @@ class PhaseDir:
         answer = self.read_answer(0)
         return answer is None or answer.end_written
 
+    # -- the holder's record (``launch.resident``): written by the holder, read by every phase
+    def resident_path(self, rank: int) -> Path:
+        return self.path / f"{rank_name(rank)}.json"
+
+    def write_resident(self, rank: int, record: Resident) -> None:
+        write_atomic(self.resident_path(rank), record.model_dump_json(), mode=0o600, durable=False)
+
+    def read_resident(self, rank: int) -> Resident | None:
+        return _read(Resident, self.resident_path(rank))
+
     def append_stage(self, name: str) -> None:
         with os.fdopen(open_append(self.stages), "a") as f:
             f.write(json.dumps({"time": time.time(), "stage": name}) + "\n")
@@ -279,6 +296,20 @@ class Offer(_Record):
     """Per shared block, how to map it: CUDA IPC's fields (bytes in base64), or offset and size."""
     tensors: list[TensorRef]
     carried: Carried
+
+
+class Resident(_Record):
+    """resident/rank-N.json: where the holder of rank N's device keeps the model's weights, one
+    block every phase maps (``launch.resident``), written once they are there."""
+
+    pid: int
+    device: str
+    """The device's UUID; "host" for a memfd (the CPU's test of the protocol)."""
+    transport: Literal["cuda", "memfd"]
+    """cuda: CUDA IPC's fields of the block; memfd: the block is /proc/PID/fd/FD, mapped shared."""
+    block: dict[str, Any]
+    tensors: list[TensorRef]
+    """Every parameter and buffer of the model by its name (a tied one under each name)."""
 
 
 class Answer(_Record):

@@ -119,6 +119,12 @@ class PhaseSpec(_Spec):
     waiting_cap: int = 0
     """Bytes its caching allocator may reserve while it waits pre-warmed, its warm-up included (the
     part of launch.device_memory a waiting phase is counted at); memory_cap from its go on. 0: no cap."""
+    resident: str | None = None
+    """The run's holder directory (``launch.resident``, ``launch.resident`` the module): the phase maps
+    the model's weights the holder keeps for the whole run instead of a copy of its own; None: it copies."""
+    holds: bool = False
+    """This spec starts the holder (in ``resident``), not a phase: it puts the model's weights on its
+    device once (the base model with ``restore``'s layers in) and keeps them until the run ends."""
 
     @classmethod
     def read(cls, path: str | Path) -> PhaseSpec:

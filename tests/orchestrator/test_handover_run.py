@@ -103,7 +103,7 @@ def leftovers(run_dir: Path) -> list[Path]:
 
 def assert_clean(run_dir: Path, files: bool = True) -> None:
     """No process of the run is left, nor (``files``) a temporary or an offer's bytes."""
-    live = [p for d in (run_dir / "phases").glob("phase-*") for p in recorded(d)]
+    live = [p for d in [*(run_dir / "phases").glob("phase-*"), run_dir / "resident"] for p in recorded(d)]
     _, alive = psutil.wait_procs(live, timeout=10)
     assert not alive, alive
     if files:
@@ -338,3 +338,85 @@ def test_a_successor_gone_before_the_switch_is_not_waited_for(tmp_path, tiny_mod
     assert rec[2]["handover"] == "device"  # the next switch hands over again
     assert_same_checkpoints(reference, run_dir)
     assert_clean(run_dir)
+
+
+# -- one copy of the model per device (launch.resident) ------------------------------------------
+def test_phases_that_map_the_holders_weights_give_the_same_checkpoints(tmp_path, tiny_model, tiny_data, device,
+                                                                      reference2):
+    """Two processes, each phase's model the holder's block (a memfd on the CPU, CUDA IPC on a GPU),
+    handing over: the checkpoints are those of phases with models of their own, through the
+    checkpoint; the offers carry no weights; the holder goes with the run."""
+    on = finished(tmp_path, tiny_model, tiny_data, device, handing_over(device), nproc=2, resident="on")
+    assert_same_checkpoints(reference2, on)
+    assert_handed_over(on, 3)
+    assert_clean(on)
+    for rank in (0, 1):
+        record = json.loads((on / "resident" / f"rank-{rank}.json").read_text())
+        assert record["transport"] == ("memfd" if device == "cpu" else "cuda"), record
+        assert {"model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight"} <= \
+            {t["name"] for t in record["tensors"]}
+    for k, r in done_records(on).items():
+        assert r["t_resident_mapped"] < r["t_first_step_end"] and r["t_written_back"] <= (r.get("t_offered") or 1e20), r
+    offered = [t["name"] for f in on.glob("phases/*/handover/offer-*.json")
+               for t in json.loads(f.read_text())["tensors"]]
+    assert offered and not [n for n in offered if n.startswith(("module/", "buffer/"))], offered
+
+
+def test_the_holders_end_fails_the_run_and_a_run_again_resumes(tmp_path, tiny_model, tiny_data, device, reference):
+    """The holder is SIGKILLed while phase 0 trains (stopped there, so that the run cannot end first):
+    the run exits 1 within seconds naming it, no process is left, and a run again resumes."""
+    sched = schedule(tmp_path, tiny_model, tiny_data, device, handing_over(device), resident="on")
+    orch = subprocess.Popen([str(Path(sys.executable).parent / "orchestrator"), "run", str(sched)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, **device_env(device)})
+    run_dir = tmp_path / "run"
+    try:
+        running = wait_recorded(run_dir / "phases" / "phase-0000", orch, "phase 0 did not start")
+        for p in running:
+            p.send_signal(signal.SIGSTOP)
+        holder = wait_recorded(run_dir / "resident", orch, "no holder")
+        for p in holder:
+            p.send_signal(signal.SIGKILL)
+        t0 = time.time()
+        _, err = orch.communicate(timeout=60)
+        took = time.time() - t0
+    finally:
+        if orch.poll() is None:
+            orch.kill()
+            orch.wait()
+    assert orch.returncode == 1 and "the holder of the model's weights (launch.resident" in err, err
+    assert "ended by signal SIGKILL" in err and took < 15, (took, err)
+    assert any(e["event"] == "holder_failed" for e in events(run_dir))
+    assert_clean(run_dir, files=False)
+    again = run(tmp_path, tiny_model, tiny_data, device, handing_over(device), resident="on")
+    assert again.returncode == 0, again.stderr
+    assert_same_checkpoints(reference, run_dir)
+    assert_clean(run_dir)
+
+
+def test_a_phase_killed_writing_back_and_a_run_again_resumes(tmp_path, tiny_model, tiny_data, device, reference):
+    """Phase 1 is killed halfway through writing its weights into the holder's block, through the
+    checkpoint (launch.handover = "off"): the run fails; a run again builds a new holder from phase
+    0's checkpoint and ends with the checkpoints of a run without the holder."""
+    fault = faults_env(kill_at={"point": "resident.writing", "phase": 1, "rank": 0})
+    r = run(tmp_path, tiny_model, tiny_data, device, "off", resident="on", env=fault)
+    assert r.returncode == 1 and "phase 1 " in r.stderr, r.stderr
+    run_dir = tmp_path / "run"
+    assert [e["phase"] for e in events(run_dir) if e["event"] == "phase_done"] == [0]
+    assert_clean(run_dir, files=False)
+    again = run(tmp_path, tiny_model, tiny_data, device, "off", resident="on")
+    assert again.returncode == 0, again.stderr
+    assert_same_checkpoints(reference, run_dir)
+    assert_clean(run_dir)
+    assert [e["restore"] for e in events(run_dir) if e["event"] == "holder_started"] == \
+        [None, str(run_dir / "checkpoints" / "step-00000004")]
+
+
+@pytest.mark.parametrize("launch, why", [
+    ({"prewarm": False}, "launch.prewarm = true"),
+    ({"device_memory": "24GiB"}, "launch.device_memory"),
+], ids=["no-prewarm", "budget"])
+def test_resident_on_where_it_cannot_be_is_refused(tmp_path, tiny_model, tiny_data, launch, why):
+    r = run(tmp_path, tiny_model, tiny_data, "cpu", "auto", resident="on", **launch)
+    assert r.returncode == 2 and 'launch.resident = "on", but' in r.stderr and why in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()
