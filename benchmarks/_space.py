@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from orchestrator.estimate import on_device, offered_bytes, overlap_peak, param_count, phase_memory  # noqa: E402
+from orchestrator.estimate import PROCESS_BYTES, on_device, offered_bytes, overlap_peak, param_count, phase_memory  # noqa: E402
 
 from _shapes import SHAPES, layer_walk  # noqa: E402
 
@@ -95,12 +95,14 @@ def micro_batch(shape: dict, device_bytes: int, want_handover: bool, depth: int)
     choices = [m for m in (shape["micro_batch_size"], 2, 1) if m <= shape["micro_batch_size"]]
     fallback = None
     for mb in choices:
+        # One copy of the model per GPU (launch.resident, relayer's default on a GPU): the holder's.
         mem = phase_memory(count, trainable, dtype="bfloat16", zero_stage=2, world=1, micro_batch=mb,
-                           seq_len=shape["seq_len"])
-        overlap = overlap_peak(mem, mem, offered_bytes(count, head, 2), depth)
+                           seq_len=shape["seq_len"], resident=True)
+        held = count.total * 2 + PROCESS_BYTES
+        overlap = held + overlap_peak(mem, mem, offered_bytes(count, head, 2), depth)
         if want_handover and overlap <= device_bytes:
             return mb, True
-        if fallback is None and on_device(mem) + depth * 2_600_000_000 <= device_bytes:
+        if fallback is None and held + on_device(mem) + depth * 2_600_000_000 <= device_bytes:
             fallback = mb
     return (fallback or 1), False
 

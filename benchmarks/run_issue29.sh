@@ -53,7 +53,7 @@
 # On a CPU, for trying the script itself (tiny shapes, a few minutes each):
 #     OUT=/tmp/o DS_ACCELERATOR=cpu I29_TINY=1 bash benchmarks/run_issue29.sh peer7b
 set -uo pipefail
-STEP=${1:?usage: run_issue29.sh issue41|cadence11|peer7b|peer7be|peer7b0|lisa7b|lisa7b0|step7b|diag0|stage0|step0|lisa13|big|big13|big30|long11|long11s|long11e|long7|long7c}
+STEP=${1:?usage: run_issue29.sh issue41|resident7b|cadence11|peer7b|peer7be|peer7b0|lisa7b|lisa7b0|step7b|diag0|stage0|step0|lisa13|big|big13|big30|long11|long11s|long11e|long7|long7c}
 : "${OUT:?set OUT to the folder the results go to}"
 T0=$(date +%s)
 S=${I29_SCRATCH:-/tmp/i29}
@@ -278,6 +278,17 @@ issue41() {
     rm -rf "$WORK_DIR/cadence11"
 }
 
+# Issue #41 with one copy of the model per GPU (launch.resident, the default on a GPU): the peer job at
+# relayer's defaults (7B, 260 steps, 14 LISA phases: no zero_stage, cadence or handover key), side by side.
+resident7b() {
+    space 7b --layers lisa --phases 14 --final-model --peer-output --handover || exit 3
+    timeout 480 $PY benchmarks/peer.py --shape "$(shape 7b)" --model-dir "$MODEL_DIR" --outputs "$WORK_DIR" \
+        --work "$S/work/resident7b" --micro-batch "$MICRO" --results-dir "$S/results" --out resident7b-defaults \
+        --timeout 450 --callback auto --keep-last 1 --steps 260 "${TINY_ARGS[@]}"
+    say "peer.py resident7b-defaults: rc $?"
+    rm -rf "$S/work/resident7b" "$WORK_DIR" "$SHM/model-7b"
+}
+
 # The carried layers on the host alone (issue41's second half): 1.1B, 20 LISA phases at the default cadence.
 cadence11() {
     space 1.1b --layers lisa --phases 20 --handover --carried 2 || exit 3
@@ -287,6 +298,7 @@ cadence11() {
 
 case "$STEP" in
     issue41) issue41 ;;
+    resident7b) resident7b ;;
     cadence11) cadence11 ;;
     peer7b) peer7b ;;
     peer7be) peer7be ;;

@@ -98,6 +98,10 @@ class Backend:
     def relink(self, engine) -> None:
         """Before the state is read: per-parameter fragments linked to the optimizer state."""
 
+    def let_go(self, engine) -> None:
+        """After the phase's last step: the gradients go (no step needs them any more)."""
+        engine.optimizer.zero_grad(set_to_none=True)
+
     def refresh_lp(self, engine) -> None:
         """Copies the fp32 masters into the low-precision weights the forward pass uses."""
         raise NotImplementedError
@@ -281,6 +285,9 @@ class MasterBackend(Backend):
 
     def param_groups(self, engine) -> list[dict]:
         return engine.optimizer.param_groups
+
+    def let_go(self, engine) -> None:
+        engine.optimizer.release_grads()
 
     def materialise(self, engine, steps_by_group: list[int]) -> None:
         engine.optimizer.set_steps(steps_by_group)

@@ -161,6 +161,12 @@ class MasterAdamW(torch.optim.Optimizer):
         for p in self.params:
             p.grad = None
 
+    def release_grads(self) -> None:
+        """After the last step: the gradients and the fp32 buffer they are summed in go; no step follows."""
+        self.zero_grad()
+        self.destroy()
+        self.grads, self._grad_of = None, {}
+
     @torch.no_grad()
     def step(self, closure=None):
         """Reduces (data parallel), clips by the global norm and steps every group; the

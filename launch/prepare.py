@@ -4,11 +4,14 @@ files, a pre-warmed process's warm-up). The engine is built at the switch (``lau
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import fcntl
 import gc
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -71,12 +74,30 @@ def _warm(ph: Phase, made: Prepared) -> None:
     modules = set(sys.modules)
     ph.stage("warming up")
     try:
-        warm_up(ph, made)
+        with _one_at_a_time(ph):
+            warm_up(ph, made)
     finally:
         ph.files.result()
     ph.timeline.mark("t_warmed_up")
     # What the fork server could import for every phase (launch.zygote.WARM_IMPORTS).
     ph.timeline.add(warm_up_imports=sorted(set(sys.modules) - modules)[:50])
+
+
+@contextlib.contextmanager
+def _one_at_a_time(ph: Phase):
+    """On a GPU, the phases waiting pre-warmed warm up one at a time (an flock on the run's phases
+    folder, dropped by the kernel with its holder): each warm-up holds the head and a layer with
+    their optimizer state (about 8 GB at 7B), and three at once took an H100 from 35 to 62 GiB
+    beside the phase training (benchmarks/results/2026-12-06-issue41-h100-resident)."""
+    if ph.device.type != "cuda":
+        yield
+        return
+    fd = os.open(Path(ph.spec.phase_dir).parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _start_group(ph: Phase) -> Staging | None:
@@ -125,7 +146,7 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
         order=SampleOrder(len(examples), spec.seed, spec.data.shuffle),
         preloaded=ph.checkpoints.layer_sources(Path(preload)) if preload else {}, trained={}, moving=moving,
         resident=views)
-    if skeleton:
+    if made.taking:
         handover.preload_layers(ph, made)
     else:
         made.overlay(layer_weights(made.preloaded, mapped=True))
@@ -198,7 +219,7 @@ def _load_data(ph: Phase) -> tuple:
 
 def _prepare_host_side(ph: Phase, made: Prepared) -> StateFiles | None:
     """This phase's checkpoint files, made ahead, and its weights registered (see ``_warm``)."""
-    if made.skeleton or (made.resident is not None and made.refusal is None):
+    if made.taking:
         # Taking over, it holds nothing that grows with the model while it waits: no host weights
         # (they come from the predecessor's device at the go), and no checkpoint files made ahead
         # (1.9 GB of page cache at 1.1B, 4.7 GB at 7B): it writes its own end off the critical

@@ -68,6 +68,12 @@ class Prepared:
     """Where the model's weights are the holder's (``launch.resident``): its block's views by name,
     which ``model`` is made of (until the phase's own trainable copies, ``resident.own``)."""
 
+    @property
+    def taking(self) -> bool:
+        """It will take its predecessor's state over if offered, into a model of no host weights
+        (a skeleton, or the holder's block): its layers' masters wait pinned (``handover.preload_layers``)."""
+        return self.refusal is None and (self.skeleton or self.resident is not None)
+
     def overlay(self, weights: dict[str, torch.Tensor]) -> None:
         """Puts ``weights`` into the host model; keeps the trainable ones' fp32 values in ``trained``.
         With the holder's weights, only that: its block has every layer's newest weights already,

@@ -51,7 +51,7 @@ def await_go(ph: Phase) -> tuple[Go, Delta | None]:
     is read (the head file mapped) into host memory already (the early ``Delta``): reading
     touches no device."""
     made, expected = ph.made, ph.checkpoints.at(ph.spec.start_step)
-    refresh = handover.LayerRefresh(ph) if made.skeleton else None
+    refresh = handover.LayerRefresh(ph) if made.taking else None
     delta: Delta | None = None
 
     def idle() -> None:

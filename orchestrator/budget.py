@@ -106,7 +106,7 @@ def check_budget(loaded: LoadedSchedule, phases: list[Phase], option: int | None
     if budget is None:
         return
     try:
-        estimate = estimate_plan(loaded, phases)
+        estimate = estimate_plan(loaded, phases, budget=True)
     except EstimateError:
         return
     peaks = [phase_peak(loaded, phases, estimate, i) for i in range(len(phases))]
@@ -186,7 +186,7 @@ def _worst_peak(loaded: LoadedSchedule) -> int:
     from orchestrator.plan import plan_phases
 
     phases = plan_phases(loaded)
-    estimate = estimate_plan(loaded, phases)
+    estimate = estimate_plan(loaded, phases, budget=True)
     return max(phase_peak(loaded, phases, estimate, i) for i in range(len(phases)))
 
 

@@ -68,6 +68,10 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switc
         out.print(f"estimated device memory per process: {estimate.count.total:,} parameters, activations {ckpt} "
                   f"gradient checkpointing and the logits; ZeRO's reduce bucket counted; the CUDA context not counted{device}")
         out.print(largest_phase(phases, estimate), markup=False, highlight=False)
+        if estimate.resident:
+            out.print(f"the model's weights: {format_bytes(estimate.resident)} per GPU with the holder's process, "
+                      f"one copy for the whole run that every phase maps (launch.resident); a phase's weights "
+                      f"above are what it trains", markup=False, highlight=False)
 
 
 def largest_phase(phases: list[Phase], estimate: PlanEstimate) -> str:

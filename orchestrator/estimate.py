@@ -23,12 +23,19 @@ At a switch that hands the state over on the device (``launch.handover``, orches
 the finished phase P and its successor S are both alive on one device for a while, beside the
 phases that wait pre-warmed. The overlap's peak on one device, as NVML sees it:
 
-    on_device(P) + offered + offered + on_device(S) + waiting x PROCESS_BYTES
+    let_go(P) + offered + offered + on_device(S) + waiting x PROCESS_BYTES
+    let_go       a finished phase once it offered: its weights + its optimizer state (under ZeRO its
+                 gradients too) x RESERVE + PROCESS_BYTES; it gives its gradients and its allocator's
+                 cache back as it offers (``launch.handover``)
     on_device    a phase's weights + the rest of its total x RESERVE + PROCESS_BYTES
     offered      head x 12 bytes (fp32 masters, exp_avg, exp_avg_sq of the whole head, gathered: not
                  ZeRO's partition) + P's layers x per_layer x 4 bytes (their fp32 masters); under
                  ZeRO 0 P offers its optimizer's own memory, so only S's copy counts
     waiting      the phases pre-warmed beyond S (launch.prewarm_depth, as many as are left)
+
+With one copy of the model per device (``launch.resident``, on a GPU by default), the holder keeps
+the model's weights (P x dtype bytes) and its CUDA context for the whole run, and a phase's weights
+are only what it trains (T x dtype bytes, its own copies): the overlap counts one model, not two.
 
 P holds its whole phase's memory and, beside it, the copies it gathered to offer; S has copied the
 same bytes into its own memory before it answers and before P lets go of anything, and S's own
@@ -67,6 +74,7 @@ from launch.contract.dsconfig import bucket_size
 from orchestrator.errors import ScheduleError
 from orchestrator.libfacts import offloads_optimizer
 from orchestrator.modelcheck import CONFIG, num_layers_of
+from orchestrator.resident import resident_reason
 from orchestrator.schedule import LoadedSchedule, Phase
 from shard_tools.sizes import parse_size
 
@@ -216,12 +224,13 @@ def activation_bytes(count: ParamCount, *, width: int, micro_batch: int, seq_len
 
 def phase_memory(count: ParamCount, trainable: int, *, dtype: str, zero_stage: int, world: int,
                  micro_batch: int, seq_len: int, checkpointing: bool = False, offload: bool = False,
-                 bucket: int = 0, largest: int = 0) -> PhaseMemory:
+                 bucket: int = 0, largest: int = 0, resident: bool = False) -> PhaseMemory:
     """``bucket``: ZeRO's reduce bucket in elements (stages 1 and 2); ``largest``: the largest
-    trainable parameter's elements (what the offload stages on the device)."""
+    trainable parameter's elements (what the offload stages on the device); ``resident``: the
+    model's weights are the holder's (``launch.resident``), the phase's own only what it trains."""
     width = DTYPE_BYTES[dtype]
     return PhaseMemory(
-        weights=math.ceil(count.total * width / (world if zero_stage >= 3 else 1)),
+        weights=trainable * width if resident else math.ceil(count.total * width / (world if zero_stage >= 3 else 1)),
         optimizer=0 if offload else math.ceil(trainable * ADAM_BYTES / (world if zero_stage >= 1 else 1)),
         gradients=gradient_bytes(trainable, width=width, zero_stage=zero_stage, world=world, offload=offload,
                                  bucket=bucket, largest=largest),
@@ -256,11 +265,19 @@ def on_device(memory: PhaseMemory) -> int:
     return memory.weights + math.ceil((memory.total - memory.weights) * RESERVE) + PROCESS_BYTES
 
 
+def let_go(memory: PhaseMemory, zero: bool) -> int:
+    """Bytes NVML sees for a finished phase once it has offered its state: its gradients and its
+    allocator's cache are given back (``launch.handover``); under ZeRO (``zero``) its gradient
+    partitions and reduce buckets are counted still."""
+    kept = memory.optimizer + (memory.gradients if zero else 0)
+    return memory.weights + math.ceil(kept * RESERVE) + PROCESS_BYTES
+
+
 def overlap_peak(before: PhaseMemory, after: PhaseMemory, offered: int, waiting: int, gathered: bool = True) -> int:
-    """Bytes on one device while a phase hands over to its successor: both phases, the offer
-    (where ``gathered``: ZeRO's; relayer's MasterAdamW offers its own memory) and its copy, and
-    ``waiting`` pre-warmed phases beside them."""
-    return on_device(before) + (offered if gathered else 0) + offered + on_device(after) + waiting * PROCESS_BYTES
+    """Bytes on one device while a phase hands over to its successor: the finished phase as it is
+    once it offered (``let_go``), the offer (where ``gathered``: ZeRO's; relayer's MasterAdamW offers
+    its own memory) and its copy, the successor's whole phase, and ``waiting`` pre-warmed phases."""
+    return let_go(before, gathered) + (offered if gathered else 0) + offered + on_device(after) + waiting * PROCESS_BYTES
 
 
 def waiting_beside(loaded: LoadedSchedule, phases: list[Phase], successor: int) -> int:
@@ -288,7 +305,10 @@ class PlanEstimate:
     overlaps: list[int]
     """Per switch (phase i to i + 1, so one fewer than phases), the overlap's peak on one device
     were it to hand over on the device (``overlap_peak``), whether or not it will; it falls
-    towards the run's end, as fewer phases wait pre-warmed."""
+    towards the run's end, as fewer phases wait pre-warmed. With ``resident``, the holder's too."""
+    resident: int = 0
+    """Bytes the holder keeps on each device for the whole run (the model's weights and its
+    process, ``launch.resident`` on a GPU); 0: every phase has a copy of its own."""
 
 
 def trained_head(loaded: LoadedSchedule, count: ParamCount) -> int:
@@ -297,9 +317,10 @@ def trained_head(loaded: LoadedSchedule, count: ParamCount) -> int:
     return sum(count.head.get(p, 0) for p in (persistent if persistent is not None else count.head))
 
 
-def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
+def estimate_plan(loaded: LoadedSchedule, phases: list[Phase], budget: bool = False) -> PlanEstimate:
     """Per phase, the memory one of its processes needs, and per switch the handover's overlap peak;
-    raises EstimateError for an unknown family."""
+    raises EstimateError for an unknown family. ``budget``: under a device budget (plan's
+    --device-memory too), where every phase has its own copy of the model (``orchestrator.resident``)."""
     s = loaded.schedule
     count = param_count(model_config(loaded))
     persistent = s.model.persistent if s.model.persistent is not None else list(count.head)
@@ -307,16 +328,18 @@ def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
     # The largest trainable parameter: a head module (the embedding), or a layer's largest matrix,
     # taken as a quarter of the layer (a Llama layer's MLP matrix is 0.22 of it).
     largest = max([count.head.get(p, 0) for p in persistent] + [count.per_layer // 4])
+    resident = not budget and resident_reason(loaded, phases, gpus=1) is None  # on a GPU: what this counts
     out = [phase_memory(count, trainable, dtype=s.model.dtype, zero_stage=s.deepspeed.zero_stage,
                         world=ph.nproc * s.launch.nnodes, micro_batch=s.data.micro_batch_size, seq_len=s.data.seq_len,
                         checkpointing=s.model.gradient_checkpointing, offload=offloads_optimizer(loaded.deepspeed_config),
-                        bucket=reduce_bucket(loaded, trainable), largest=largest)
+                        bucket=reduce_bucket(loaded, trainable), largest=largest, resident=resident)
            for ph in phases for trainable in [head + len(ph.layers) * count.per_layer]]
-    overlaps = [overlap_peak(out[i], out[i + 1], offered_bytes(count, head, len(phases[i].layers)),
-                             waiting_beside(loaded, phases, i + 1), gathered=s.deepspeed.zero_stage > 0)
+    held = count.total * DTYPE_BYTES[s.model.dtype] + PROCESS_BYTES if resident else 0
+    overlaps = [held + overlap_peak(out[i], out[i + 1], offered_bytes(count, head, len(phases[i].layers)),
+                                    waiting_beside(loaded, phases, i + 1), gathered=s.deepspeed.zero_stage > 0)
                 for i in range(len(phases) - 1)]
     return PlanEstimate(phases=out, count=count, unsized=[p for p in persistent if p not in count.head],
-                        overlaps=overlaps)
+                        overlaps=overlaps, resident=held)
 
 
 def reduce_bucket(loaded: LoadedSchedule, trainable: int) -> int:

@@ -76,7 +76,7 @@ BAD = [
      "eval.prompts: generated at each evaluation: needs data.eval_every"),
     ("unknown-key-far", setting("launch", colour="red"),
      "launch.colour: unknown key; expected one of launcher, nproc, nnodes, hostfile, master_addr, rendezvous_seconds, "
-     "grace_seconds, stall_seconds, prewarm, prewarm_depth, pause_preparing_seconds, handover, device_memory"),
+     "grace_seconds, stall_seconds, prewarm, prewarm_depth, pause_preparing_seconds, handover, resident, device_memory"),
     ("unknown-phase-key", setting("schedule", phases=[{"steps": 5, "layers": [0]},
                                                      {"steps": 5, "layers": [1], "lr": 1}]),
      "schedule.phases[1].lr: unknown key; expected one of steps, layers, nproc"),
