@@ -11,7 +11,7 @@ import stat
 import tomllib
 from pathlib import Path
 
-from launch.contract.files import DATA_CACHE, PHASES, PhaseDir, RunDir
+from launch.contract.files import DATA_CACHE, PHASES, RESIDENT, PhaseDir, RunDir
 
 from orchestrator import procs
 from orchestrator.errors import RunLocked, ScheduleError
@@ -87,7 +87,7 @@ _FILE, _DIR = "a file", "a folder"
 _RUN_FILES = RunDir(".")
 RUN_ENTRIES = {SCHEDULE_COPY: _FILE, JOURNAL: _FILE, _RUN_FILES.metrics.name: _FILE, LOCK: _FILE,
                _RUN_FILES.zygote_log.name: _FILE, FINAL: _DIR, CHECKPOINTS: _DIR, PHASES: _DIR, DATA_CACHE: _DIR,
-               "tensorboard": _DIR, "wandb": _DIR}
+               "tensorboard": _DIR, "wandb": _DIR, RESIDENT: _DIR}
 _PHASE_FILES = PhaseDir(".")
 PHASE_ENTRIES = {_PHASE_FILES.log.name: _FILE, _PHASE_FILES.stages.name: _FILE, _PHASE_FILES.pids.name: _DIR,
                  _PHASE_FILES.exits.name: _DIR, _PHASE_FILES.errors.name: _DIR, _PHASE_FILES.handover.name: _DIR}
@@ -111,6 +111,7 @@ def check_entries(rd: Path) -> None:
     """ScheduleError naming the first entry of the run directory that is not of its kind (above),
     its phase folders and data-cache entries included; nothing is written."""
     todo = [(rd / name, kind) for name, kind in RUN_ENTRIES.items()]
+    todo += [(rd / RESIDENT / name, kind) for name, kind in PHASE_ENTRIES.items()]  # the holder's, a phase's kind
     for folder, names in ((rd / PHASES, PHASE_ENTRIES), (rd / DATA_CACHE, {})):
         if not entry_fault(folder, _DIR) and folder.is_dir():
             for entry in sorted(folder.iterdir()):
