@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import fcntl
 import gc
 import hashlib
-import json
 import os
 import sys
 from pathlib import Path
@@ -22,6 +20,7 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from launch import handover, procs, rendezvous, resident
+from launch.basemodel import base_model, model_spec
 from launch.contract.files import DATA_CACHE
 from launch.contract.spec import PhaseSpec
 from launch.data.examples import SampleOrder, load_examples, load_validation, micro_batch, prepare as prepare_data
@@ -32,9 +31,7 @@ from launch.staging import Staging, cap_memory
 from launch.data.templates import trained_template
 from launch.train import token_loss
 from shard_tools.later import Later
-from shard_tools.model import (
-    DTYPES, ModelSpec, build_base_model, build_skeleton, detect_parts, head_param_names, layer_param_names,
-)
+from shard_tools.model import DTYPES, build_skeleton, detect_parts, head_param_names, layer_param_names
 from shard_tools.state import Origin, StateFiles, layer_weights
 
 
@@ -197,11 +194,6 @@ def checkpointed_layers_in_training(model: nn.Module) -> None:
             m.training = True
 
 
-def model_spec(spec: PhaseSpec) -> ModelSpec:
-    m = spec.model
-    return ModelSpec(path=m.path, config=m.config, dtype=m.dtype, seed=spec.seed)
-
-
 def host_model(ph: Phase, made: Prepared) -> None:
     """A phase that prepared to take its predecessor's state but did not (``launch.handover``):
     the host model as a phase without a handover has it, built now."""
@@ -316,12 +308,3 @@ def memory_now() -> dict[str, float]:
 def hash_seed(*parts: int) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
 
-
-def model_key(spec: ModelSpec) -> str:
-    return json.dumps(dataclasses.asdict(spec), sort_keys=True)
-
-
-def base_model(spec: ModelSpec, prebuilt: dict[str, nn.Module]) -> nn.Module:
-    """The model ``prebuilt`` holds for ``spec`` (taken out of it), or one built now."""
-    model = prebuilt.pop(model_key(spec), None)
-    return model if model is not None else build_base_model(spec)

@@ -153,7 +153,7 @@ class Phase:
         self.timeline = Timeline(rank=rank, world_size=world, t_process_start=psutil.Process().create_time())
         """Every timing and measurement of this process: its records.json."""
         self.prebuilt = prebuilt if prebuilt is not None else {}
-        """Base models built before this process was forked (``launch.zygote``), by ``prepare.model_key``."""
+        """Base models built before this process was forked (``launch.zygote``), by ``basemodel.model_key``."""
         self.made: Prepared | None = None
         self.built: Assembled | None = None
         self.files: Later[StateFiles | None] = Later.now(None)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from launch.basemodel import base_model, model_spec
 from launch.contract import faults
 from launch.contract.files import PhaseDir, Resident, TensorRef
 from launch.contract.spec import PhaseSpec
@@ -49,8 +50,6 @@ POLL = 0.02
 def hold(spec: PhaseSpec, rank: int, prebuilt: dict[str, nn.Module]) -> int:
     """The holder of this rank's device: the model's weights there, its record written; then it
     sleeps until it is ended with the run (the fork server's end, or the orchestrator's)."""
-    from launch.prepare import base_model, model_spec
-
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     device = device_of()

@@ -69,7 +69,7 @@ def import_all() -> int:
 class Zygote:
     def __init__(self, spec: PhaseSpec, threads: int | None = None):
         self.threads = import_all() if threads is None else threads
-        from launch.prepare import model_key, model_spec
+        from launch.basemodel import model_key, model_spec
         from shard_tools.model import build_base_model
 
         base = model_spec(spec)

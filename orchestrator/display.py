@@ -67,11 +67,16 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switc
         ckpt = "with" if s.model.gradient_checkpointing else "without"
         out.print(f"estimated device memory per process: {estimate.count.total:,} parameters, activations {ckpt} "
                   f"gradient checkpointing and the logits; ZeRO's reduce bucket counted; the CUDA context not counted{device}")
-        out.print(largest_phase(phases, estimate), markup=False, highlight=False)
-        if estimate.resident:
-            out.print(f"the model's weights: {format_bytes(estimate.resident)} per GPU with the holder's process, "
-                      f"one copy for the whole run that every phase maps (launch.resident); a phase's weights "
-                      f"above are what it trains", markup=False, highlight=False)
+        for line in filter(None, (largest_phase(phases, estimate), holder_line(estimate))):
+            out.print(line, markup=False, highlight=False)
+
+
+def holder_line(estimate: PlanEstimate) -> str | None:
+    """Where the phases map one copy of the model per GPU (``launch.resident``), what it holds."""
+    if not estimate.resident:
+        return None
+    return (f"the model's weights: {format_bytes(estimate.resident)} per GPU with the holder's process, one copy "
+            f"for the whole run that every phase maps (launch.resident); a phase's weights above are what it trains")
 
 
 def largest_phase(phases: list[Phase], estimate: PlanEstimate) -> str:
