@@ -147,7 +147,7 @@ def test_plan_shows_the_choice_the_policy_and_the_largest_phase(tmp_path, tiny_m
     assert "largest phase: 0 (layers " in r.output and " per process" in r.output
 
 
-@pytest.mark.parametrize("name", ["lisa", "badam", "owlore"])
+@pytest.mark.parametrize("name", ["lisa", "badam", "owlore", "lmflow-keep"])
 def test_the_family_examples_plan_as_their_comments_say(tmp_path, tiny_model, tiny_data, name):
     """examples/family/*.toml on the tiny model (make demo makes ../tiny/model; here the fixture's):
     plan accepts each, and its phases are what its comment promises."""
@@ -170,6 +170,10 @@ def test_the_family_examples_plan_as_their_comments_say(tmp_path, tiny_model, ti
         passes = [sorted(drawn[i:i + 2]) for i in range(0, len(drawn), 2)]
         assert passes == [[(0, 1), (2, 3)]] * 4
         assert "optimizer state (drop-all): the body's and the head's new each phase" in r.stdout
+    if name == "lmflow-keep":  # two layers every 5 steps, some come back, their state kept through the checkpoint
+        assert all(len(d) == 2 for d in drawn) and len({l for d in drawn for l in d}) < 2 * len(drawn)
+        assert "optimizer state (keep): each layer's kept in the checkpoint from its last visit" in r.stdout
+        assert 'schedule.optimizer_state = "keep"' in r.stdout  # each switch's reason
     if name == "owlore":  # weight 0 never drawn; no layer twice within a window of 2 phases
         assert all(3 not in d for d in drawn)
         assert all(not set(drawn[i]) & set(drawn[i + 1]) for i in range(0, len(drawn), 2))
