@@ -94,13 +94,13 @@ def test_retention_keeps_only_checkpoints_holding_a_newest_layer():
     assert retained_disk([[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]], one) == 6
 
 
-def test_plan_at_13b_hands_over_with_micro_batches_of_two():
-    """Micro batches of 2 since the estimate's reserve left the weights out (they lie in blocks
-    allocated once; d6596d5): the overlap of two 13B phases, 26 GB of weights each, was 1 before."""
+def test_plan_at_13b_hands_over_with_the_shapes_micro_batches():
+    """With one copy of the model per GPU (launch.resident) the overlap of two 13B phases counts 26 GB
+    of weights once: micro batches of 4 (the shape's) hand over on an H200, where two copies allowed 2."""
     shape = SHAPES["13b"]
     p = plan(shape, layer_walk("walk", 8, 40, 0), free_disk=60 * GB, free_shm=130 * GB, ram=HOST, device=H200, final_model=False,
              peer_output=False, want_handover=True, prewarm=True)
-    assert p.fits and p.handover_fits and p.micro_batch == 2 and p.prewarm_depth == 3
+    assert p.fits and p.handover_fits and p.micro_batch == shape["micro_batch_size"] == 4 and p.prewarm_depth == 3
     assert (p.model_on, p.work_on) == ("shm", "disk")  # 26 GB of model and 52 GB of checkpoints: not both on 60 GB
 
 

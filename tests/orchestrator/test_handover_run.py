@@ -4,7 +4,9 @@ overlap as designed, and a process killed anywhere in the choreography fails the
 a run again resumes to the same result.
 
 On the CPU the handover goes through a file (``launch.handover = "on"``, the host transport); on
-CUDA (``-m cuda``) the same tests run with CUDA IPC (``"auto"``, bfloat16).
+CUDA (``-m cuda``) the same tests run with CUDA IPC (``"auto"``, bfloat16), and the phases map the
+holder's weights there (``launch.resident = "auto"``). The references go through the checkpoint,
+each phase with its own copy of the model.
 """
 
 from __future__ import annotations
@@ -129,8 +131,8 @@ def assert_handed_over(run_dir: Path, phases: int) -> None:
 # -- the same result ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_model, tiny_data, device) -> Path:
-    """The three phases through the checkpoint."""
-    return finished(tmp_path_factory.mktemp("off"), tiny_model, tiny_data, device, "off")
+    """The three phases through the checkpoint, each with a copy of the model of its own."""
+    return finished(tmp_path_factory.mktemp("off"), tiny_model, tiny_data, device, "off", resident="off")
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +160,7 @@ def reference2(tmp_path_factory, tiny_model, tiny_data, device) -> Path:
     """The three phases through the checkpoint, two processes each."""
     if device == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
-    return finished(tmp_path_factory.mktemp("off2"), tiny_model, tiny_data, device, "off", nproc=2)
+    return finished(tmp_path_factory.mktemp("off2"), tiny_model, tiny_data, device, "off", nproc=2, resident="off")
 
 
 def test_two_processes(tmp_path, tiny_model, tiny_data, device, reference2):
