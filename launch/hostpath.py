@@ -20,12 +20,13 @@ import mmap
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import torch
 
 from launch import engine
-from launch.contract import faults
+from launch.contract import devmem, faults
 from launch.contract.files import Carried, Offer, TensorRef
 from launch.record import Phase
 from launch.staging import Staging, one_block
@@ -126,25 +127,27 @@ PREDECESSOR_EXIT_SECONDS = 60.0
 weights on the device (``wait_gone``): the predecessor writes its checkpoint first (0.8-1.4 s at 7B)."""
 
 
-def wait_gone(pid: int, timeout: float = PREDECESSOR_EXIT_SECONDS, poll: float = 0.02) -> float | None:
-    """Waits until process ``pid`` has exited (a zombie holds no device memory: gone too); the
-    seconds it waited, None where ``timeout`` passed first.
+def wait_gone(pid: int, timeout: float = PREDECESSOR_EXIT_SECONDS, poll: float = 0.02,
+              holds: Callable[[int], bool] = devmem.holds_memory) -> float | None:
+    """Waits until process ``pid`` has exited and no longer ``holds`` device memory (NVML lists it
+    no more); the seconds it waited, None where ``timeout`` passed first.
 
     Under a budget the successor waits for this before it puts its weights on the device: the
     predecessor's ``release_device`` does not give all of its memory back (at 7B on an H100 the
     device held both phases' weights at every switch, 30-34 GiB under a budget of 24,
-    benchmarks/results/2026-12-06-issue42-h100-7b), its exit does."""
+    benchmarks/results/2026-12-06-issue42-h100-7b), its exit does, but not at once: with the wait
+    for its exit alone the device still rose to 30-31 GiB for 0.3-0.5 s after it, until the driver
+    had torn the exited process's context down (benchmarks/results/2026-12-06-issue41-h100-resident)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                break
+            gone = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
-            break
+            gone = True
+        if gone and not holds(pid):
+            return time.monotonic() - t0
         time.sleep(poll)
-    else:
-        return None
-    return time.monotonic() - t0
+    return None
 
 
 def _tensors(optimizer: object) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from orchestrator import devmem
+from launch.contract import devmem
 
 DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")
 

@@ -16,7 +16,8 @@ from typing import Callable
 from launch.contract.cadence import end_writes
 from launch.contract.files import RunDir
 
-from orchestrator import backstop, devmem, final, procs
+from launch.contract import devmem
+from orchestrator import backstop, final, procs
 from orchestrator.datastep import adopt_data, stage_data
 from orchestrator.dsconfig import recorded_raw
 from orchestrator.groups import Group, PhaseProcesses, Work, log_tail

@@ -3,9 +3,12 @@ mapped back bit for bit, and the walk that finds an optimizer's tensors to let g
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from launch import hostpath
+from launch.contract import devmem
 from launch.contract.files import Carried, Offer
 from launch.master_adamw import MasterAdamW
 
@@ -87,3 +90,18 @@ def test_under_a_budget_the_successor_waits_for_its_predecessor_to_be_gone():
     finally:
         long.kill()
         long.wait()
+
+
+def test_an_exited_predecessor_is_waited_for_until_the_driver_lets_its_memory_go():
+    """An exited process holds its device memory until the driver has torn its context down (on an
+    H100 0.3-0.5 s after its exit): the successor waits until NVML lists it no more. Here NVML's list
+    is a stand-in that drops the pid 0.4 s after its exit; without NVML nothing is listed."""
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    until = time.monotonic() + 0.4
+    waited = hostpath.wait_gone(gone.pid, timeout=10, holds=lambda pid: time.monotonic() < until)
+    assert waited is not None and 0.35 < waited < 5
+    assert hostpath.wait_gone(gone.pid, timeout=0.3, holds=lambda pid: True) is None
+    assert devmem.holds_memory(gone.pid) is False  # this machine: no NVML, or not listed

@@ -1,8 +1,9 @@
 """Device memory as the driver sees it, without a CUDA context: NVML (``nvidia-ml-py``, optional).
 
 After a phase's processes are gone the orchestrator records what the device still holds, and
-which processes hold it. Without NVML (CPU machines, or the extra not installed) it records
-nothing and the next worker's own start-of-phase reading stands in.
+which processes hold it; under a device budget a successor waits until its predecessor holds none
+(``launch.hostpath.wait_gone``). Without NVML (CPU machines, or the extra not installed) nothing is
+recorded and nothing waited for: the next worker's own start-of-phase reading stands in.
 """
 
 from __future__ import annotations
@@ -31,3 +32,10 @@ def snapshot(pids: set[int] | None = None) -> dict | None:
         return None
     finally:
         pynvml.nvmlShutdown()
+
+
+def holds_memory(pid: int) -> bool:
+    """Whether NVML lists process ``pid`` on any device (False without NVML): a process that has
+    exited holds its device memory until the driver has torn its context down."""
+    found = snapshot()
+    return found is not None and any(p["pid"] == pid for d in found["devices"] for p in d["processes"])
