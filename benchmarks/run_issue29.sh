@@ -267,12 +267,7 @@ long7c() {
 issue41() {
     $PY -m pytest -q -p no:cacheprovider tests/launch/test_master_adamw.py tests/launch/test_carried.py \
         tests/launch/test_staging.py 2>&1 | tail -3
-    space 7b --layers lisa --phases 13 --final-model --peer-output --handover || exit 3
-    timeout 420 $PY benchmarks/peer.py --shape "$(shape 7b)" --model-dir "$MODEL_DIR" --outputs "$WORK_DIR" \
-        --work "$S/work/peer7b-defaults" --micro-batch "$MICRO" --results-dir "$S/results" --out peer7b-defaults \
-        --timeout 400 --callback auto --keep-last 1 --steps 260 "${TINY_ARGS[@]}"
-    say "peer.py peer7b-defaults: rc $?"
-    rm -rf "$S/work/peer7b-defaults" "$WORK_DIR" "$SHM/model-7b"
+    defaults7b peer7b-defaults 13
     space 1.1b --layers lisa --phases 20 --handover --carried 2 || exit 3
     switch cadence11 1.1b --phases 20 --steps 20 --zero-stage 0 --timeout 150
     rm -rf "$WORK_DIR/cadence11"
@@ -280,13 +275,17 @@ issue41() {
 
 # Issue #41 with one copy of the model per GPU (launch.resident, the default on a GPU): the peer job at
 # relayer's defaults (7B, 260 steps, 14 LISA phases: no zero_stage, cadence or handover key), side by side.
-resident7b() {
-    space 7b --layers lisa --phases 14 --final-model --peer-output --handover || exit 3
+resident7b() { defaults7b resident7b-defaults 14; }
+
+# defaults7b NAME PHASES: the peer job at relayer's defaults (7B, 260 steps; PHASES sizes the disk), its
+# run removed after.
+defaults7b() {
+    space 7b --layers lisa --phases "$2" --final-model --peer-output --handover || exit 3
     timeout 480 $PY benchmarks/peer.py --shape "$(shape 7b)" --model-dir "$MODEL_DIR" --outputs "$WORK_DIR" \
-        --work "$S/work/resident7b" --micro-batch "$MICRO" --results-dir "$S/results" --out resident7b-defaults \
+        --work "$S/work/$1" --micro-batch "$MICRO" --results-dir "$S/results" --out "$1" \
         --timeout 450 --callback auto --keep-last 1 --steps 260 "${TINY_ARGS[@]}"
-    say "peer.py resident7b-defaults: rc $?"
-    rm -rf "$S/work/resident7b" "$WORK_DIR" "$SHM/model-7b"
+    say "peer.py $1: rc $?"
+    rm -rf "$S/work/$1" "$WORK_DIR" "$SHM/model-7b"
 }
 
 # The carried layers on the host alone (issue41's second half): 1.1B, 20 LISA phases at the default cadence.
