@@ -29,7 +29,7 @@ from launch.contract.cadence import end_writes
 from launch.contract.files import Answer, Carried, Offer, PhaseDir
 from launch.record import Phase, Prepared
 from launch.save import carried_layer, snapshot
-from launch.staging import one_block
+from launch.staging import install, one_block
 from launch.transports import device_id, export_cuda, export_host, map_offer
 from shard_tools.errors import CheckpointError
 from shard_tools.state import PhaseState, RunState, layer_weights
@@ -355,16 +355,8 @@ def _own_weights(made: Prepared, parts: dict[str, dict[str, torch.Tensor]]) -> N
     trainable = {*made.head_names, *made.body_names}
     frozen = [n for n, _ in named if n not in trainable]
     copies = dict(zip(frozen, _in_one_block({n: parts[WEIGHTS][n] for n in frozen}).values()))
-    new = {id(p): torch.nn.Parameter(copies[n] if n in copies else parts[WEIGHTS][n].clone(),
-                                     requires_grad=p.requires_grad) for n, p in named}
-    for module in made.model.modules():
-        for leaf, p in module._parameters.items():
-            if p is not None and id(p) in new:
-                module._parameters[leaf] = new[id(p)]
-    for name, _ in list(made.model.named_buffers()):
-        owner, _, leaf = name.rpartition(".")
-        module = made.model.get_submodule(owner)
-        module._buffers[leaf] = parts[BUFFERS][name].clone()
+    install(made.model, lambda n: copies[n] if n in copies else parts[WEIGHTS][n].clone(),
+            lambda n: parts[BUFFERS][n].clone())
 
 
 def _layers_in(ph: Phase, offered: dict[str, torch.Tensor], host_layers: list[dict], keep: bool

@@ -38,7 +38,7 @@ from launch.contract.files import PhaseDir, Resident, TensorRef
 from launch.contract.spec import PhaseSpec
 from launch.procs import PhaseError
 from launch.record import Phase, device_of
-from launch.staging import BLOCK_ALIGN, one_block
+from launch.staging import block_bytes, install, one_block
 from launch.transports import cuda_storage, device_id, export_cuda, view
 from shard_tools.state import layer_weights
 from shard_tools.store import Checkpoints
@@ -85,9 +85,8 @@ def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def export(tensors: dict[str, torch.Tensor], device: torch.device) -> Resident:
     """``tensors`` in one block on ``device`` (on a CPU, a memfd of this process), each once."""
-    first: dict[int, str] = {}
-    for name, t in tensors.items():
-        first.setdefault(t.data_ptr() if t.numel() else id(t), name)
+    first: dict[int, str] = {}  # a storage's first name, and each name's
+    owner = {name: first.setdefault(t.data_ptr() if t.numel() else id(t), name) for name, t in tensors.items()}
     unique = list(first.values())
     if device.type == "cuda":
         views = dict(zip(unique, one_block([tensors[n] for n in unique], device)))
@@ -95,8 +94,7 @@ def export(tensors: dict[str, torch.Tensor], device: torch.device) -> Resident:
         views = dict(zip(unique, _memfd_block([tensors[n] for n in unique])))
     for name in unique:
         views[name].copy_(tensors[name])
-    key = {name: first[t.data_ptr() if t.numel() else id(t)] for name, t in tensors.items()}
-    named = {name: views[key[name]] for name in tensors}
+    named = {name: views[owner[name]] for name in tensors}
     if device.type == "cuda":
         blocks, refs = export_cuda(named)
         return Resident(pid=os.getpid(), device=device_id(device), transport="cuda", block=blocks[0], tensors=refs)
@@ -113,11 +111,11 @@ _MEMFD: list[int] = []
 
 def _memfd_block(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """``one_block`` in a memfd of this process, mapped shared."""
-    sizes = [-(-t.nbytes // BLOCK_ALIGN) * BLOCK_ALIGN for t in tensors]
+    size = max(1, block_bytes(tensors))
     fd = os.memfd_create("relayer-resident")
-    os.ftruncate(fd, max(1, sum(sizes)))
+    os.ftruncate(fd, size)
     _MEMFD.append(fd)
-    whole = torch.frombuffer(mmap.mmap(fd, max(1, sum(sizes))), dtype=torch.uint8)
+    whole = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
     return one_block(tensors, whole.device, block=whole)
 
 
@@ -131,17 +129,7 @@ def map_into(ph: Phase, model: nn.Module) -> dict[str, torch.Tensor]:
                          f"this rank is on {device_id(ph.device)}")
     storage = cuda_storage(record.block, ph.device) if record.transport == "cuda" else _memfd_storage(record.block)
     views = {r.name: view(storage, r) for r in record.tensors}
-    new: dict[int, nn.Parameter] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        at = f"{prefix}." if prefix else ""
-        for leaf, p in module._parameters.items():
-            if p is not None:
-                if id(p) not in new:
-                    new[id(p)] = nn.Parameter(views[at + leaf], requires_grad=p.requires_grad)
-                module._parameters[leaf] = new[id(p)]
-        for leaf, b in module._buffers.items():
-            if b is not None:
-                module._buffers[leaf] = views[at + leaf]
+    install(model, views.__getitem__, views.__getitem__)
     ph.timeline.mark("t_resident_mapped")
     return views
 

@@ -185,14 +185,37 @@ def one_block(tensors: list[torch.Tensor], device: torch.device, block: torch.Te
               ) -> list[torch.Tensor]:
     """Empty tensors shaped as ``tensors``, views into one allocation on ``device`` (each at a
     multiple of 256 bytes), in their order; into ``block`` (bytes, large enough) where given."""
-    sizes = [-(-t.nbytes // BLOCK_ALIGN) * BLOCK_ALIGN for t in tensors]
-    block = torch.empty(sum(sizes), dtype=torch.uint8, device=device) if block is None else block
+    block = torch.empty(block_bytes(tensors), dtype=torch.uint8, device=device) if block is None else block
     out, at = [], 0
-    for t, size in zip(tensors, sizes):
+    for t in tensors:
         out.append(block[at:at + t.nbytes].view(t.dtype).view(t.shape) if t.numel() else torch.empty(
             t.shape, dtype=t.dtype, device=device))
-        at += size
+        at += _in_block(t)
     return out
+
+
+def block_bytes(tensors: list[torch.Tensor]) -> int:
+    """The bytes ``one_block`` lays ``tensors`` out in."""
+    return sum(map(_in_block, tensors))
+
+
+def _in_block(t: torch.Tensor) -> int:
+    return -(-t.nbytes // BLOCK_ALIGN) * BLOCK_ALIGN
+
+
+def install(model: torch.nn.Module, params, buffers) -> None:
+    """New parameters and buffers in place of ``model``'s (a skeleton's, on the meta device):
+    ``params(name)`` and ``buffers(name)``, each asked for under its first name; a parameter or
+    buffer that two modules share stays shared."""
+    new_p = {id(p): torch.nn.Parameter(params(n), requires_grad=p.requires_grad) for n, p in model.named_parameters()}
+    new_b = {id(b): buffers(n) for n, b in model.named_buffers()}
+    for module in model.modules():
+        for leaf, p in module._parameters.items():
+            if p is not None:
+                module._parameters[leaf] = new_p[id(p)]
+        for leaf, b in module._buffers.items():
+            if b is not None:
+                module._buffers[leaf] = new_b[id(b)]
 
 
 def _host_buffer(size: int) -> torch.Tensor:
