@@ -8,7 +8,8 @@ the masters of its layers and of the layers it carries), into a file in shared m
 its engine's tensors, so that only its CUDA context is left while the successor builds its engine)
 and waits for the answer; then it writes its checkpoint, if asked, from that file, and exits. The
 successor prepared a host model as a phase without a handover does (no skeleton: the model's
-frozen weights never move between the two), maps the file, puts the masters into its host model
+frozen weights never move between the two; or it maps the holder's copy, ``launch.resident``, and
+owns only what it trains), maps the file, puts the masters into its host model
 (``copy_in``) and the layers that phases between its preload and its predecessor trained from
 their committed checkpoints (``layers_between``), builds its engine and answers. The mapping is
 copy-on-write: neither process copies the file to read it.

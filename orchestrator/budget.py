@@ -4,7 +4,9 @@ of another card), and what the plan does to keep it.
 
 What one device holds, by the formulas and constants of ``orchestrator.estimate``:
 
-    while phase i trains   on_device(i) + waiting(i) x PROCESS_BYTES
+    while phase i trains   held + on_device(i) + waiting(i) x PROCESS_BYTES
+                           (held: the holder's copy of the model and its context, where the phases
+                           map it, ``launch.resident``; on_device(i) then counts only what i trains)
                            (waiting(i): the phases pre-warmed beside it, up to launch.prewarm_depth)
     at its end             the same + what it gathers to save or offer (ZeRO >= 1: the head's fp32
                            masters and moments, its layers' masters; at ZeRO 0 the optimizer's own)
@@ -21,8 +23,9 @@ end, is above the budget, no way fits: the schedule is refused (exit 2), naming 
 would make it fit (``what_would_fit``).
 
 Each process's caching allocator is capped (``PhaseSpec.memory_cap``, the worker's
-``torch.cuda.set_per_process_memory_fraction``) at the budget less the fixed part of itself and of
-every phase waiting beside it: a phase whose estimate is short fails with an out-of-memory error
+``torch.cuda.set_per_process_memory_fraction``) at the budget less the holder's part and the fixed
+part of itself and of every phase waiting beside it (the holder's block, mapped by CUDA IPC, is
+outside a phase's allocator): a phase whose estimate is short fails with an out-of-memory error
 inside its share instead of taking more of the device. Not capped by it: the CUDA contexts
 themselves (counted as ``PROCESS_BYTES``). A phase pre-warmed beside a training one is counted at
 ``PROCESS_BYTES``, so until its go its allocator is capped at that less its context
@@ -75,21 +78,26 @@ def waiting_during(loaded: LoadedSchedule, phases: list[Phase], index: int) -> i
 
 
 def phase_peak(loaded: LoadedSchedule, phases: list[Phase], estimate: PlanEstimate, index: int) -> int:
-    """Bytes on one device while phase ``index`` trains and ends: its own, what it gathers at its
-    end (ZeRO >= 1), and the fixed part of each phase waiting beside it."""
+    """Bytes on one device while phase ``index`` trains and ends: the holder's (``estimate.resident``),
+    its own, what it gathers at its end (ZeRO >= 1), and the fixed part of each phase waiting beside it."""
     gathered = 0  # at ZeRO 0 the optimizer's own memory; offloaded, on the host (assumed: not measured on a GPU)
     if loaded.schedule.deepspeed.zero_stage > 0 and not offloads_optimizer(loaded.deepspeed_config):
         gathered = offered_bytes(estimate.count, trained_head(loaded, estimate.count), len(phases[index].layers))
-    return on_device(estimate.phases[index]) + gathered + waiting_during(loaded, phases, index) * PROCESS_BYTES
+    waiting = waiting_during(loaded, phases, index)
+    return estimate.resident + on_device(estimate.phases[index]) + gathered + waiting * PROCESS_BYTES
 
 
-def memory_cap(loaded: LoadedSchedule, phases: list[Phase], index: int) -> int:
+def memory_cap(loaded: LoadedSchedule, phases: list[Phase], index: int, held: int = 0, size: int | None = None) -> int:
     """What phase ``index``'s caching allocator may reserve on its device (``PhaseSpec.memory_cap``):
-    the budget less its own fixed part and that of each phase waiting beside it; 0: no budget."""
-    budget = budget_of(loaded)
-    if budget is None:
-        return 0
-    return max(1, budget.size - (1 + waiting_during(loaded, phases, index)) * PROCESS_BYTES)
+    the budget (``size``, else the schedule's) less the holder's part (``held``: ``PlanEstimate.resident``
+    where the phases map its copy) and the fixed part of itself and of each phase waiting beside it;
+    0: no budget."""
+    if size is None:
+        budget = budget_of(loaded)
+        if budget is None:
+            return 0
+        size = budget.size
+    return max(1, size - held - (1 + waiting_during(loaded, phases, index)) * PROCESS_BYTES)
 
 
 def waiting_cap(loaded: LoadedSchedule) -> int:
@@ -106,7 +114,7 @@ def check_budget(loaded: LoadedSchedule, phases: list[Phase], option: int | None
     if budget is None:
         return
     try:
-        estimate = estimate_plan(loaded, phases, budget=True)
+        estimate = estimate_plan(loaded, phases)
     except EstimateError:
         return
     peaks = [phase_peak(loaded, phases, estimate, i) for i in range(len(phases))]
@@ -121,7 +129,9 @@ def check_budget(loaded: LoadedSchedule, phases: list[Phase], option: int | None
 def _parts(loaded: LoadedSchedule, phases: list[Phase], estimate: PlanEstimate, index: int) -> str:
     waiting = waiting_during(loaded, phases, index)
     m = estimate.phases[index]
-    return (f"its weights {format_bytes(m.weights)} + the rest of its estimate {format_bytes(m.total - m.weights)} "
+    held = f"the holder's copy of the model {format_bytes(estimate.resident)} (launch.resident) + " \
+        if estimate.resident else ""
+    return (f"{held}its weights {format_bytes(m.weights)} + the rest of its estimate {format_bytes(m.total - m.weights)} "
             f"x {RESERVE} for the allocator + {format_bytes(PROCESS_BYTES)} a process"
             + (f", {waiting} phase{'s' * (waiting > 1)} waiting pre-warmed" if waiting else ""))
 
@@ -186,7 +196,7 @@ def _worst_peak(loaded: LoadedSchedule) -> int:
     from orchestrator.plan import plan_phases
 
     phases = plan_phases(loaded)
-    estimate = estimate_plan(loaded, phases, budget=True)
+    estimate = estimate_plan(loaded, phases)
     return max(phase_peak(loaded, phases, estimate, i) for i in range(len(phases)))
 
 
@@ -195,7 +205,7 @@ def budget_line(loaded: LoadedSchedule, phases: list[Phase], estimate: PlanEstim
     (which is shown with its switch) and each phase's allocator cap."""
     peaks = [phase_peak(loaded, phases, estimate, i) for i in range(len(phases))]
     worst = max(range(len(phases)), key=peaks.__getitem__)
-    caps = {max(1, budget.size - (1 + waiting_during(loaded, phases, i)) * PROCESS_BYTES) for i in range(len(phases))}
+    caps = {memory_cap(loaded, phases, i, estimate.resident, budget.size) for i in range(len(phases))}
     return (f"device budget {format_bytes(budget.size)} ({budget.name}): a phase holds at most "
             f"{format_bytes(peaks[worst])} of one device (phase {worst}: {_parts(loaded, phases, estimate, worst)}); "
             f"each process's allocator capped at {format_bytes(min(caps))}"

@@ -104,7 +104,7 @@ def plan(schedule: Path, output_dir: Path | None, nproc: int | None, device_memo
     phases = plan_phases(loaded)
     data = check_data(loaded)
     try:
-        estimate, failure = estimate_plan(loaded, phases, budget=budget is not None), None
+        estimate, failure = estimate_plan(loaded, phases), None
     except EstimateError as e:
         estimate, failure = None, e
     switches = plan_switches(loaded, phases, estimate, device, memory_name=budget.name if budget else "--device-memory")

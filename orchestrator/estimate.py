@@ -34,8 +34,9 @@ phases that wait pre-warmed. The overlap's peak on one device, as NVML sees it:
     waiting      the phases pre-warmed beyond S (launch.prewarm_depth, as many as are left)
 
 With one copy of the model per device (``launch.resident``, on a GPU by default), the holder keeps
-the model's weights (P x dtype bytes) and its CUDA context for the whole run, and a phase's weights
-are only what it trains (T x dtype bytes, its own copies): the overlap counts one model, not two.
+the model's weights (P x dtype bytes) and its CUDA context (``CONTEXT_BYTES``) for the whole run,
+and a phase's weights are only what it trains (T x dtype bytes, its own copies): the overlap counts
+one model, not two, and so does a device budget (``orchestrator.budget``).
 
 P holds its whole phase's memory and, beside it, the copies it gathered to offer; S has copied the
 same bytes into its own memory before it answers and before P lets go of anything, and S's own
@@ -307,8 +308,9 @@ class PlanEstimate:
     were it to hand over on the device (``overlap_peak``), whether or not it will; it falls
     towards the run's end, as fewer phases wait pre-warmed. With ``resident``, the holder's too."""
     resident: int = 0
-    """Bytes the holder keeps on each device for the whole run (the model's weights and its
-    process, ``launch.resident`` on a GPU); 0: every phase has a copy of its own."""
+    """Bytes the holder keeps on each device for the whole run (the model's weights, in one block
+    its allocator reserves exactly, and its CUDA context, ``CONTEXT_BYTES``: it only copies;
+    ``launch.resident`` on a GPU); 0: every phase has a copy of its own."""
 
 
 def trained_head(loaded: LoadedSchedule, count: ParamCount) -> int:
@@ -317,10 +319,10 @@ def trained_head(loaded: LoadedSchedule, count: ParamCount) -> int:
     return sum(count.head.get(p, 0) for p in (persistent if persistent is not None else count.head))
 
 
-def estimate_plan(loaded: LoadedSchedule, phases: list[Phase], budget: bool = False) -> PlanEstimate:
-    """Per phase, the memory one of its processes needs, and per switch the handover's overlap peak;
-    raises EstimateError for an unknown family. ``budget``: under a device budget (plan's
-    --device-memory too), where every phase has its own copy of the model (``orchestrator.resident``)."""
+def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
+    """Per phase, the memory one of its processes needs, and per switch the handover's overlap peak,
+    in the layout of a GPU (the holder's copy of the model where ``orchestrator.resident`` says so);
+    raises EstimateError for an unknown family."""
     s = loaded.schedule
     count = param_count(model_config(loaded))
     persistent = s.model.persistent if s.model.persistent is not None else list(count.head)
@@ -328,13 +330,13 @@ def estimate_plan(loaded: LoadedSchedule, phases: list[Phase], budget: bool = Fa
     # The largest trainable parameter: a head module (the embedding), or a layer's largest matrix,
     # taken as a quarter of the layer (a Llama layer's MLP matrix is 0.22 of it).
     largest = max([count.head.get(p, 0) for p in persistent] + [count.per_layer // 4])
-    resident = not budget and resident_reason(loaded, phases, gpus=1) is None  # on a GPU: what this counts
+    resident = resident_reason(loaded, phases, gpus=1) is None  # on a GPU: what this counts
     out = [phase_memory(count, trainable, dtype=s.model.dtype, zero_stage=s.deepspeed.zero_stage,
                         world=ph.nproc * s.launch.nnodes, micro_batch=s.data.micro_batch_size, seq_len=s.data.seq_len,
                         checkpointing=s.model.gradient_checkpointing, offload=offloads_optimizer(loaded.deepspeed_config),
                         bucket=reduce_bucket(loaded, trainable), largest=largest, resident=resident)
            for ph in phases for trainable in [head + len(ph.layers) * count.per_layer]]
-    held = count.total * DTYPE_BYTES[s.model.dtype] + PROCESS_BYTES if resident else 0
+    held = count.total * DTYPE_BYTES[s.model.dtype] + CONTEXT_BYTES if resident else 0
     overlaps = [held + overlap_peak(out[i], out[i + 1], offered_bytes(count, head, len(phases[i].layers)),
                                     waiting_beside(loaded, phases, i + 1), gathered=s.deepspeed.zero_stage > 0)
                 for i in range(len(phases) - 1)]

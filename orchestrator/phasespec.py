@@ -47,7 +47,8 @@ def phase_spec(loaded: LoadedSchedule, phases: list[Phase], work: Work, phase_di
         master_port=free_port(), master_addr=master_addr(s.launch), rendezvous_seconds=s.launch.rendezvous_seconds,
         orchestrator_pid=os.getpid(), orchestrator_host=socket.gethostname(),
         handover=handover_part(loaded, phases, ph.index, estimate), optimizer_state=s.schedule.optimizer_state,
-        memory_cap=memory_cap(loaded, phases, ph.index), waiting_cap=waiting_cap(loaded),
+        memory_cap=memory_cap(loaded, phases, ph.index, held=estimate.resident if resident and estimate else 0),
+        waiting_cap=waiting_cap(loaded),
         resident=str(resident) if resident is not None else None,
     )
 
@@ -57,7 +58,7 @@ def spec_maker(loaded: LoadedSchedule, phases: list[Phase]) -> Callable[[Work, P
     peaks (``plan_estimate``) and where the phases map the model's weights (``resident_dir``; exit 2
     where ``launch.resident = "on"`` cannot be)."""
     estimate = plan_estimate(loaded, phases)
-    holder = resident_dir(loaded, phases, this_machine().gpus)
+    holder = resident_dir(loaded, phases, this_machine().gpus, sized=estimate is not None)
     return lambda work, phase_dir: phase_spec(loaded, phases, work, phase_dir, estimate, holder)
 
 

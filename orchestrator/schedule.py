@@ -286,8 +286,8 @@ class LaunchSection(Section):
     """Where the model's weights live: "auto" in one copy per GPU for the whole run, kept by a holder
     process that every phase maps instead of copying them (one model on the device at a switch, not
     two; a phase owns only what it trains), where the run has a GPU, forks its phases (prewarm, the
-    local launcher, one node), runs every phase on as many processes, ZeRO stage 0-2 and no
-    launch.device_memory; "on" the same, also without a GPU (in host memory: for testing it on a CPU),
+    local launcher, one node), runs every phase on as many processes and ZeRO stage 0-2 (under
+    launch.device_memory, of a model the plan can size: the budget counts it once); "on" the same, also without a GPU (in host memory: for testing it on a CPU),
     and exit 2 where the run cannot; "off" every phase its own copy."""
     device_memory: str | None = None
     """The device memory relayer's processes may hold on one GPU, all of them together: a size
@@ -295,7 +295,8 @@ class LaunchSection(Section):
     device, through host memory, through the checkpoint (orchestrator plan shows which and why); a
     schedule of which a phase alone does not fit is refused (exit 2) naming the keys that would
     make it fit (model.gradient_checkpointing, data.micro_batch_size, launch.prewarm_depth). Each
-    process's allocator is capped at its share (torch.cuda.set_per_process_memory_fraction)."""
+    process's allocator is capped at its share (torch.cuda.set_per_process_memory_fraction), the
+    holder's copy of the model (launch.resident) counted once per GPU."""
 
     _int_is_float = field_validator("grace_seconds", "stall_seconds", "pause_preparing_seconds", "rendezvous_seconds",
                                     mode="before")(int_is_float)

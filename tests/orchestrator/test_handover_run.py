@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import psutil
@@ -28,6 +29,7 @@ from orchestrator.procs import recorded
 from shard_tools.checkpoint import load_tensors
 from shard_tools.store import Checkpoints
 from tests.conftest import cli, faults_env, schedule_dict, write_schedule
+from tests.orchestrator.test_handover_plan import CONFIG as TINY_CONFIG
 from tests.reference import bitwise_equal, composed
 
 pytestmark = pytest.mark.multiprocess
@@ -414,11 +416,18 @@ def test_a_phase_killed_writing_back_and_a_run_again_resumes(tmp_path, tiny_mode
         [None, str(run_dir / "checkpoints" / "step-00000004")]
 
 
-@pytest.mark.parametrize("launch, why", [
-    ({"prewarm": False}, "launch.prewarm = true"),
-    ({"device_memory": "24GiB"}, "launch.device_memory"),
-], ids=["no-prewarm", "budget"])
-def test_resident_on_where_it_cannot_be_is_refused(tmp_path, tiny_model, tiny_data, launch, why):
-    r = run(tmp_path, tiny_model, tiny_data, "cpu", "auto", resident="on", **launch)
+@pytest.mark.parametrize("launch, config, why", [
+    ({"prewarm": False}, {}, "launch.prewarm = true"),
+    ({"device_memory": "24GiB"}, {"model_type": "falcon"}, "launch.device_memory with a model the estimate cannot size"),
+], ids=["no-prewarm", "unsized-under-a-budget"])
+def test_resident_on_where_it_cannot_be_is_refused(tmp_path, tiny_model, tiny_data, launch, config, why):
+    """Under a budget the holder is counted once per device (orchestrator.budget), so the estimate
+    must know the model's size: an inline config of a family it does not know cannot be."""
+    path = schedule(tmp_path, tiny_model, tiny_data, "cpu", "auto", resident="on", **launch)
+    if config:
+        raw = tomllib.loads(path.read_text())
+        raw["model"] = {"config": {**TINY_CONFIG, **config}, "dtype": "float32"}
+        write_schedule(path, raw)
+    r = cli("orchestrator", "run", str(path), env={**os.environ, **device_env("cpu")})
     assert r.returncode == 2 and 'launch.resident = "on", but' in r.stderr and why in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()

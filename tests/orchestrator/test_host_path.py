@@ -38,9 +38,13 @@ def reference(tmp_path_factory, tiny_model, tiny_data) -> Path:
 
 
 def test_the_host_path_gives_the_same_checkpoints(tmp_path, tiny_model, tiny_data, reference):
-    host = finished(tmp_path, tiny_model, tiny_data, "cpu", "host", **KW)
+    """Under a device budget, the phases mapping the holder's copy of the model (launch.resident;
+    a memfd here) as on a small GPU: the successor reads only the fp32 state from host memory, its
+    layers' weights are the holder's. (The kills below run without the holder.)"""
+    host = finished(tmp_path, tiny_model, tiny_data, "cpu", "host", resident="on", device_memory="64GB", **KW)
     assert_same_checkpoints(reference, host)
     rec = done_records(host)
+    assert all(r["t_resident_mapped"] < r["t_first_step_end"] for r in rec.values()), rec
     for k in range(1, 5):
         before, after = rec[k - 1], rec[k]
         assert (after["handover"], after["handover_reason"]) == ("host", None), after
