@@ -129,7 +129,7 @@ weights on the device (``wait_gone``): the predecessor writes its checkpoint fir
 
 
 def wait_gone(pid: int, timeout: float = PREDECESSOR_EXIT_SECONDS, poll: float = 0.02,
-              holds: Callable[[int], bool] = devmem.holds_memory) -> float | None:
+              holds: Callable[[int], bool] | None = None) -> float | None:
     """Waits until process ``pid`` has exited and no longer ``holds`` device memory (NVML lists it
     no more); the seconds it waited, None where ``timeout`` passed first.
 
@@ -138,7 +138,11 @@ def wait_gone(pid: int, timeout: float = PREDECESSOR_EXIT_SECONDS, poll: float =
     device held both phases' weights at every switch, 30-34 GiB under a budget of 24,
     benchmarks/results/2026-12-06-issue42-h100-7b), its exit does, but not at once: with the wait
     for its exit alone the device still rose to 30-31 GiB for 0.3-0.5 s after it, until the driver
-    had torn the exited process's context down (benchmarks/results/2026-12-06-issue41-h100-resident)."""
+    had torn the exited process's context down (benchmarks/results/2026-12-06-issue41-h100-resident).
+    ``holds``: NVML's list (``devmem.holders``, one session for the whole wait) unless given."""
+    if holds is None:
+        with devmem.holders() as listed:
+            return wait_gone(pid, timeout, poll, listed)
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         try:

@@ -8,17 +8,36 @@ recorded and nothing waited for: the next worker's own start-of-phase reading st
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, Iterator
 
-def snapshot(pids: set[int] | None = None) -> dict | None:
-    """{"devices": [{index, used, total, processes: [{pid, used}]}], "held_by_phase": bytes} or None."""
+
+@contextlib.contextmanager
+def session() -> Iterator[object | None]:
+    """NVML (the ``pynvml`` module) initialised for the block, shut down after; None without it."""
     try:
         import pynvml
     except ImportError:
-        return None
+        yield None
+        return
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError:
-        return None
+        yield None
+        return
+    try:
+        yield pynvml
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def snapshot(pids: set[int] | None = None) -> dict | None:
+    """{"devices": [{index, used, total, processes: [{pid, used}]}], "held_by_phase": bytes} or None."""
+    with session() as pynvml:
+        return None if pynvml is None else _snapshot(pynvml, pids)
+
+
+def _snapshot(pynvml, pids: set[int] | None) -> dict | None:
     try:
         devices, held = [], 0
         for i in range(pynvml.nvmlDeviceGetCount()):
@@ -30,12 +49,22 @@ def snapshot(pids: set[int] | None = None) -> dict | None:
         return {"devices": devices, "held_by_phase": held}
     except pynvml.NVMLError:
         return None
-    finally:
-        pynvml.nvmlShutdown()
+
+
+@contextlib.contextmanager
+def holders() -> Iterator[Callable[[int], bool]]:
+    """For the block, whether NVML lists a process on any device (always False without NVML), in one
+    NVML session however often it is asked: a process that has exited holds its device memory
+    until the driver has torn its context down."""
+    with session() as pynvml:
+        def holds(pid: int) -> bool:
+            found = None if pynvml is None else _snapshot(pynvml, None)
+            return found is not None and any(p["pid"] == pid for d in found["devices"] for p in d["processes"])
+
+        yield holds
 
 
 def holds_memory(pid: int) -> bool:
-    """Whether NVML lists process ``pid`` on any device (False without NVML): a process that has
-    exited holds its device memory until the driver has torn its context down."""
-    found = snapshot()
-    return found is not None and any(p["pid"] == pid for d in found["devices"] for p in d["processes"])
+    """``holders`` asked once."""
+    with holders() as holds:
+        return holds(pid)
