@@ -300,9 +300,11 @@ def _all_keep(ph: Phase, took: bool, kept: bool) -> bool:
     rank 0 writes the checkpoint) left a rank that did not take waiting for it for good, and the
     ranks' carried layers apart. Else what this rank kept goes, its memory with it: it answers as one
     that did not keep. Every rank reaches it, a rank that did not take too."""
-    flag = torch.tensor([float(took and kept)], device=ph.device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-    every = bool(flag.item())
+    every = took and kept
+    if ph.world > 1:  # one process decides alone: no collective (its first may set the communicator up: 0.5 s)
+        flag = torch.tensor([float(every)], device=ph.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        every = bool(flag.item())
     if not every:
         ph.made.carried = {}
         ph.made.host.release()

@@ -240,23 +240,39 @@ def warm_up(ph: Phase, made: Prepared) -> None:
     handle a real step of this shape loads. On the H200 a 1.1B phase's first step took 0.43 s
     after a warm-up on a tiny linear layer, and a steady step's 0.09 s after this one
     (benchmarks/results/2026-11-29-nvidia-h200-v3/first_step.md). Its device memory (one
-    layer and the head, with their optimizer state) is given back before the go. One process
-    without room for it on the device (or in its share of launch.device_memory while it waits)
-    skips it; a rank of several fails (its phase is then started afresh when its turn comes), so
-    under a budget, where a warm-up may not fit its share, several skip it from the start (a rank
-    out of memory in a collective would leave the others waiting in it)."""
-    engine = None
-    if ph.world > 1 and ph.spec.waiting_cap > 0 and ph.device.type == "cuda":
-        ph.timeline.add(warm_up_skipped="launch.device_memory, several processes")
-        return
+    layer and the head, with their optimizer state) is given back before the go.
+
+    One process without room for it on the device (or in its share of launch.device_memory while
+    it waits: at 7B under 24 GiB every one) warms up on the smallest toy instead (``_smallest``:
+    DeepSpeed's first initialize, the communicator, the optimizer's and the offload's code paths,
+    not this shape's kernels; at 7B the switch paid about 1.5 s of DeepSpeed's first config and
+    0.5 s of the first collective without it, benchmarks/results/2026-12-06-issue42-h100-7b). A rank
+    of several out of memory fails (its phase is then started afresh when its turn comes), so under
+    a budget several take the smallest toy from the start (a rank out of memory in a collective
+    would leave the others waiting in it)."""
+    small = ph.world > 1 and ph.spec.waiting_cap > 0 and ph.device.type == "cuda"
     try:
-        engine, gas = _toy_engine(ph, made)
-        _toy_steps(ph, made, engine, gas)
+        _warm_on(ph, made, small)
     except torch.OutOfMemoryError as e:
         if ph.world > 1:
             raise
-        print(f"relayer: warm-up skipped, no room on the device ({e})", file=sys.stderr, flush=True)
+        print(f"relayer: warm-up on one layer skipped, no room on the device ({e}); on the smallest toy",
+              file=sys.stderr, flush=True)
         ph.timeline.add(warm_up_skipped=str(e).splitlines()[0][:200])
+        small = True
+        try:
+            _warm_on(ph, made, small)
+        except torch.OutOfMemoryError as e:
+            small = str(e).splitlines()[0][:200]
+    ph.timeline.add(warm_up_small=small)
+
+
+def _warm_on(ph: Phase, made: Prepared, small: bool) -> None:
+    """One warm-up on a toy of one layer (``small``: of the least widths), its memory given back."""
+    engine = None
+    try:
+        engine, gas = _toy_engine(ph, made, small)
+        _toy_steps(ph, made, engine, gas)
     finally:
         if engine is not None:
             engine.destroy()
@@ -267,14 +283,31 @@ def warm_up(ph: Phase, made: Prepared) -> None:
             torch.cuda.empty_cache()
 
 
-def _toy_engine(ph: Phase, made: Prepared) -> tuple[object, int]:
-    """A DeepSpeed engine on a fresh copy of the model with one layer, and its accumulation steps.
-    Only the engine is kept: it holds the optimizer, and nothing else may (``warm_up`` frees it)."""
+SMALLEST = {"hidden_size": 16, "n_embd": 16, "intermediate_size": 32, "n_inner": 32, "num_attention_heads": 2,
+            "n_head": 2, "num_key_value_heads": 2, "head_dim": 8}
+"""The least widths a toy of the model's family gets (``_smallest``): two heads of 8, the vocabulary kept
+(the phase's own rows go through it)."""
+
+
+def _smallest(config) -> object:
+    """``config`` with one layer of the least widths (``SMALLEST``, each where the family has the key)."""
+    for key, value in SMALLEST.items():
+        if getattr(config, key, None) is not None:
+            setattr(config, key, value)
+    return config
+
+
+def _toy_engine(ph: Phase, made: Prepared, small: bool = False) -> tuple[object, int]:
+    """A DeepSpeed engine on a fresh copy of the model with one layer (``small``: of the least
+    widths), and its accumulation steps. Only the engine is kept: it holds the optimizer, and
+    nothing else may (``warm_up`` frees it)."""
     spec = ph.spec
     config = copy.deepcopy(made.model.config)
     config.num_hidden_layers = 1
     if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = config.layer_types[:1]
+    if small:
+        config = _smallest(config)
     with torch.device(ph.device):
         toy = setup_model(type(made.model)(config).to(DTYPES[spec.model.dtype]), spec)
     backend = ph.backend

@@ -83,6 +83,26 @@ def test_head_and_layers_are_detected(family):
     assert head_param_names(model, persistent) == head_params
 
 
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen3"])
+def test_the_smallest_warm_up_toy_of_each_family_trains_a_step(family):
+    """A waiting phase without room for its warm-up on one layer (7B under a budget of 24 GiB) warms up
+    on its family's model at the least widths (``launch.prepare._smallest``), vocabulary kept: it
+    builds, and a step of the phase's rows (any token id) runs forward and backward."""
+    import copy
+
+    from transformers import Qwen3Config
+
+    from launch.prepare import _smallest
+
+    config = Qwen3Config(**_LLAMA_LIKE, head_dim=64) if family == "qwen3" else _config(family)
+    config = _smallest(copy.deepcopy(config))
+    config.num_hidden_layers = 1
+    toy = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in toy.parameters()) < 3 * VOCAB * 16 + 2_000
+    ids = torch.tensor([[VOCAB - 1, 0, 5, 7]])
+    toy(input_ids=ids, labels=ids).loss.backward()
+
+
 def _metrics_steps(run: Path) -> int:
     path = run / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
