@@ -79,6 +79,10 @@ class Backend:
             engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         return engine
 
+    def host_buffers(self, spec: PhaseSpec, world: int, numels: list[int]) -> int:
+        """Bytes of host memory the engine's build pins (``launch.pinned``); 0: none."""
+        return 0
+
     def compile_ahead(self, spec: PhaseSpec, device: torch.device, world: int) -> None:
         """Starts compiling what the first step would (a phase started cold), in a thread."""
 
@@ -183,6 +187,20 @@ class ZeroBackend(Backend):
             cfg["zero_optimization"] = {**cfg["zero_optimization"], "offload_optimizer": with_pinned(cfg)}
         return cfg
 
+    def host_buffers(self, spec: PhaseSpec, world: int, numels: list[int]) -> int:
+        """Bytes of host memory DeepSpeed pins as it builds this engine (``launch.pinned``), for
+        trainable parameters of ``numels`` elements: with the optimizer on the host and its buffers
+        pinned, per rank the fp32 masters' and gradients' partitions and a 16-bit copy of the masters,
+        the largest parameter's 16-bit gradient, with accumulation a 16-bit buffer per parameter, and
+        a page of alignment per buffer; 0 otherwise."""
+        cfg = self.config(spec, world, sum(numels))
+        if self.stage not in (1, 2) or not offloads(cfg) or not cfg["zero_optimization"]["offload_optimizer"]["pin_memory"]:
+            return 0
+        width = 4 if spec.model.dtype == "float32" else 2
+        partition = -(-sum(numels) // world)
+        accumulate = sum(numels) * width if cfg["gradient_accumulation_steps"] > 1 else 0
+        return partition * (4 + width + 4) + max(numels, default=0) * width + accumulate + (len(numels) + 64) * 4096
+
     def optimizer(self, groups: list[dict], spec: PhaseSpec, device: torch.device, world: int,
                   lr: float | None = None) -> torch.optim.Optimizer:
         # Offloaded, it steps the partitions on the host: fused there too (``adamw``).
@@ -276,6 +294,10 @@ class MasterBackend(Backend):
         engine = super().initialize(model, optimizer, config)
         detach_engine_reduction(engine)
         return engine
+
+    def host_buffers(self, spec: PhaseSpec, world: int, numels: list[int]) -> int:
+        """Bytes of host memory the engine's build pins (``launch.pinned``); 0: none."""
+        return 0
 
     def compile_ahead(self, spec: PhaseSpec, device: torch.device, world: int) -> None:
         """The kernel of ``launch.adamw_kernel``, compiled in a thread, not at the first step."""

@@ -19,7 +19,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from launch import handover, procs, rendezvous, resident
+from launch import handover, pinned, procs, rendezvous, resident
 from launch.basemodel import base_model, model_spec
 from launch.contract.files import DATA_CACHE
 from launch.contract.spec import PhaseSpec
@@ -210,7 +210,9 @@ def _load_data(ph: Phase) -> tuple:
 
 
 def _prepare_host_side(ph: Phase, made: Prepared) -> StateFiles | None:
-    """This phase's checkpoint files, made ahead, and its weights registered (see ``_warm``)."""
+    """This phase's checkpoint files, made ahead, its weights registered (see ``_warm``), and the
+    host memory its engine will pin (``launch.pinned``)."""
+    _pin_ahead(ph, made)
     if made.taking:
         # Taking over, it holds nothing that grows with the model while it waits: no host weights
         # (they come from the predecessor's device at the go), and no checkpoint files made ahead
@@ -232,6 +234,16 @@ def _prepare_host_side(ph: Phase, made: Prepared) -> StateFiles | None:
         for n in made.head_names:
             params[n].data = params[n].data.clone()
     return files
+
+
+def _pin_ahead(ph: Phase, made: Prepared) -> None:
+    """The host memory this phase's engine will pin as it is built, pinned now (``launch.pinned``)."""
+    params = dict(made.model.named_parameters())
+    numels = [params[n].numel() for n in dict.fromkeys([*made.head_names, *made.body_names])]
+    size = ph.backend.host_buffers(ph.spec, ph.world, numels)
+    if size:
+        with ph.timeline.span("t_pin_ahead_start", "t_pinned_ahead"):
+            made.arena = pinned.Arena(size, pin=ph.device.type == "cuda")
 
 
 def warm_up(ph: Phase, made: Prepared) -> None:

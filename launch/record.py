@@ -21,6 +21,7 @@ from launch.contract.files import PhaseDir
 from launch.contract.spec import PhaseSpec
 from launch.data.examples import SampleOrder
 from launch.engine import Backend, backend_for
+from launch.pinned import Arena
 from launch.staging import Staging
 from launch.timeline import Timeline
 from shard_tools.later import Later
@@ -64,6 +65,8 @@ class Prepared:
     once ``host`` has settled."""
     host: HostCarry = field(default_factory=HostCarry)
     """The shared host memory ``carried`` lies in."""
+    arena: Arena | None = None
+    """Host memory pinned ahead for the engine's pinned buffers (``launch.pinned``), where it pins any."""
     resident: dict[str, torch.Tensor] | None = None
     """Where the model's weights are the holder's (``launch.resident``): its block's views by name,
     which ``model`` is made of (until the phase's own trainable copies, ``resident.own``)."""

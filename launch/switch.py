@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from launch import handover, procs, resident
+from launch import handover, pinned, procs, resident
 from launch.prepare import host_model, memory_now
 from launch.record import Assembled, Phase, Prepared, Source
 from launch.scaler import restore_scaler
@@ -147,7 +147,10 @@ def build_engine(ph: Phase, made: Prepared, source: Source) -> Assembled:
                                                starts)
     index = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
     group_of = {n: index[id(p)] for n, p in model.named_parameters() if n in made.body_names}
-    engine = backend.initialize(model, backend.optimizer(groups, spec, ph.device, ph.world), ds_config)
+    with pinned.serving(made.arena):
+        engine = backend.initialize(model, backend.optimizer(groups, spec, ph.device, ph.world), ds_config)
+    if made.arena is not None:
+        ph.timeline.add(pinned_ahead=made.arena.summary())
     named = dict(engine.module.named_parameters())
     ph.timeline.add(memory_engine=memory_now())
     ph.timeline.mark("t_engine_built")

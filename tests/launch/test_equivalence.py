@@ -149,6 +149,12 @@ def test_what_makes_7b_fit_a_small_card_matches_reference(tmp_path, tiny_model, 
     assert spec["model"]["gradient_checkpointing"] and spec["data"]["micro_batch_size"] == 1
     assert spec["deepspeed_config"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
     assert max_abs_diff(reference, composed(tiny_model, tmp_path / "run")) <= TOL
+    # The pre-warmed phases' engines took every buffer DeepSpeed pins from the host memory they
+    # set aside while they waited (launch.pinned; on a GPU pinned then, not at the go).
+    for i in (1, 2):
+        records = json.loads((tmp_path / "run" / "phases" / f"phase-{i:04d}" / "records.json").read_text())
+        ahead = records["pinned_ahead"]
+        assert ahead["served"] >= 4 and ahead["missed"] == 0 and 0 < ahead["used"] <= ahead["bytes"], ahead
 
 
 MASKED_PHASES = [(5, [0]), (5, [1])]

@@ -45,3 +45,31 @@ def test_offloaded_buffers_are_pinned_unless_the_schedule_says():
     unpinned = {"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": False}}}
     assert ZeroBackend(2).config(spec_with(unpinned), 1, 1000)["zero_optimization"]["offload_optimizer"]["pin_memory"] is False
     assert "offload_optimizer" not in ZeroBackend(2).config(spec_with({}), 1, 1000)["zero_optimization"]
+
+
+def test_the_host_memory_pinned_ahead_bounds_what_deepspeed_pins():
+    """``ZeroBackend.host_buffers``: per rank the fp32 masters' and gradients' partitions and a 16-bit
+    copy, the largest parameter's 16-bit gradient, with accumulation a 16-bit buffer per parameter,
+    a page per buffer; nothing without the offload, or unpinned. (Whether it bounds what DeepSpeed
+    takes: ``tests/launch/test_equivalence.py``, every buffer served from it.)"""
+    spec = spec_with(OFFLOAD)
+    numels = [1000, 3000]
+    pages = (2 + 64) * 4096
+    assert ZeroBackend(2).host_buffers(spec, 1, numels) == 4000 * 10 + 3000 * 2 + 4000 * 2 + pages  # batch 8 of 4
+    assert ZeroBackend(2).host_buffers(spec, 2, numels) == 2000 * 10 + 3000 * 2 + pages  # 4 a rank: no accumulation
+    unpinned = {"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": False}}}
+    assert ZeroBackend(2).host_buffers(spec_with(unpinned), 1, numels) == 0
+    assert ZeroBackend(2).host_buffers(spec_with({}), 1, numels) == 0
+    assert ZeroBackend(3).host_buffers(spec, 1, numels) == 0
+
+
+def test_an_arena_hands_out_aligned_buffers_then_none():
+    from launch.pinned import ALIGN, Arena
+
+    arena = Arena(3 * ALIGN, pin=False)
+    a = arena.take(torch.float32, (10,))
+    b = arena.take(torch.bfloat16, (2, ALIGN // 2))
+    assert a.shape == (10,) and b.shape == (2, ALIGN // 2) and b.dtype == torch.bfloat16
+    assert b.data_ptr() - a.data_ptr() == ALIGN
+    assert arena.take(torch.float32, (ALIGN,)) is None
+    assert arena.summary() == {"bytes": 3 * ALIGN, "used": 3 * ALIGN, "served": 2, "missed": 1}
