@@ -19,7 +19,8 @@ from transformers import (
 from orchestrator.cli import main
 from orchestrator.errors import ScheduleError
 from orchestrator.estimate import (
-    ACTIVATION_VALUES, CHECKPOINTED_VALUES, LOGIT_BYTES, EstimateError, ParamCount, param_count, phase_memory, size_option,
+    ACTIVATION_VALUES, CHECKPOINTED_VALUES, CONTEXT_BYTES, LOGIT_BYTES, EstimateError, ParamCount, param_count,
+    phase_memory, size_option,
 )
 from shard_tools.sizes import format_bytes
 from tests.conftest import ROOT, SEQ, schedule_dict, write_schedule
@@ -169,8 +170,12 @@ def test_plan_prints_the_estimate(schedule, tiny_model, tmp_path):
     # ZeRO's reduce bucket (relayer's least, 5e5 elements) and the logits counted too.
     gradients = trainable * 4 + 500_000 * 4
     activations = 4 * SEQ * 32 * 4 * ACTIVATION_VALUES * 4 + 4 * SEQ * model.config.vocab_size * LOGIT_BYTES
-    expect = [format_bytes(b) for b in (total * 4, trainable * 12, gradients, activations)]
-    expect.append(format_bytes(total * 4 + trainable * 12 + gradients + activations))
+    # On a GPU the phases map the holder's copy of the model (launch.resident): a phase's own weights
+    # are what it trains; the holder's line says what it keeps.
+    expect = [format_bytes(b) for b in (trainable * 4, trainable * 12, gradients, activations)]
+    expect.append(format_bytes(trainable * 4 + trainable * 12 + gradients + activations))
+    assert f"the model's weights: {format_bytes(total * 4 + CONTEXT_BYTES)} per GPU with the holder's process" \
+        in " ".join(r.stdout.split())
     rows = table_rows(r.stdout)
     assert [row[:5] for row in rows] == [["0", "10", "0-9", "0", "1"], ["1", "10", "10-19", "1", "1"],
                                          ["2", "10", "20-29", "0", "1"]]
