@@ -239,14 +239,16 @@ def _upload(ph: Phase) -> None:
             ph.made.trained[name] = t.to(ph.device, non_blocking=True)
 
 
-def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False) -> tuple[PhaseState | None, Path | None]:
+def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False
+         ) -> tuple[PhaseState | None, Path | None, Path | None]:
     """Copies the predecessor's offered state (rank for rank) into this process and answers. With
     ``defer``, where every rank took its offer and can hold them (``_can_carry``, ``_all_keep``), it
     keeps the offered fp32 masters of the layers it does not train too (``Prepared.carried``) and
     answers that the predecessor need not write ``restore``, its end checkpoint. Returns the state it
     carries on (None where it could not: it answered "not taken", the checkpoint follows) and the
     checkpoint its own wait for: ``restore``, or where the predecessor writes none, the one the
-    predecessor built on. Every rank calls it (the go names the offer to all): ``_all_keep`` is collective."""
+    predecessor built on; and the one the predecessor built on (None where it did not take or built on
+    none). Every rank calls it (the go names the offer to all): ``_all_keep`` is collective."""
     files, carried = PhaseDir(source), None
     offered = files.read_offer(ph.rank)
     reason = _unfit(ph, offered, files)
@@ -264,21 +266,27 @@ def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False) -> 
     ph.timeline.mark("t_taken")
     ph.timeline.add(handover=("host" if shm else "device") if reason is None else "checkpoint", handover_reason=reason)
     if reason is not None:
-        return None, restore
+        return None, restore, None
+    _after_answer(ph, offered, carried, shm)
+    before = Path(offered.carried.restore) if offered.carried.restore else None
+    if not keep:
+        return carried, restore, before
+    ph.timeline.add(predecessor_wrote=False, carried_layers=sorted({carried_layer(ph, n) for n in ph.made.carried}))
+    return carried, before, before
+
+
+def _after_answer(ph: Phase, offered: Offer, carried: PhaseState, shm: bool) -> None:
+    """Once answered: under a budget the wait for the predecessor to leave the device; the uploads
+    (the copies in ``_copy_in`` do not wait for them); the layers trained between from committed
+    checkpoints, not the predecessor, which need not wait for them to free its device and write its own."""
     if shm and ph.spec.memory_cap and ph.device.type == "cuda":  # a budget: nothing more on the device till it is gone
         ph.timeline.add(predecessor_exit_wait=hostpath.wait_gone(offered.pid))
-    _upload(ph)  # after the answer: the copies in _copy_in do not wait for it
-    # After the answer: these come from committed checkpoints, not the predecessor, which need not
-    # wait for them to free its device and write its own.
+    _upload(ph)
     if shm:
         hostpath.layers_between(ph, offered.carried, frozenset(r.name.partition("/")[2] for r in offered.tensors
                                                                if r.name.startswith("master/")))
     else:
         _layers_trained_between(ph, offered.carried, frozenset(carried.masters))
-    if not keep:
-        return carried, restore
-    ph.timeline.add(predecessor_wrote=False, carried_layers=sorted({carried_layer(ph, n) for n in ph.made.carried}))
-    return carried, Path(offered.carried.restore) if offered.carried.restore else None
 
 
 def _unfit(ph: Phase, offered: Offer | None, files: PhaseDir) -> str | None:

@@ -102,6 +102,8 @@ class Source:
     base model, and once it is in the engine."""
     taken: bool = False
     """It took its predecessor's state over on the device (``launch.handover.take``)."""
+    before: Path | None = None
+    """Taken over: the checkpoint its predecessor built on (its offer's ``Carried.restore``)."""
     awaiting: Path | None = None
     """The predecessor's checkpoint, not yet committed at the go: this phase commits nothing before it."""
     populating: Later[None] | None = None

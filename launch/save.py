@@ -24,13 +24,18 @@ def snapshot(ph: Phase) -> PhaseState:
     """The phase-end state on the device, full tensors on every rank (collectives): what a finished
     phase offers its successor (``launch.handover``) and, once answered, writes from its own memory."""
     built, backend = ph.built, ph.backend
-    if ph.spec.optimizer_state == "keep":  # orchestrator.handover: never offered
-        raise RuntimeError('optimizer_state "keep" parks a layer\'s state in the checkpoint: no handover')
     ph.timeline.add(carried_wait_seconds=ph.made.host.flush(ph.made.carried, ph.device, ph.made.staging))
     backend.relink(built.engine)
     head = backend.get_state(built.head, on_device=True)
-    masters = backend.get_masters(built.body, on_device=True)
-    return _state(ph, True, head, {**ph.made.carried, **masters})
+    if ph.spec.optimizer_state != "keep":
+        return _state(ph, True, head, {**ph.made.carried, **backend.get_masters(built.body, on_device=True)})
+    # "keep": its layers' Adam state too, parked in its end checkpoint (which it always writes), on the
+    # host from here: its device memory goes once it has offered.
+    body = backend.get_state(built.body, on_device=True)
+    masters = body.pop("master")
+    kept = {k: {n: to_host(t, t.shape, None, ph.made.staging) for n, t in by_name.items()} for k, by_name in body.items()}
+    kept["step"] = body_steps(ph, {})
+    return _state(ph, True, head, {**ph.made.carried, **masters}, kept=kept)
 
 
 def save(ph: Phase, phase_complete: bool, snap: PhaseState | None = None) -> Path | None:
@@ -87,6 +92,10 @@ def _to_host(ph: Phase, snap: PhaseState, prepared: StateFiles | None) -> PhaseS
     snap.head = {k: {n: to_host(t, t.shape, head_views.get(k, {}).get(n), staging)
                      for n, t in by_name.items()} for k, by_name in snap.head.items()}
     snap.masters = {n: to_host(t, t.shape, layer_views.get(n), staging) for n, t in snap.masters.items()}
+    if snap.kept:  # on the host already (``snapshot``)
+        views = prepared.kept if prepared is not None else {}
+        snap.kept = {k: {n: t if (out := views.get(k, {}).get(n)) is None else out.copy_(t) for n, t in by_name.items()}
+                     for k, by_name in snap.kept.items()}
     return snap
 
 

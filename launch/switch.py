@@ -110,10 +110,10 @@ def assemble(ph: Phase, go: Go, delta: Delta | None) -> Assembled:
     ph.stage("building the engine")
     ph.timeline.add(memory_start=memory_now())
     if go.offer_from is not None:
-        taken, base = handover.take(ph, go.offer_from, go.restore, go.defer)
+        taken, base, before = handover.take(ph, go.offer_from, go.restore, go.defer)
         if taken is not None:  # its checkpoints wait for the predecessor's (or, where it writes none, for its base)
             ph.timeline.mark("t_delta_loaded")
-            return build_engine(ph, made, Source(base, taken, taken=True, awaiting=base))
+            return build_engine(ph, made, Source(base, taken, taken=True, awaiting=base, before=before))
         ph.checkpoints.wait_committed(go.restore)  # it answered "not taken": the checkpoint is read once committed
     if made.skeleton:  # prepared to take over, but the go names a checkpoint only
         host_model(ph, made)
@@ -170,9 +170,7 @@ def body_starts(ph: Phase, source: Source) -> dict[str, int]:
         return {n: int(steps[n].item()) if n in steps else m.body_step for n in ph.made.body_names}
     if spec.optimizer_state != "keep" or source.restore is None:
         return {}
-    if source.taken:  # orchestrator.handover: never under "keep"
-        raise RuntimeError('optimizer_state "keep" reads a layer\'s kept state from the checkpoint: no handover')
-    sources = ph.checkpoints.layer_sources(source.restore)
+    sources = _kept_sources(ph, source) if source.taken else ph.checkpoints.layer_sources(source.restore)
     mine = {l: sources[l] for l in spec.layers if l in sources}
     source.kept = kept_state(mine, mapped=True)  # copied into the optimizer by ``restore``
     source.kept_from = {}
@@ -182,6 +180,19 @@ def body_starts(ph: Phase, source: Source) -> dict[str, int]:
         source.kept_from.update({n: f"phase {m_src.phase} step {m_src.global_step}"
                                  for n in source.kept["step"] if n.startswith(prefix)})
     return {n: int(t.item()) for n, t in source.kept["step"].items()}
+
+
+def _kept_sources(ph: Phase, source: Source) -> dict[int, Path]:
+    """Taken over under "keep": where each layer's newest state lies. Where this phase trains a layer
+    its predecessor trained, the predecessor's end checkpoint (``source.restore``, which it writes as
+    this phase builds: waited for); else the checkpoint the predecessor built on (``source.before``),
+    which holds the same for every other layer."""
+    if set(ph.spec.layers) & set(source.carried.layers) or source.before is None:
+        path = source.restore
+    else:
+        path = source.before
+    ph.checkpoints.wait_committed(path)
+    return ph.checkpoints.layer_sources(path)
 
 
 def restore(ph: Phase) -> None:

@@ -7,8 +7,6 @@ devices, rank for rank; where the schedule rules that out, the switch goes throu
 as it always did. The rules, in the order ``boundary_reason`` names them:
 
 - ``launch.handover = "off"``;
-- ``schedule.optimizer_state = "keep"``: a layer's kept Adam state is parked in its phase's end
-  checkpoint, which every phase end then writes;
 - ``launch.prewarm = false``: no successor is alive to take anything;
 - a launcher other than "local": only the fork server starts both phases on this node, and more
   than one node needs another launcher (schedule.py), so this also rules out ``launch.nnodes > 1``
@@ -40,8 +38,6 @@ def boundary_reason(loaded: LoadedSchedule, phases: list[Phase], index: int) -> 
     launch = s.launch
     if launch.handover == "off":
         return 'launch.handover = "off"'
-    if s.schedule.optimizer_state == "keep":
-        return 'schedule.optimizer_state = "keep": a layer\'s kept state is parked in the checkpoint'
     if not launch.prewarm:
         return "launch.prewarm = false: no successor is alive to take the state"
     if launch.launcher != "local":

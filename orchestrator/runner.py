@@ -31,7 +31,7 @@ from orchestrator.retention import named_at_stop, retain
 from orchestrator.rundir import SCHEDULE_COPY, RunLock, check_entries, create_run_dir, prune_phase_dirs, read_copy, write_copy
 from orchestrator.phasespec import spec_maker
 from orchestrator.plan import plan_phases
-from orchestrator.schedule import LoadedSchedule, Phase
+from orchestrator.schedule import LoadedSchedule, Phase, cadence_seconds
 from orchestrator.space import check_space
 from orchestrator.supervisor import Context, Observer, State, Supervisor
 from shard_tools.history import read_journal, replay
@@ -217,7 +217,7 @@ class Runner:
     def _loop(self, fresh: bool) -> None:
         self._clear_leftovers()
         switch = Switch(None, self._start_point(fresh))
-        self.cadence = Cadence(self.loaded.schedule.checkpoint.every_seconds,
+        self.cadence = Cadence(cadence_seconds(self.loaded.schedule),
                                switch.work.restore if switch.work is not None else None)
         while switch.work is not None and self.stop_signal is None:
             switch = self._phase(switch)

@@ -157,9 +157,9 @@ class ScheduleSection(Section):
     too; keep (LMFlow's and axolotl's LISA callbacks): a layer trained before gets back its Adam
     state (moments and step) of the end of its last visit, parked in that phase's checkpoint beside
     its weights, never on the device, while a layer trained for the first time starts new and the
-    head's carries on (the lr schedule stays the run's); every switch then goes through the
-    checkpoint. Resuming inside a phase restores both, whichever. Which head modules train:
-    model.persistent."""
+    head's carries on (the lr schedule stays the run's); every phase end then writes its
+    checkpoint (a switch still hands the head's state over). Resuming inside a phase restores both,
+    whichever. Which head modules train: model.persistent."""
 
     _epochs_float = field_validator("epochs", mode="before")(int_is_float)
 
@@ -360,10 +360,14 @@ class Schedule(Section):
         if self.deepspeed.zero_stage == 0 and self.model.dtype == "float16":
             raise KeyProblem("deepspeed.zero_stage", "0 (relayer's fp32-master AdamW, no ZeRO) takes model.dtype "
                              "bfloat16 or float32: float16 needs DeepSpeed's loss scaler, under ZeRO 1-3")
-        if self.schedule.optimizer_state == "keep" and self.launch.handover in ("on", "host"):
-            raise KeyProblem("launch.handover", f'expected "auto" or "off" with schedule.optimizer_state = "keep" '
-                             f"(a layer's kept state goes through the checkpoint), got {_show(self.launch.handover)}")
         return self
+
+
+def cadence_seconds(s: Schedule) -> float:
+    """The checkpoint cadence's seconds (``orchestrator.commit.Cadence``): ``checkpoint.every_seconds``,
+    0 under ``schedule.optimizer_state = "keep"`` (every phase end parks its layers' kept Adam state
+    in its checkpoint, whether it hands its state over or not)."""
+    return 0.0 if s.schedule.optimizer_state == "keep" else s.checkpoint.every_seconds
 
 
 def default_zero_stage(s: Schedule, worlds: set[int]) -> int | None:

@@ -35,7 +35,7 @@ from orchestrator.errors import ScheduleError
 from orchestrator.estimate import (
     ADAM_BYTES, DTYPE_BYTES, MASTER_BYTES, EstimateError, ParamCount, model_config, param_count, trained_head,
 )
-from orchestrator.schedule import LoadedSchedule, Phase
+from orchestrator.schedule import LoadedSchedule, Phase, cadence_seconds
 from shard_tools.manifest import CHECKPOINTS, FINAL
 from shard_tools.sizes import format_bytes
 
@@ -79,9 +79,8 @@ def carries(loaded: LoadedSchedule) -> bool:
     """Whether a phase end may write no checkpoint, its successor carrying its layers on
     (``checkpoint.every_seconds`` with a handover)."""
     s = loaded.schedule
-    hands_over = s.launch.handover != "off" and s.launch.prewarm and s.launch.nnodes == 1 \
-        and s.schedule.optimizer_state != "keep"  # orchestrator.handover: through the checkpoint
-    return not end_writes(due=s.checkpoint.every_seconds == 0, takes=hands_over)
+    hands_over = s.launch.handover != "off" and s.launch.prewarm and s.launch.nnodes == 1
+    return not end_writes(due=cadence_seconds(s) == 0, takes=hands_over)
 
 
 def write_rate(loaded: LoadedSchedule, phases: list[Phase]) -> str | None:

@@ -179,6 +179,54 @@ def test_keep_matches_reference_and_says_where_each_state_came_from(keep, keep_r
             in shown.stdout)
 
 
+@pytest.mark.parametrize("handover", ["on", "host"])
+def test_keep_handing_over_is_keep_through_the_checkpoint(keep, tmp_path, tiny_model, tiny_data, handover):
+    """Handing over (through a file, "on"; through shared memory, "host"): the head's state and the
+    layers' masters come by the offer, each returning layer's kept state from the checkpoint that
+    holds it (layer 1 straight after its visit: the predecessor's end, waited for); every phase end
+    writes its checkpoint. Bitwise the run through the checkpoint, ZeRO 0."""
+    sched = keep_schedule(tmp_path / "s.toml", tiny_model, tiny_data, deepspeed={"zero_stage": 0},
+                          launch={"handover": handover})
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    run, (_, whole) = tmp_path / "run", keep
+    taken = [json.loads((run / "phases" / f"phase-{i:04d}" / "records.json").read_text()).get("handover")
+             for i in (1, 2)]
+    assert taken == ["device" if handover == "on" else "host"] * 2
+    assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, whole))
+    for c in Checkpoints(run).all():  # each phase end's kept state, as the run through the checkpoint wrote it
+        m = read_manifest(c)
+        assert m.extra["state_from"] == read_manifest(whole / "checkpoints" / c.name).extra["state_from"]
+    ends = {read_manifest(c).global_step for c in Checkpoints(run).all()}
+    assert ends == {10, 15}
+
+
+def test_keep_handing_over_a_layer_back_from_two_phases_before_and_killed_there(tmp_path, tiny_model, tiny_data):
+    """Layer 0 returns in phase 2 from phase 0, its predecessor trained layer 1 only: its kept state
+    comes from the checkpoint the predecessor built on. The run handing over is killed first as phase 1
+    reads phase 0's offer, and run again: bitwise the run through the checkpoint."""
+    phases = [{"steps": 3, "layers": [0]}, {"steps": 3, "layers": [1]}, {"steps": 3, "layers": [0]}]
+
+    def sched(d: Path, handover: str) -> Path:
+        return write_schedule(d / "s.toml", schedule_dict(
+            tiny_model, tiny_data, schedule={"phases": phases, "optimizer_state": "keep"},
+            deepspeed={"zero_stage": 0}, launch={"handover": handover}))
+
+    (tmp_path / "off").mkdir()
+    assert cli("orchestrator", "run", str(sched(tmp_path / "off", "off"))).returncode == 0
+    on = sched(tmp_path, "on")
+    r = cli("orchestrator", "run", str(on), env={**os.environ, **faults_env(
+        kill_at={"point": "handover.copying", "phase": 1})})
+    assert r.returncode == 1 and "phase 1 " in r.stderr, r.stderr
+    r = cli("orchestrator", "run", str(on))
+    assert r.returncode == 0, r.stderr
+    assert bitwise_equal(composed(tiny_model, tmp_path / "run"), composed(tiny_model, tmp_path / "off" / "run"))
+    last = read_manifest(Checkpoints(tmp_path / "run").newest_whole()[0])
+    assert {layer_of(n) for n, v in last.extra["state_from"].items() if v == "phase 0 step 3"} == {0}
+    records = json.loads((tmp_path / "run" / "phases" / "phase-0002" / "records.json").read_text())
+    assert records["handover"] == "device", records
+
+
 def test_keep_killed_mid_phase_resumes_bitwise(keep, tmp_path, tiny_model):
     """A SIGKILL in step 13 (phase 2, its three layers at steps 6, 8 and 2 by the checkpoint at 12):
     the rerun resumes there, each layer at its own step, and ends bitwise as the uninterrupted run."""
