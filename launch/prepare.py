@@ -21,6 +21,7 @@ from torch import nn
 
 from launch import handover, pinned, procs, rendezvous, resident
 from launch.basemodel import base_model, model_spec
+from launch.contract import faults
 from launch.contract.files import DATA_CACHE
 from launch.contract.spec import PhaseSpec
 from launch.data.examples import SampleOrder, load_examples, load_validation, micro_batch, prepare as prepare_data
@@ -283,6 +284,7 @@ def _warm_on(ph: Phase, made: Prepared, small: bool) -> None:
     """One warm-up on a toy of one layer (``small``: of the least widths), its memory given back."""
     engine = None
     try:
+        faults.point("warm_up.toy", phase=ph.spec.phase, small=small)
         engine, gas = _toy_engine(ph, made, small)
         _toy_steps(ph, made, engine, gas)
     finally:

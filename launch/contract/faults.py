@@ -14,6 +14,8 @@ the handlers. Points:
   mapped its predecessor's offer, before it copies and answers.
 - ``resident.writing`` (``phase``, ``rank``): a finished phase's rank has written some of its
   trained weights back into the holder's block (``launch.resident``), not all.
+- ``warm_up.toy`` (``phase``, ``small``: the toy of the least widths): a pre-warmed phase is
+  about to build its warm-up's toy engine.
 - ``data.batch``: a batch of records is about to be rendered and tokenized (``datasets.map``,
   in its workers too).
 - ``journal.fsync`` (``event``, ``phase``): the orchestrator has written a journal event and is

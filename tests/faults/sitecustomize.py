@@ -21,6 +21,9 @@ A test puts this folder on PYTHONPATH and its plan in RELAYER_TEST_FAULTS (JSON)
   raises RuntimeError there (``raised at NAME (a test's fault)``), as a rank whose copy runs out of
   memory does, e.g. ``{"point": "handover.copying", "phase": 1, "rank": 1}`` (the successor's rank
   1 answers "not taken").
+- ``oom_at``: ``{"point": NAME, **context}`` as for ``raise_at``, but it raises
+  torch.OutOfMemoryError, as a device without room does, e.g. ``{"point": "warm_up.toy", "small": False}``
+  (every pre-warmed phase's warm-up on one layer finds no room).
 - ``hold_first_step``: seconds a pre-warmed phase waits before its first step.
 - ``hold_data_batch``: seconds each batch of records waits before it is tokenized (the data
   tool and its ``datasets.map`` workers), so that a test can stop a long preparation.
@@ -72,6 +75,14 @@ if _plan:
         _matching(block_at, _block)
     if raise_at := _plan.get("raise_at"):
         _matching(raise_at, _raise)
+
+    def _oom(name: str) -> None:
+        import torch
+
+        raise torch.OutOfMemoryError(f"no room at {name} (a test's fault)")
+
+    if oom_at := _plan.get("oom_at"):
+        _matching(oom_at, _oom)
     kill_at = dict(_plan.get("kill_at") or {})
     if kill_after := _plan.get("kill_after"):
         kill_at = {"point": "checkpoint.file_written", "name": kill_after}

@@ -59,6 +59,20 @@ def test_prewarm_changes_nothing_in_the_result(cold, warm, tiny_model):
     assert [e["prewarmed"] for e in events(warm) if e["event"] == "phase_started"] == [False] + [True] * 5
 
 
+def test_without_room_for_its_warm_up_a_phase_warms_up_on_the_smallest_toy(cold, tmp_path, tiny_model, tiny_data):
+    """Every pre-warmed phase's warm-up on one layer finds no room (an out-of-memory error, as at 7B
+    under a budget of 24 GiB): it warms up on its family's model of the least widths instead, and
+    the result is the cold run's, bitwise."""
+    r = run_six(tmp_path, tiny_model, tiny_data, prewarm=True,
+                env=faults_env(oom_at={"point": "warm_up.toy", "small": False}))
+    assert r.returncode == 0, r.stderr
+    assert bitwise_equal(composed(tiny_model, cold), composed(tiny_model, tmp_path / "run"))
+    records = [json.loads((tmp_path / "run" / "phases" / f"phase-{i:04d}" / "records.json").read_text())
+               for i in range(1, 6)]
+    assert all(r["warm_up_small"] is True and "no room at warm_up.toy" in r["warm_up_skipped"] for r in records)
+    assert all(r["t_warmed_up"] < r["t_go"] for r in records)
+
+
 def test_no_garbage_collection_in_a_switch(warm):
     """From a phase's preparation to its first step's end, nothing is collected (``launch.phase``)."""
     records = [json.loads((warm / "phases" / f"phase-{i:04d}" / "records.json").read_text()) for i in range(6)]
