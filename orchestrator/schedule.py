@@ -147,7 +147,8 @@ class ScheduleSection(Section):
     layer_weights: list[Annotated[float, Field(ge=0)]] | Literal["uniform"] | None = None
     """With strategy lisa: a weight per body layer (as many as the model has), layers drawn in
     proportion to it without replacement within a phase (OwLore, Li et al. 2024, samples by its
-    outlier ratios; give them here); 0 never draws a layer; "uniform" or None: all alike."""
+    outlier ratios: `shard-tools outliers MODEL DATA` prints them, OWL's of Yin et al. 2023 over
+    calibration rows); 0 never draws a layer; "uniform" or None: all alike."""
     window: PositiveInt | None = None
     """With strategy lisa: phases per window (0-based phases [0, window), [window, 2 x window) ...)
     within which no layer is drawn twice; window x layers_per_phase must not pass the layers drawable."""

@@ -1,11 +1,12 @@
-"""The ``shard-tools`` command: inspect, verify, diff, export. Domain errors become exit codes only here.
+"""The ``shard-tools`` command: inspect, verify, diff, export, outliers. Domain errors become exit codes only here.
 
     shard-tools inspect runs/tiny
     shard-tools verify runs/tiny
     shard-tools diff runs/tiny/checkpoints/step-00000010 runs/tiny/checkpoints/step-00000030
     shard-tools export runs/tiny --out exported/tiny
+    shard-tools outliers models/llama train.jsonl
 
-inspect and verify never import torch, so they answer at once; diff and export import it when they run.
+inspect and verify never import torch, so they answer at once; diff, export and outliers import it when they run.
 """
 
 from __future__ import annotations
@@ -148,3 +149,26 @@ def export(source: Path, out: Path, dtype: str | None, force: bool, max_shard_si
         from shard_tools.manifest import EXPORT_TIMINGS
 
         click.echo(EXPORT_TIMINGS + json.dumps(times))
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("data", type=click.Path(path_type=Path))
+@click.option("--rows", default=32, show_default=True, type=click.IntRange(min=1), help="Calibration rows.")
+@click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=1), help="Tokens a row, at most.")
+@click.option("--threshold", default=5.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="OWL's M: an outlier's score is above this many times its layer's mean.")
+def outliers(model_dir: Path, data: Path, rows: int, seq_len: int, threshold: float) -> None:
+    """OwLore's layer weights: each body layer's outlier ratio (OWL's), as schedule.layer_weights."""
+    from shard_tools.outliers import calibration_rows, outlier_ratios, weights_line
+
+    _quiet_transformers()
+    if not (model_dir / "config.json").is_file():
+        raise InputError(f"{model_dir}: no config.json: expected a Hugging Face model directory")
+    ids = calibration_rows(data, model_dir, rows, seq_len)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype="auto")
+    model.eval()
+    click.echo(f"# shard-tools outliers {model_dir} {data}: {len(ids)} rows, threshold {threshold:g}")
+    click.echo(weights_line(outlier_ratios(model, ids, threshold)))
