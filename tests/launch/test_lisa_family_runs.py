@@ -201,6 +201,25 @@ def test_keep_handing_over_is_keep_through_the_checkpoint(keep, tmp_path, tiny_m
     assert ends == {10, 15}
 
 
+def test_keep_handing_over_on_two_processes_of_zero_2_is_keep_through_the_checkpoint(tmp_path, tiny_model, tiny_data,
+                                                                                        keep_reference):
+    """Every phase on two processes, ZeRO 2, handing over: the reference's "keep", and bitwise the
+    same run through the checkpoint (each rank's kept state gathered whole at the predecessor's end)."""
+    runs = {}
+    for handover in ("off", "on"):
+        (tmp_path / handover).mkdir()
+        sched = keep_schedule(tmp_path / handover / "s.toml", tiny_model, tiny_data, nprocs=(2, 2, 2),
+                              deepspeed={"zero_stage": 2}, launch={"handover": handover})
+        r = cli("orchestrator", "run", str(sched))
+        assert r.returncode == 0, r.stderr
+        runs[handover] = composed(tiny_model, tmp_path / handover / "run")
+    records = [json.loads((tmp_path / "on" / "run" / "phases" / f"phase-{i:04d}" / "records.json").read_text())
+               for i in (1, 2)]
+    assert [r["handover"] for r in records] == ["device", "device"]
+    assert bitwise_equal(runs["on"], runs["off"])
+    assert max_abs_diff(keep_reference, runs["on"]) <= TOL
+
+
 def test_keep_handing_over_a_layer_back_from_two_phases_before_and_killed_there(tmp_path, tiny_model, tiny_data):
     """Layer 0 returns in phase 2 from phase 0, its predecessor trained layer 1 only: its kept state
     comes from the checkpoint the predecessor built on. The run handing over is killed first as phase 1
