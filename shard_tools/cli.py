@@ -160,15 +160,12 @@ def export(source: Path, out: Path, dtype: str | None, force: bool, max_shard_si
               help="OWL's M: an outlier's score is above this many times its layer's mean.")
 def outliers(model_dir: Path, data: Path, rows: int, seq_len: int, threshold: float) -> None:
     """OwLore's layer weights: each body layer's outlier ratio (OWL's), as schedule.layer_weights."""
-    from shard_tools.outliers import calibration_rows, outlier_ratios, weights_line
+    from shard_tools.outliers import calibration_rows, load_model, outlier_ratios, weights_line
 
     _quiet_transformers()
-    if not (model_dir / "config.json").is_file():
+    if not (model_dir / "config.json").is_file():  # before the data is read: bad input names the folder first
         raise InputError(f"{model_dir}: no config.json: expected a Hugging Face model directory")
     ids = calibration_rows(data, model_dir, rows, seq_len)
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype="auto")
-    model.eval()
+    model = load_model(model_dir)
     click.echo(f"# shard-tools outliers {model_dir} {data}: {len(ids)} rows, threshold {threshold:g}")
     click.echo(weights_line(outlier_ratios(model, ids, threshold)))

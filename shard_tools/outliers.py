@@ -57,6 +57,20 @@ def calibration_rows(data: Path, model_dir: Path, rows: int, seq_len: int) -> li
     return out
 
 
+def load_model(model_dir: Path) -> nn.Module:
+    """The model of ``model_dir`` as a run reads it (``shard_tools.model.build_base_model``:
+    safetensors only, every weight accounted for), in the dtype its config.json names (float32 where
+    it names none relayer trains in); InputError naming the folder where it cannot be read so."""
+    from shard_tools.model import DTYPES, ModelSpec, build_base_model
+
+    try:
+        named = json.loads((model_dir / "config.json").read_text())
+        dtype = next((d for d in (named.get("dtype"), named.get("torch_dtype")) if d in DTYPES), "float32")
+        return build_base_model(ModelSpec(path=str(model_dir), config=None, dtype=dtype, seed=0)).eval()
+    except (ValueError, OSError) as e:  # json.JSONDecodeError is a ValueError
+        raise InputError(f"{model_dir}: {e}") from None
+
+
 def _linears(layer: nn.Module) -> list[tuple[nn.Module, bool]]:
     """The layer's linear maps, and for each whether its weight is (in, out) (GPT-2's Conv1D)."""
     from transformers.pytorch_utils import Conv1D

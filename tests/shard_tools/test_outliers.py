@@ -6,6 +6,7 @@ bad input is exit 2 naming the file and line."""
 from __future__ import annotations
 
 import json
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -90,3 +91,13 @@ def test_bad_input_is_exit_2_naming_the_file_and_line(tmp_path, tiny_model):
     assert r.returncode == 2 and "none.jsonl: no such file" in r.stderr, r.stderr
     r = cli("shard-tools", "outliers", str(tmp_path), str(bad))
     assert r.returncode == 2 and "no config.json" in r.stderr, r.stderr
+
+
+def test_a_model_of_pickled_weights_is_refused_not_unpickled(tmp_path, tiny_model, tiny_data):
+    """Read as a run reads a model (safetensors only): a folder whose weights are a pickle is exit 2."""
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(tiny_model / "config.json", pickled)
+    torch.save(AutoModelForCausalLM.from_pretrained(tiny_model).state_dict(), pickled / "pytorch_model.bin")
+    r = cli("shard-tools", "outliers", str(pickled), str(tiny_data))
+    assert r.returncode == 2 and str(pickled) in r.stderr and "layer_weights" not in r.stdout, r.stderr
