@@ -304,7 +304,7 @@ SMALLEST = {"hidden_size": 16, "n_embd": 16, "intermediate_size": 32, "n_inner":
 
 
 def _smallest(config) -> object:
-    """``config`` with one layer of the least widths (``SMALLEST``, each where the family has the key)."""
+    """``config`` with its widths at their least (``SMALLEST``, each where the family has the key)."""
     for key, value in SMALLEST.items():
         if getattr(config, key, None) is not None:
             setattr(config, key, value)

@@ -288,8 +288,9 @@ class LaunchSection(Section):
     process that every phase maps instead of copying them (one model on the device at a switch, not
     two; a phase owns only what it trains), where the run has a GPU, forks its phases (prewarm, the
     local launcher, one node), runs every phase on as many processes and ZeRO stage 0-2 (under
-    launch.device_memory, of a model the plan can size: the budget counts it once); "on" the same, also without a GPU (in host memory: for testing it on a CPU),
-    and exit 2 where the run cannot; "off" every phase its own copy."""
+    launch.device_memory, of a model the plan can size: the budget counts it once); "on" the same,
+    also without a GPU (in host memory: for testing it on a CPU), and exit 2 where the run cannot;
+    "off" every phase its own copy."""
     device_memory: str | None = None
     """The device memory relayer's processes may hold on one GPU, all of them together: a size
     (24GiB, 24GB, 24e9); None: the GPU's own. Each switch goes the first way that fits it: on the

@@ -62,9 +62,3 @@ def holders() -> Iterator[Callable[[int], bool]]:
             return found is not None and any(p["pid"] == pid for d in found["devices"] for p in d["processes"])
 
         yield holds
-
-
-def holds_memory(pid: int) -> bool:
-    """``holders`` asked once."""
-    with holders() as holds:
-        return holds(pid)

@@ -104,6 +104,5 @@ def test_an_exited_predecessor_is_waited_for_until_the_driver_lets_its_memory_go
     waited = hostpath.wait_gone(gone.pid, timeout=10, holds=lambda pid: time.monotonic() < until)
     assert waited is not None and 0.35 < waited < 5
     assert hostpath.wait_gone(gone.pid, timeout=0.3, holds=lambda pid: True) is None
-    assert devmem.holds_memory(gone.pid) is False  # this machine: no NVML, or not listed
-    with devmem.holders() as holds:
+    with devmem.holders() as holds:  # this machine: no NVML, or not listed
         assert holds(gone.pid) is False and holds(gone.pid) is False  # one session, asked twice
