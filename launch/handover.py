@@ -405,9 +405,11 @@ def _in_one_block(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _layers_trained_between(ph: Phase, carried: Carried, offered: frozenset[str]) -> None:
     """This phase's layers that a phase between its preload and its predecessor trained (only with
-    ``prewarm_depth`` > 1): their fp32 masters from those checkpoints, all committed by now."""
+    ``prewarm_depth`` > 1): their fp32 masters from those checkpoints, waited for (the last may be
+    its predecessor's predecessor's end, still being written)."""
     if not carried.restore:
         return
+    ph.checkpoints.wait_committed(Path(carried.restore))  # its writer, two phases back, may be writing still
     now = ph.checkpoints.layer_sources(Path(carried.restore))
     changed = _own_since(ph, now)
     _put_layers(ph, ph.made, changed, offered, now=True)

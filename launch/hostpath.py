@@ -203,10 +203,12 @@ def copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool) -> PhaseState:
 
 def layers_between(ph: Phase, carried: Carried, offered: frozenset[str]) -> None:
     """Every layer (frozen here or not) that a phase between this one's preload and its predecessor
-    trained, from those checkpoints (all committed by now) into the host model, except the masters
-    the predecessor offered, which are newer."""
+    trained, from those checkpoints (waited for: the last may be its predecessor's predecessor's end,
+    still being written) into the host model, except the masters the predecessor offered, which are
+    newer."""
     if not carried.restore:
         return
+    ph.checkpoints.wait_committed(Path(carried.restore))  # its writer, two phases back, may be writing still
     sources = ph.checkpoints.layer_sources(Path(carried.restore))
     changed = {l: s for l, s in sources.items() if ph.made.preloaded.get(l) != s}
     ph.made.overlay({n: t for n, t in layer_weights(changed, mapped=True).items() if n not in offered})

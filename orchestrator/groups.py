@@ -104,6 +104,9 @@ class Group:
     records: dict = field(default_factory=dict)
     end: Path | None = None
     """The phase-end checkpoint, committed by the group, not yet durable and journaled."""
+    before: Path | None = None
+    """Where it takes its predecessor's state over: the checkpoint the predecessor started from,
+    which its go reads (the layers trained since its preload)."""
 
 
 class PhaseProcesses:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from orchestrator.groups import Group
+from orchestrator.supervisor import Supervisor
 from shard_tools.errors import CheckpointError
 from shard_tools.history import read_journal
 from shard_tools.store import Checkpoints
@@ -39,3 +41,18 @@ def named_at_stop(store: Checkpoints) -> set[Path]:
             named = store.at(e["step"])
             return {named} if named.is_dir() else set()
     return set()
+
+
+def in_use(current: Group | None, running: Supervisor | None, ahead: list[Group]) -> set[Path]:
+    """The checkpoints live phases may still read, which retention spares with what they compose
+    from: those of ``current`` (the group whose go closed the finished phase's switch), of the
+    phases running now (``running`` and the predecessors it follows on: journaling lags a few phases
+    behind) and of those pre-warmed ``ahead``. Each one's preload, read as it prepares, which can
+    outlast its go (seen: with one-step phases, retention trimmed a layer from under the preload of
+    the phase running by then); the one it starts from; the one its predecessor started from
+    (``Group.before``), which its go reads."""
+    groups = [current, *ahead]
+    while running is not None:
+        groups, running = groups + [running.group], running.predecessor
+    live = [g for g in groups if g is not None and g.proc.poll() is None]
+    return {p for g in live for p in (g.preload, g.work.restore, g.before) if p is not None}

@@ -27,7 +27,7 @@ from orchestrator.commit import Cadence, Committer
 from orchestrator.journal import Journal
 from orchestrator.quiet import Pauser
 from orchestrator.resume import next_work, restore_point, resume_point, set_aside_after
-from orchestrator.retention import named_at_stop, retain
+from orchestrator.retention import in_use, named_at_stop, retain
 from orchestrator.rundir import SCHEDULE_COPY, RunLock, check_entries, create_run_dir, prune_phase_dirs, read_copy, write_copy
 from orchestrator.phasespec import spec_maker
 from orchestrator.plan import plan_phases
@@ -336,7 +336,7 @@ class Runner:
     def _phase_done(self, finished: Group, current: Group | None) -> None:
         """A finished phase's checkpoint is durable: journaled done (with the phases before it whose
         ends wrote none, ``phase_trained`` until then), the device check (NVML is slow to start) and
-        retention (which must spare what ``current`` may still be loading)."""
+        retention (which spares what live phases may still read: ``in_use``)."""
         ph = finished.work.phase
         if finished.end is None:  # its successor carries its layers on to a later checkpoint
             self._event("phase_trained", phase=ph.index, step=ph.end_step, layers=list(ph.layers))
@@ -351,7 +351,7 @@ class Runner:
         self.undurable = []
         finished.end = None
         self._event("device_after_phase", phase=ph.index, nvml=devmem.snapshot(finished.pids))
-        protect = {g.preload for g in (current, *self.ahead) if g is not None and g.preload} | self.named
+        protect = in_use(current, self.supervisor, self.ahead) | self.named
         retain(self.checkpoints, self.loaded.schedule.checkpoint.keep_last, protect, self._event)
         prune_phase_dirs(self.run_dir, ph.index)
 
@@ -375,6 +375,7 @@ class Runner:
         self.ahead.pop(0)
         self.groups.go(group, work.restore, predecessor.group.phase_dir if predecessor is not None else None, defer)
         group.work, group.prewarmed = work, True
+        group.before = predecessor.group.work.restore if predecessor is not None else None
         return group
 
     def _start_cold(self, work: Work) -> Group:
