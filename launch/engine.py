@@ -22,7 +22,7 @@ import deepspeed
 import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.utils import (
-    safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
+    safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state, safe_set_full_fp32_param,
     safe_set_full_optimizer_state,
 )
 from torch import nn
@@ -90,6 +90,12 @@ class Backend:
     def param_groups(self, engine) -> list[dict]:
         """The param groups that carry the lr."""
         raise NotImplementedError
+
+    def full_grads(self, engine, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
+        """The whole gradients of ``params`` of the step about to be taken (between its last backward
+        and the optimizer's step), on every rank: DeepSpeed's ``safe_get_full_grad``, which gathers a
+        ZeRO partition's (a collective at stages 1-3)."""
+        return [safe_get_full_grad(p) for p in params]
 
     def materialise(self, engine, steps_by_group: list[int]) -> None:
         """Zero moments and the given step in every param group, as a first step would make them."""
@@ -310,6 +316,9 @@ class MasterBackend(Backend):
 
     def let_go(self, engine) -> None:
         engine.optimizer.release_grads()
+
+    def full_grads(self, engine, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
+        return engine.optimizer.full_grads(params)
 
     def materialise(self, engine, steps_by_group: list[int]) -> None:
         engine.optimizer.set_steps(steps_by_group)

@@ -157,6 +157,20 @@ class MasterAdamW(torch.optim.Optimizer):
             self._seen.add(id(p))
         p.grad = None
 
+    @torch.no_grad()
+    def full_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """These parameters' gradients of the step about to be taken, as ``step`` will see them: summed
+        over the micro-batches and, in a copy, averaged over the ranks (collective); zero for one
+        that got none."""
+        if self.direct:
+            return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        out = [self._grad_of[id(p)] if id(p) in self._seen else torch.zeros_like(self._grad_of[id(p)]) for p in params]
+        if self.world == 1 or not out:
+            return out
+        flat = torch.cat([g.flatten() for g in out])
+        torch.distributed.all_reduce(flat)
+        return list(flat.div_(self.world).split([g.numel() for g in out]))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None

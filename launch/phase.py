@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torch import nn
 
-from launch import handover, prepare, procs, resident, save, switch, train
+from launch import handover, importance, prepare, procs, resident, save, switch, train
 from launch.profiling import switch_profile
 from launch.contract.spec import PhaseSpec
 from launch.record import Phase
@@ -44,6 +44,7 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict,
         done = train.train(phase, stop)
         if done:  # the next phase maps what this one trained (launch.resident)
             resident.write_back(phase)
+            importance.write(phase)  # before the successor can start: it may be drawn by it
         snap, write = handover.offer(phase) if done else (None, True)
         if write:  # else its successor took its state and carries it on to its own checkpoint
             save.save(phase, phase_complete=done, snap=snap)

@@ -166,6 +166,8 @@ class Phase:
         """The global step: steps done so far."""
         self.tb = self.wandb = None
         """TensorBoard's writer and the Weights & Biases run, once the first metric is logged to them."""
+        self.grad_norms: dict[int, float] | None = None
+        """Each trained layer's gradient norm at the phase's last step (``launch.importance``)."""
         self.cores = None
         """Where the switch was too short to measure the free cores: the measure (``launch.threads``),
         taken again at the first step's end."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from launch import handover, procs
+from launch import handover, importance, procs
 from launch.contract import faults
 from launch.contract.files import RunDir
 from launch.contract.spec import lr_at
@@ -116,6 +116,8 @@ def _accumulate(ph: Phase, lr: float) -> tuple[float, int]:
         mean, count = token_loss(engine, batch, ph.device)
         loss = mean * (count * gas * ph.world / n_global) if n_global else mean
         engine.backward(loss)
+        if importance.due(ph, micro):  # between the last backward and the optimizer's step
+            importance.measure(ph)
         engine.step()
         loss_sum += loss.item()
     return loss_sum, n_global

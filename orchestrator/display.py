@@ -44,8 +44,7 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switc
     for col in ("phase", "steps", "global steps", "layers", "processes", *memory_cols):
         table.add_column(col, justify="right" if col != "layers" else "left")
     for i, p in enumerate(phases):
-        cells = [str(p.index), str(p.steps), f"{p.start_step}-{p.end_step - 1}", ", ".join(map(str, p.layers)),
-                 str(p.nproc)]
+        cells = [str(p.index), str(p.steps), f"{p.start_step}-{p.end_step - 1}", _layers_cell(p), str(p.nproc)]
         style = None
         if estimate:
             m = estimate.phases[i]
@@ -71,6 +70,11 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switc
             out.print(line, markup=False, highlight=False)
 
 
+def _layers_cell(p: Phase) -> str:
+    """A phase's layers; drawn as the run goes (schedule.layer_weights = "grad_norm"): how many."""
+    return f"{len(p.layers)} by gradient norm" if p.drawn_later else ", ".join(map(str, p.layers))
+
+
 def holder_line(estimate: PlanEstimate) -> str | None:
     """Where the phases map one copy of the model per GPU (``launch.resident``), what it holds."""
     if not estimate.resident:
@@ -82,7 +86,7 @@ def holder_line(estimate: PlanEstimate) -> str | None:
 def largest_phase(phases: list[Phase], estimate: PlanEstimate) -> str:
     """The phase of the most estimated memory per process, in a line."""
     big = max(range(len(phases)), key=lambda i: estimate.phases[i].total)
-    return (f"largest phase: {phases[big].index} (layers {', '.join(map(str, phases[big].layers))}), "
+    return (f"largest phase: {phases[big].index} (layers {_layers_cell(phases[big])}), "
             f"estimated {format_bytes(estimate.phases[big].total)} per process")
 
 
@@ -90,7 +94,10 @@ def _choice_line(s) -> str:
     """How the phases' layers were chosen and what their optimizer state does at a switch."""
     sc, warmup = s.schedule, s.lr_schedule.phase_warmup_steps
     how = "explicit phases" if sc.strategy is None else f"strategy {sc.strategy}"
-    if sc.layer_weights not in (None, "uniform"):
+    if sc.layer_weights == "grad_norm":
+        how += (f" by gradient norm (IST): phase i draws by the norms phases 0 .. i - {sc.importance_lag} measured "
+                f"at their last steps (the first {sc.importance_lag} alike)")
+    elif sc.layer_weights not in (None, "uniform"):
         how += " weighted " + "/".join(f"{w:g}" for w in sc.layer_weights)
     if sc.window:
         how += f", no layer twice within {sc.window} phases"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from orchestrator import importance
 from orchestrator.choose import chooser, drawable
 from orchestrator.errors import ScheduleError
 from orchestrator.schedule import DataSection, LoadedSchedule, Phase
@@ -74,10 +75,13 @@ def plan_phases(loaded: LoadedSchedule) -> list[Phase]:
         raise ScheduleError(f"{loaded.source}: schedule.layers_per_phase: expected at most {MAX_PLANNED_LAYERS:,} "
                             f"layers over all phases, got {count:,} phases x {k:,}")
     layers_of = chooser(sc.strategy, n, k, s.run.seed, _weights(loaded, n, k), sc.window)
+    by_norm = importance.planned(loaded, n, k) if sc.layer_weights == "grad_norm" else None
     phases, step, i = [], 0, 0
     while step < total:
         end = min(step + sc.interval, total)
-        phases.append(Phase(index=i, start_step=step, end_step=end, layers=layers_of(i), nproc=nproc_default))
+        layers, later = by_norm(i) if by_norm else (layers_of(i), False)
+        phases.append(Phase(index=i, start_step=step, end_step=end, layers=layers, nproc=nproc_default,
+                            drawn_later=later))
         step, i = end, i + 1
     return phases
 
@@ -86,7 +90,7 @@ def _weights(loaded: LoadedSchedule, n: int, k: int) -> list[float] | None:
     """schedule.layer_weights as a list (None: uniform), checked against the model's layers and
     schedule.window."""
     sc, source = loaded.schedule.schedule, loaded.source
-    weights = None if sc.layer_weights in (None, "uniform") else list(sc.layer_weights)
+    weights = None if sc.layer_weights in (None, "uniform", "grad_norm") else list(sc.layer_weights)
     if weights is not None and len(weights) != n:
         raise ScheduleError(f"{source}: schedule.layer_weights: expected a weight per body layer, {n}, "
                             f"got {len(weights)}")

@@ -15,6 +15,7 @@ from orchestrator.rundir import SCHEDULE_COPY
 from orchestrator.schedule import Phase
 from shard_tools.errors import InputError
 from shard_tools.files import write_atomic
+from shard_tools.history import replay
 from shard_tools.manifest import Manifest, step_of
 from shard_tools.store import Checkpoints
 
@@ -90,3 +91,14 @@ def metrics_split(path: Path, step: int) -> tuple[list[bytes], list[bytes]]:
             at = None
         (after if isinstance(at, int) and at > step else keep).append(line)
     return keep, after
+
+
+def journal_recovered(journal: list[dict], step: int, event: Callable[..., None]) -> None:
+    """Phases that ended by the restore point ``step`` but were never journaled done: an
+    orchestrator killed between a phase's commit and its journaling (``orchestrator.commit``), or a
+    phase stopped after its last checkpoint was whole. Journaled done now, ``recovered``, without
+    the records of a process nobody saw end."""
+    for row in replay(journal):
+        if row.status != "done" and row.end_step <= step:
+            event("phase_done", phase=row.index, step=row.end_step, layers=row.layers, nproc=row.nproc,
+                  records={}, recovered=True)

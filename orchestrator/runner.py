@@ -26,7 +26,8 @@ from orchestrator.changes import check_same_schedule
 from orchestrator.commit import Cadence, Committer
 from orchestrator.journal import Journal
 from orchestrator.quiet import Pauser
-from orchestrator.resume import next_work, restore_point, resume_point, set_aside_after
+from orchestrator.importance import Importance
+from orchestrator.resume import journal_recovered, next_work, restore_point, resume_point, set_aside_after
 from orchestrator.retention import in_use, named_at_stop, retain
 from orchestrator.rundir import SCHEDULE_COPY, RunLock, check_entries, create_run_dir, prune_phase_dirs, read_copy, write_copy
 from orchestrator.phasespec import spec_maker
@@ -34,7 +35,7 @@ from orchestrator.plan import plan_phases
 from orchestrator.schedule import LoadedSchedule, Phase, cadence_seconds
 from orchestrator.space import check_space
 from orchestrator.supervisor import Context, Observer, State, Supervisor
-from shard_tools.history import read_journal, replay
+from shard_tools.history import read_journal
 from shard_tools.store import Checkpoints
 
 
@@ -95,6 +96,7 @@ class Runner:
         self.groups = PhaseProcesses(self.run_dir, loaded.schedule.launch, self._event, spec_maker(loaded, self.phases))
         self.pauser = Pauser(loaded.schedule.launch.pause_preparing_seconds, self._event)
         self.committer = Committer(self._phase_done)
+        self.importance = Importance(loaded, self.run_dir, self._event)  # schedule.layer_weights = "grad_norm"
         self.exporter: final.Exporter | None = None  # started before the last checkpoint exists (_prewarm_final)
         self.undurable: list[Group] = []  # done, their ends wrote no checkpoint: journaled done with the next
         self.supervision = Context(
@@ -229,6 +231,8 @@ class Runner:
         group = self._go(switch)
         switch.close(self.committer, group)
         finished = self._supervise(group, switch.predecessor)
+        self.importance.finished(finished.phase)  # its norms: the phases they draw can be pre-warmed now
+        self.importance.draw_ready(self.phases)
         after = Switch(finished, self._work_after(finished))
         after.settle(self._prewarmed(after.work), self.stop_signal is not None)
         return after
@@ -259,7 +263,9 @@ class Runner:
         else:
             self._event("resumed", step=step, checkpoint=str(ckpt) if ckpt else None, pid=os.getpid(),
                         warmup_from=warmup_from)
-            self._journal_recovered(step)
+            journal_recovered(read_journal(self.run_dir), step, self._event)
+        self.importance.resume(self.phases, read_journal(self.run_dir), step)
+        self.importance.draw_ready(self.phases)
         return next_work(self.phases, ckpt, manifest)
 
     def _work_after(self, finished: Supervisor) -> Work | None:
@@ -298,16 +304,6 @@ class Runner:
             self.committer.poll(block=True)
         except OSError as e:
             self._journal_failure(e)
-
-    def _journal_recovered(self, step: int) -> None:
-        """Phases that ended by the restore point ``step`` but were never journaled done: an
-        orchestrator killed between a phase's commit and its journaling (``orchestrator.commit``),
-        or a phase stopped after its last checkpoint was whole. Journaled done now, ``recovered``,
-        without the records of a process nobody saw end."""
-        for row in replay(read_journal(self.run_dir)):
-            if row.status != "done" and row.end_step <= step:
-                self._event("phase_done", phase=row.index, step=row.end_step, layers=row.layers, nproc=row.nproc,
-                            records={}, recovered=True)
 
     def _after(self, phase: Phase) -> Phase | None:
         """The phase that starts where ``phase`` ends; None after the last."""
@@ -403,7 +399,7 @@ class Runner:
         last = ahead[-1].work.phase if ahead else work.phase
         while len(ahead) < launch.prewarm_depth:
             nxt = self._after(last)
-            if nxt is None:
+            if nxt is None or nxt.drawn_later:  # drawn_later: by norms that are not all in yet
                 return
             ahead.append(self.groups.start(Work(nxt, nxt.start_step, self.cadence.base), prewarm=True))
             self._event("prewarm_started", phase=nxt.index)

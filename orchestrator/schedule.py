@@ -144,11 +144,20 @@ class ScheduleSection(Section):
     """With strategy: steps per phase (the last phase may be shorter)."""
     layers_per_phase: PositiveInt | None = None
     """With strategy: body layers trained per phase."""
-    layer_weights: list[Annotated[float, Field(ge=0)]] | Literal["uniform"] | None = None
+    layer_weights: list[Annotated[float, Field(ge=0)]] | Literal["uniform", "grad_norm"] | None = None
     """With strategy lisa: a weight per body layer (as many as the model has), layers drawn in
     proportion to it without replacement within a phase (OwLore, Li et al. 2024, samples by its
     outlier ratios: `shard-tools outliers MODEL DATA` prints them, OWL's of Yin et al. 2023 over
-    calibration rows); 0 never draws a layer; "uniform" or None: all alike."""
+    calibration rows); 0 never draws a layer; "uniform" or None: all alike. "grad_norm": by
+    importance measured as the run trains (IST, Yao et al. 2024, scores layers online): each phase's
+    last step measures its layers' gradient norms, and phase i draws in proportion to each layer's
+    latest norm among phases 0 .. i - importance_lag (a layer not measured yet weighs as the highest
+    measured, so every layer is tried; before any, all alike); the norms are journaled, and a
+    resume, at any process count, draws the same layers."""
+    importance_lag: PositiveInt = 4
+    """With layer_weights = "grad_norm": phase i draws by the norms of the phases that ended
+    importance_lag or more phases before it. The phases pre-warmed ahead (launch.prewarm_depth) are
+    drawn before they start: at most importance_lag - 1 of them are."""
     window: PositiveInt | None = None
     """With strategy lisa: phases per window (0-based phases [0, window), [window, 2 x window) ...)
     within which no layer is drawn twice; window x layers_per_phase must not pass the layers drawable."""
@@ -173,8 +182,9 @@ class ScheduleSection(Section):
                 if isinstance(x, bool) or not isinstance(x, int | float) or not x >= 0:
                     raise KeyProblem(f"schedule.layer_weights[{i}]", f"expected a non-negative number, got {_show(x)}")
             return [int_is_float(x) for x in v]
-        if v is not None and v != "uniform":
-            raise KeyProblem("schedule.layer_weights", f'expected a list of weights or "uniform", got {_show(v)}')
+        if v is not None and v not in ("uniform", "grad_norm"):
+            raise KeyProblem("schedule.layer_weights", f'expected a list of weights, "uniform" or "grad_norm", '
+                             f"got {_show(v)}")
         return v
 
     @model_validator(mode="after")
@@ -184,6 +194,9 @@ class ScheduleSection(Section):
             if getattr(self, key) is not None and self.strategy != "lisa":
                 raise KeyProblem(f"schedule.{key}", f'takes schedule.strategy = "lisa", got strategy '
                                  f"{_show(self.strategy) if self.strategy else 'none (explicit phases)'}")
+        if "importance_lag" in self.model_fields_set and self.layer_weights != "grad_norm":
+            raise KeyProblem("schedule.importance_lag", 'takes schedule.layer_weights = "grad_norm", got '
+                             f"{_show(self.layer_weights) if self.layer_weights is not None else 'none'}")
         if self.phases is not None:
             given = [k for k in ("strategy", *strategy_keys, "epochs") if getattr(self, k) is not None]
             if given:
@@ -392,6 +405,9 @@ class Phase(BaseModel):
     end_step: int
     layers: tuple[int, ...]
     nproc: int
+    drawn_later: bool = False
+    """Its layers are drawn as the run goes (schedule.layer_weights = "grad_norm", ``orchestrator.importance``);
+    until then ``layers`` stands in for them (as many, drawn uniformly)."""
 
     @property
     def steps(self) -> int:

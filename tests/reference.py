@@ -47,12 +47,15 @@ def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]
                   keep_body: bool = False,
                   grad_scale: float = 1.0, mean_of_means: bool = False, phase_warmup: int = 0,
                   head_modules: tuple[str, ...] = ("model.embed_tokens", "lm_head", "model.norm"),
-                  losses: list[float] | None = None) -> dict[str, torch.Tensor]:
+                  losses: list[float] | None = None, norms: list[dict[int, float]] | None = None,
+                  choose=None) -> dict[str, torch.Tensor]:
     """Final weights (fp32, by parameter name) of the LISA schedule ``phases`` = [(steps, layers)];
     each step's loss is appended to ``losses`` when given. ``reset_head``: a new AdamW for the head
     every phase too (BAdam's "drop-all"); ``keep_body``: each layer's AdamW kept between its visits
     ("keep"); ``phase_warmup``: step s of each phase at lr x (s + 1) /
-    (phase_warmup + 1) while s < phase_warmup; ``head_modules``: the head's modules that train."""
+    (phase_warmup + 1) while s < phase_warmup; ``head_modules``: the head's modules that train.
+    ``norms``: each phase's body layers' gradient L2 norms at its last step (before clipping) are
+    appended; a phase whose layers are None takes ``choose(phase index, norms)``'s."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids, labels, mask = load_tokens(data)
     params = dict(model.named_parameters())
@@ -68,7 +71,9 @@ def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]
     body_opts: dict[tuple[int, ...], torch.optim.AdamW] = {}
     layer_opts: dict[int, torch.optim.AdamW] = {}
     step = 0
-    for steps, layers in phases:
+    for index, (steps, layers) in enumerate(phases):
+        if layers is None:
+            layers = choose(index, norms)
         body = [n for n in params if any(n.startswith(f"model.layers.{i}.") for i in layers)]
         trainable = set(head) | set(body)
         for n, p in params.items():
@@ -105,6 +110,9 @@ def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]
             if losses is not None:
                 losses.append(step_loss)
             trainable_params = [params[n] for n in params if n in trainable]
+            if norms is not None and s == steps - 1:
+                norms.append({i: sum(float(params[n].grad.double().pow(2).sum()) for n in body
+                                     if n.startswith(f"model.layers.{i}.")) ** 0.5 for i in sorted(layers)})
             if grad_scale != 1.0:
                 for p in trainable_params:
                     p.grad.mul_(grad_scale)

@@ -121,6 +121,8 @@ class PhaseDir:
         """Forked ranks' exit codes, written by the fork server that reaped them."""
         self.errors = self.path / "errors"
         self.stacks = self.path / "stacks"  # rank-N.txt: rank N's Python stacks, appended at each DUMP_STACKS
+        self.grad_norms = self.path / "grad_norms.json"
+        """Rank 0's ``GradNorms``, written (durable) before the phase offers or writes its end."""
         self.handover = self.path / "handover"
         """The phase's offers to its successor (``Offer``), their answers (``Answer``) and, for
         the host transport, the offered bytes; all 0600."""
@@ -133,6 +135,7 @@ class PhaseDir:
             shutil.rmtree(stale, ignore_errors=True)
         self.records.unlink(missing_ok=True)
         self.stages.unlink(missing_ok=True)
+        self.grad_norms.unlink(missing_ok=True)
 
     def record_pid(self, name: str, pid: int, create_time: float, host: str | None = None) -> None:
         """pids/NAME.json, so that the orchestrator can find the process (and reap it)."""
@@ -182,6 +185,13 @@ class PhaseDir:
         except (OSError, ValueError, RecursionError):
             return {}
         return records if isinstance(records, dict) else {}
+
+    def write_grad_norms(self, measured: GradNorms) -> None:
+        # Durable: a resume draws later phases' layers by it (the journal may not have it yet).
+        write_atomic(self.grad_norms, measured.model_dump_json())
+
+    def read_grad_norms(self) -> GradNorms | None:
+        return _read(GradNorms, self.grad_norms)
 
     # -- the handover (``HandoverPart``): written by the phase, its successor, the orchestrator
     def offer_path(self, rank: int) -> Path:
@@ -296,6 +306,17 @@ class Offer(_Record):
     """Per shared block, how to map it: CUDA IPC's fields (bytes in base64), or offset and size."""
     tensors: list[TensorRef]
     carried: Carried
+
+
+class GradNorms(_Record):
+    """grad_norms.json: what a phase measured for schedule.layer_weights = "grad_norm": each body
+    layer it trained and that layer's gradient L2 norm at its last step (``launch.importance``)."""
+
+    phase: int
+    step: int
+    """The global step the norms are of (the phase's last, numbered from 0)."""
+    layers: list[int]
+    norms: list[float]
 
 
 class Resident(_Record):

@@ -113,6 +113,9 @@ class PhaseSpec(_Spec):
     optimizer_state: Literal["reset", "drop-all", "keep"] = "reset"
     """schedule.optimizer_state: "drop-all" starts the head's Adam state anew at the phase's start too;
     "keep" gives a layer trained before its Adam state of the end of its last visit back."""
+    grad_norms: bool = False
+    """schedule.layer_weights = "grad_norm": the phase's last step measures each of its body layers'
+    gradient norm (``launch.importance``), by which the orchestrator draws later phases' layers."""
     memory_cap: int = 0
     """Bytes this phase's caching allocator may reserve on its device (launch.device_memory less the
     fixed part of every process beside it: orchestrator/budget.py); 0: no cap."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 from pathlib import Path
 
@@ -272,3 +273,95 @@ def test_keep_on_two_processes_of_zero_2_matches_reference(tmp_path, tiny_model,
     ends = {m.global_step: (m.world_size, m.zero_stage) for m in map(read_manifest, Checkpoints(tmp_path / "run").all())}
     assert ends == {10: (1, 2), 15: (2, 2)}
     assert max_abs_diff(keep_reference, composed(tiny_model, tmp_path / "run")) <= TOL
+
+
+# schedule.layer_weights = "grad_norm" (IST's importance, measured online): phase i draws by the
+# gradient norms the phases 0 .. i - LAG measured at their last steps.
+LAG = 2
+BY_NORM = {"strategy": "lisa", "total_steps": 30, "layer_weights": "grad_norm", "importance_lag": LAG,
+           "optimizer_state": "reset"}
+
+
+def by_norm(seed: int, n: int = 4, k: int = 1):
+    """The documented rule, written from docs/schedule.md: each layer weighs its latest norm among
+    phases 0 .. i - LAG, one not measured yet the highest measured, all alike before any; k draws
+    without replacement, each in proportion among those left, from random.Random(
+    "relayer-importance-<seed>-<i>")."""
+    def choose(i: int, norms: list[dict[int, float]]) -> list[int]:
+        latest: dict[int, float] = {}
+        for measured in norms[:max(0, i - LAG + 1)]:
+            latest.update(measured)
+        top = max(latest.values(), default=0.0)
+        weights = {layer: (latest.get(layer, top) if top > 0 else 1.0) for layer in range(n)}
+        rng, left, chosen = random.Random(f"relayer-importance-{seed}-{i}"), list(range(n)), []
+        for _ in range(k):
+            x, acc = rng.random() * sum(weights[y] for y in left), 0.0
+            for y in left:
+                acc += weights[y]
+                if x < acc:
+                    break
+            chosen.append(y)
+            left.remove(y)
+        return sorted(chosen)
+    return choose
+
+
+def journaled_norms(run: Path) -> list[dict[int, float]]:
+    """Each phase's norms, the last the journal has of it."""
+    events = [json.loads(x) for x in (run / "journal.jsonl").read_text().splitlines()]
+    last = {e["phase"]: dict(zip(e["layers"], e["norms"])) for e in events if e["event"] == "grad_norms"}
+    return [last[i] for i in sorted(last)]
+
+
+@pytest.fixture(scope="module")
+def grad_norm_run(tmp_path_factory, tiny_model, tiny_data) -> tuple[Path, Path]:
+    """(schedule, run): by gradient norms on one process, relayer's own AdamW (ZeRO 0)."""
+    d = tmp_path_factory.mktemp("grad_norm")
+    sched = strategy_schedule(d / "s.toml", tiny_model, tiny_data, BY_NORM, deepspeed={"zero_stage": 0})
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    return sched, d / "run"
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_grad_norm_draws_as_the_reference_measures(grad_norm_run, tmp_path, tiny_model, tiny_data, nproc):
+    """Each phase's measured norms are the reference's at that phase's last step (the full gradient:
+    at ZeRO 2 on two processes gathered from the partitions), the layers drawn by them are the
+    reference's, and so are the weights. The first LAG phases are drawn by no norm: plan shows them,
+    the later ones as drawn as the run goes."""
+    if nproc == 1:
+        sched, run = grad_norm_run
+    else:
+        sched = strategy_schedule(tmp_path / "s.toml", tiny_model, tiny_data, BY_NORM,
+                                  deepspeed={"zero_stage": 2}, launch={"nproc": 2})
+        r = cli("orchestrator", "run", str(sched))
+        assert r.returncode == 0, r.stderr
+        run = tmp_path / "run"
+    norms: list[dict[int, float]] = []
+    ref = reference_run(tiny_model, tiny_data, [(5, None)] * 6, phase_warmup=WARMUP, norms=norms, choose=by_norm(0))
+    got = journaled_norms(run)
+    assert len(got) == 6 and [sorted(m) for m in got] == [sorted(m) for m in norms]
+    assert all(g[layer] == pytest.approx(want[layer], rel=1e-4) for g, want in zip(got, norms) for layer in want)
+    chosen = [layers for _, layers in trained(run)]
+    assert chosen == [sorted(m) for m in norms]
+    assert max_abs_diff(ref, composed(tiny_model, run)) <= TOL
+    plan = [p for p in plan_phases(load_schedule(sched))]
+    assert [p.drawn_later for p in plan] == [False] * LAG + [True] * (6 - LAG)
+    assert [list(p.layers) for p in plan[:LAG]] == chosen[:LAG]
+    assert len(set(map(tuple, chosen))) > 1  # not one layer over and over
+
+
+def test_grad_norm_killed_mid_phase_resumes_bitwise_and_draws_the_same(grad_norm_run, tmp_path, tiny_model):
+    """A SIGKILL in step 22 (phase 4): the rerun draws phase 4 and 5 by the norms the journal and
+    the phase folders hold, and ends bitwise as the uninterrupted run, every phase the same layers."""
+    sched, whole = grad_norm_run
+    sched = Path(shutil.copy(sched, tmp_path / "s.toml"))
+    r = cli("orchestrator", "run", str(sched), env={**os.environ, **faults_env(
+        kill_at={"point": "data.micro_batch", "step": 22, "rank": 0})})
+    assert r.returncode == 1, r.stderr
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / "run"
+    assert trained(run) == trained(whole)
+    assert journaled_norms(run) == journaled_norms(whole)
+    assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, whole))

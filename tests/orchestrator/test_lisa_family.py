@@ -6,20 +6,24 @@ Their runs against the plain-PyTorch reference are tests/launch/test_lisa_family
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from launch.contract.files import GradNorms, RunDir
 from launch.contract.spec import lr_at
 from orchestrator import phasespec
 from orchestrator.changes import changed_lr
 from orchestrator.errors import ScheduleError
 from orchestrator.groups import Work
+from orchestrator.importance import Importance
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import cadence_seconds
 from orchestrator.space import carries
 from orchestrator.validate import validate_schedule
 from tests.orchestrator.test_cli_plan import invoke
+from tests.conftest import write_schedule
 from tests.orchestrator.test_schedule import LAYERS, layers, plan, strategy_raw
 
 
@@ -89,7 +93,10 @@ def test_weights_and_windows_the_model_cannot_meet_are_refused(tmp_path, tiny_da
      "schedule.layer_weights: takes schedule.strategy = \"lisa\", got strategy 'badam'"),
     (None, {"window": 2}, 'schedule.window: takes schedule.strategy = "lisa", got strategy none (explicit phases)'),
     ("lisa", {"layer_weights": [1, -1] + [1] * 6}, "schedule.layer_weights[1]: expected a non-negative number, got -1"),
-    ("lisa", {"layer_weights": "owlore"}, 'schedule.layer_weights: expected a list of weights or "uniform", got \'owlore\''),
+    ("lisa", {"layer_weights": "owlore"},
+     'schedule.layer_weights: expected a list of weights, "uniform" or "grad_norm", got \'owlore\''),
+    ("lisa", {"importance_lag": 2}, 'schedule.importance_lag: takes schedule.layer_weights = "grad_norm", got none'),
+    ("lisa", {"layer_weights": "grad_norm", "importance_lag": 0}, "schedule.importance_lag"),
     ("lisa", {"optimizer_state": "keep-some"}, "schedule.optimizer_state: expected 'reset', 'drop-all' or 'keep'"),
 ])
 def test_keys_in_the_wrong_place_name_the_key(tmp_path, tiny_data, strategy, keys, message):
@@ -149,7 +156,7 @@ def test_plan_shows_the_choice_the_policy_and_the_largest_phase(tmp_path, tiny_m
     assert "largest phase: 0 (layers " in r.output and " per process" in r.output
 
 
-@pytest.mark.parametrize("name", ["lisa", "badam", "owlore", "lmflow-keep"])
+@pytest.mark.parametrize("name", ["lisa", "badam", "owlore", "lmflow-keep", "ist"])
 def test_the_family_examples_plan_as_their_comments_say(tmp_path, tiny_model, tiny_data, name):
     """examples/family/*.toml on the tiny model (make demo makes ../tiny/model; here the fixture's):
     plan accepts each, and its phases are what its comment promises."""
@@ -175,6 +182,9 @@ def test_the_family_examples_plan_as_their_comments_say(tmp_path, tiny_model, ti
     if name == "lmflow-keep":  # two layers every 5 steps, some come back, their state kept in the checkpoints
         assert all(len(d) == 2 for d in drawn) and len({l for d in drawn for l in d}) < 2 * len(drawn)
         assert "optimizer state (keep): each layer's kept in the checkpoint from its last visit" in r.stdout
+    if name == "ist":  # the first 2 phases drawn alike, the rest by the norms measured as it trains
+        later = [p.drawn_later for p in plan(raw, tmp_path)]
+        assert later == [False] * 2 + [True] * 6 and r.stdout.count("1 by gradient norm") == 6
     if name == "owlore":  # weight 0 never drawn; no layer twice within a window of 2 phases
         assert all(3 not in d for d in drawn)
         assert all(not set(drawn[i]) & set(drawn[i + 1]) for i in range(0, len(drawn), 2))
@@ -202,3 +212,60 @@ def test_keep_hands_over_and_every_phase_end_writes(tmp_path, tiny_model, tiny_d
         ("keep", True, False), ("keep", True, True)]
     assert not carries(loaded) and cadence_seconds(loaded.schedule) == 0
     assert not (tmp_path / "run").exists()
+
+
+def norms_of(run: Path, index: int, norms: dict[int, float]) -> None:
+    """What phase ``index``'s rank 0 writes at its end (``launch.importance``)."""
+    files = RunDir(run).phase(index)
+    files.path.mkdir(parents=True, exist_ok=True)
+    files.write_grad_norms(GradNorms(phase=index, step=0, layers=list(norms), norms=list(norms.values())))
+
+
+def test_grad_norm_draws_each_phase_once_the_norms_it_needs_are_in_and_a_resume_draws_the_same(tmp_path, tiny_data):
+    """Phase i waits for the norms of phases 0 .. i - lag (the first lag phases are the plan's); a
+    layer of a large norm is drawn far more often, one measured at 0 never, one not measured yet as
+    the largest. A resume (a new orchestrator) draws the same from the journal, or from the phase
+    folders where the journal lacks them."""
+    raw = strategy_raw(tiny_data, "lisa", layer_weights="grad_norm", importance_lag=2, total_steps=400, interval=1,
+                       layers_per_phase=1)
+    loaded = validate_schedule(raw, tmp_path / "schedule.toml")
+    phases = plan_phases(loaded)
+    assert [p.drawn_later for p in phases[:3]] == [False, False, True]
+    run, journal = tmp_path / "run", []
+    imp = Importance(loaded, run, lambda name, **kw: journal.append({"event": name, **kw}))
+    measured = {0: 1.0, 1: 0.0, 2: 50.0}  # layers 3-7: never measured (no phase trains them after its first)
+
+    def finish(i: int) -> None:
+        layer = phases[i].layers[0]
+        norms_of(run, i, {layer: measured.get(layer, 1.0)})
+        imp.finished(phases[i])
+        imp.draw_ready(phases)
+
+    imp.draw_ready(phases)
+    assert phases[2].drawn_later  # phase 0's norms are not in yet
+    for i in range(len(phases)):
+        if i + 2 < len(phases):
+            assert phases[i + 1].drawn_later is False and phases[i + 2].drawn_later is True
+        finish(i)
+    assert not any(p.drawn_later for p in phases)
+    counts = Counter(p.layers[0] for p in phases)
+    assert counts[2] > 300 and counts[1] <= 3  # layer 1 only until measured at 0
+    again = plan_phases(loaded)
+    resumed = Importance(loaded, run, lambda name, **kw: None)
+    resumed.resume(again, journal, phases[200].start_step)  # the norms of phases 0-199, journaled
+    resumed.draw_ready(again)
+    assert again[:202] == phases[:202] and again[202].drawn_later
+    from_folders = plan_phases(loaded)  # the journal lost: the phase folders hold them
+    lost = Importance(loaded, run, lambda name, **kw: None)
+    lost.resume(from_folders, [], phases[200].start_step)
+    lost.draw_ready(from_folders)
+    assert from_folders[:202] == phases[:202]
+
+
+def test_plan_shows_the_phases_drawn_by_gradient_norm(tmp_path, tiny_data):
+    raw = strategy_raw(tiny_data, "lisa", layer_weights="grad_norm", importance_lag=3)
+    path = write_schedule(tmp_path / "s.toml", raw)
+    out = invoke("plan", str(path))
+    assert out.exit_code == 0, out.output
+    assert "by gradient norm (IST): phase i draws by the norms phases 0 .. i - 3 measured" in out.output
+    assert out.output.count("2 by gradient norm") == 2  # phases 3 and 4 of 5

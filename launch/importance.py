@@ -1,0 +1,40 @@
+"""What a phase measures for schedule.layer_weights = "grad_norm" (IST's importance, Yao et al.
+2024, from what training computes anyway): each body layer it trains, the L2 norm of that layer's
+gradient at the phase's last step, the full gradient (every rank's micro-batches, reduced), read
+between its last backward and the optimizer's step. Rank 0 writes them to its phase folder
+(``PhaseDir.grad_norms``) before it offers its state or writes its end: the orchestrator draws
+the layers of later phases by them (``orchestrator.importance``)."""
+
+from __future__ import annotations
+
+import math
+
+from launch.contract.files import GradNorms, PhaseDir
+from launch.record import Phase
+from launch.save import carried_layer
+
+
+def due(ph: Phase, micro: int) -> bool:
+    """Whether the micro-batch ``micro`` just backpropagated ends the phase's last step (``ph.step``
+    still the step's own number)."""
+    return ph.spec.grad_norms and ph.step == ph.spec.end_step - 1 and micro == ph.built.gas - 1
+
+
+def measure(ph: Phase) -> None:
+    """Each trained body layer's gradient norm, into ``ph.grad_norms``; a collective (every rank
+    calls it at the same step, ``Backend.full_grads``)."""
+    names = [name for name, _ in ph.built.body]
+    grads = ph.backend.full_grads(ph.built.engine, [p for _, p in ph.built.body])
+    squares: dict[int, float] = {}
+    for name, g in zip(names, grads):
+        layer = carried_layer(ph, name)
+        squares[layer] = squares.get(layer, 0.0) + (0.0 if g is None else float(g.detach().double().pow(2).sum()))
+    ph.grad_norms = {layer: math.sqrt(v) for layer, v in sorted(squares.items())}
+
+
+def write(ph: Phase) -> None:
+    """Rank 0 writes what ``measure`` found (none: the phase did not end, or measures nothing)."""
+    norms = ph.grad_norms
+    if ph.rank == 0 and norms is not None:
+        PhaseDir(ph.spec.phase_dir).write_grad_norms(GradNorms(phase=ph.spec.phase, step=ph.spec.end_step - 1,
+                                                               layers=list(norms), norms=list(norms.values())))
