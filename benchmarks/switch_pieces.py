@@ -36,8 +36,9 @@ def pieces(run: Path) -> list[dict]:
         row.update({m.removeprefix("t_"): round(r[m] - go, 3) if m in r else None for m in MARKS})
         wait = r.get("predecessor_exit_wait")
         row["exit_wait"] = round(wait, 3) if isinstance(wait, float) else wait
-        row["warm"] = "small" if r.get("warm_up_small") is True else "skipped" if r.get("warm_up_skipped") and \
-            r.get("warm_up_small") is not True else "one layer"
+        small = r.get("warm_up_small") is True  # the smallest toy; warm_up_skipped: the one layer did not fit
+        skipped = r.get("warm_up_small_skipped") or (r.get("warm_up_skipped") and not small)
+        row["warm"] = "skipped" if skipped else "small" if small else "one layer"
         row["pinned"] = r.get("pinned_ahead")
         rows.append(row)
     return rows
