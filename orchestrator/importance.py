@@ -54,6 +54,13 @@ def _window_taken(drawn: list[tuple[int, ...]], i: int, window: int | None) -> s
     return {layer for chosen in drawn[start:i] for layer in chosen}
 
 
+def _measured(e: dict) -> bool:
+    """A journaled ``grad_norms`` as the runner writes it (else the phase's folder is read)."""
+    layers, norms = e.get("layers"), e.get("norms")
+    return isinstance(layers, list) and isinstance(norms, list) and len(layers) == len(norms) and \
+        all(type(x) is int for x in layers) and all(type(x) is float for x in norms)
+
+
 class Importance:
     """The norms the run's phases measured, and the draws by them, for the runner."""
 
@@ -73,7 +80,7 @@ class Importance:
             return
         ended = {p.index for p in phases if p.end_step <= step}
         for e in journal:
-            if e.get("event") == EVENT and e.get("phase") in ended:
+            if e.get("event") == EVENT and e.get("phase") in ended and _measured(e):
                 self.norms[e["phase"]] = dict(zip(e["layers"], e["norms"]))
         for index in sorted(ended - set(self.norms)):
             self.finished(phases[index])

@@ -111,6 +111,9 @@ class PhaseRow:
     resumed: bool = False
     """Its last process group started after the orchestrator resumed the run: the time before is
     downtime, not a switch."""
+    grad_norms: dict[int, float] | None = None
+    """With schedule.layer_weights = "grad_norm": each of its layers' gradient norm at its last step,
+    by which later phases were drawn (the journal's last ``grad_norms`` of it)."""
 
 
 @dataclass
@@ -160,6 +163,8 @@ def replay(events: list[dict[str, Any]]) -> list[PhaseRow]:
             start, prev, before = started.get(e["phase"]), started.get(e["phase"] - 1), done.get(e["phase"] - 1)
             same_go = None not in (start, prev, before) and start[0] == prev[0]
             row.switch_seconds = switch_overhead(start[1], before, e) if same_go else None
+        elif kind == "grad_norms" and e.get("phase") in phases:
+            phases[e["phase"]].grad_norms = dict(zip(e.get("layers") or [], e.get("norms") or []))
         elif kind in ENDED and e.get("phase") in phases:
             phases[e["phase"]].status = ENDED[kind]
     return [phases[i] for i in sorted(phases)]

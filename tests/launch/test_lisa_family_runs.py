@@ -364,4 +364,7 @@ def test_grad_norm_killed_mid_phase_resumes_bitwise_and_draws_the_same(grad_norm
     run = tmp_path / "run"
     assert trained(run) == trained(whole)
     assert journaled_norms(run) == journaled_norms(whole)
+    report = cli("orchestrator", "report", "--json", str(run))  # each phase's norms, as drawn by
+    rows = json.loads(report.stdout)["phases"]
+    assert [{int(k): v for k, v in r["grad_norms"].items()} for r in rows] == journaled_norms(whole)
     assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, whole))
