@@ -2,8 +2,9 @@
 
 Sensitivity of the setup (tiny Llama, lr 1e-3, 30 steps, fp32), measured by
 ``test_setup_is_not_chaotic``: scaling every gradient by 1 + 1e-6 moves the final weights by
-~1e-9..1e-8, while the wrong semantics (body state carried over, head state reset) move them by
-~1e-4 or more. So a 1e-5 tolerance separates "same algorithm, other summation order" from "wrong".
+~1e-9..1e-8 (1.3e-6 on an AMD EPYC with AVX2 kernels, CI's machine of 2026-12-07), while the
+wrong semantics (body state carried over, head state reset) move them by ~1e-4 or more. So a 1e-5
+tolerance separates "same algorithm, other summation order" from "wrong".
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def reference(tiny_model, tiny_data) -> dict[str, torch.Tensor]:
 
 def test_setup_is_not_chaotic(tiny_model, tiny_data, reference):
     nudged = reference_run(tiny_model, tiny_data, PHASES, grad_scale=1 + 1e-6)
-    assert max_abs_diff(reference, nudged) < TOL / 10
+    assert max_abs_diff(reference, nudged) < TOL / 4  # 1.3e-6 on CI's AMD EPYC (AVX2) of 2026-12-07
 
 
 def test_wrong_semantics_would_fail(tiny_model, tiny_data, reference):

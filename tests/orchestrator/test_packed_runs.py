@@ -1,10 +1,11 @@
 """Packing whole changes rows, not what is learned: full-batch runs of the same examples packed and
-padded end within 1e-5 of each other (every step's loss and the final weights), on 1 and 2
+padded end within 3e-5 of each other (every step's loss and the final weights), on 1 and 2
 processes. A packed run whose examples' positions run on and attend across (the position ids taken
 away in every phase process: ``cross_examples`` in tests/faults/) does not, which is what makes
 the equality worth having.
 
-The 1e-5 tolerance is test_equivalence's (another summation order moves the result ~1e-8).
+test_equivalence's tolerance is 1e-5; a packed row's attention sums over other positions than a
+padded one's, which on CI's machine of 2026-12-07 moved the final weights by 1.08e-5 (``TOL``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 LENGTHS = [5, 9, 3, 12, 7, 2, 16, 4, 6, 10, 11, 8, 3, 14, 6, 5]
 """16 examples: 16 rows padded to 16 tokens, 8 packed whole (seed 0)."""
-TOL = 1e-5
+TOL = 3e-5
+"""Packed and padded: the final weights 1.08e-5 apart on one process on an AMD EPYC of AVX2 (CI's
+machine on 2026-12-07; test_equivalence's 1e-5 held elsewhere), 2.2e-6 padded on 1 and 2 processes."""
+CROSSED = 1e-3
+"""Attending across examples moves the final weights by 0.12 and a step's loss by 0.23."""
 
 
 def run(tmp: Path, model: Path, data: Path, pack: bool, nproc: int, env: dict | None = None) -> tuple[list, Path]:
@@ -56,5 +61,5 @@ def test_packed_and_padded_runs_end_alike_and_crossing_examples_shows(tmp_path, 
     assert max(abs(a - b) for a, b in zip(padded_2, padded)) < TOL
     assert max_abs_diff(composed(tiny_model, padded_2_dir), want) < TOL
     crossed, crossed_dir = run(tmp_path, tiny_model, data, True, 1, env=faults_env(cross_examples=True))
-    assert max(abs(a - b) for a, b in zip(crossed, padded)) > 100 * TOL
-    assert max_abs_diff(composed(tiny_model, crossed_dir), want) > 100 * TOL
+    assert max(abs(a - b) for a, b in zip(crossed, padded)) > CROSSED
+    assert max_abs_diff(composed(tiny_model, crossed_dir), want) > CROSSED
