@@ -22,14 +22,18 @@ def due(ph: Phase, micro: int) -> bool:
 
 def measure(ph: Phase) -> None:
     """Each trained body layer's gradient norm, into ``ph.grad_norms``; a collective (every rank
-    calls it at the same step, ``Backend.full_grads``)."""
+    calls it at the same step, ``Backend.full_grads``). With float16's loss scaling the gradients
+    are still scaled here (the step unscales them): divided by the scale. A layer whose norm is not
+    finite (a step the scaler skips) is not measured."""
     names = [name for name, _ in ph.built.body]
     grads = ph.backend.full_grads(ph.built.engine, [p for _, p in ph.built.body])
+    scale = float(getattr(ph.backend.loss_scaler(ph.built.engine), "cur_scale", 1.0) or 1.0)
     squares: dict[int, float] = {}
     for name, g in zip(names, grads):
         layer = carried_layer(ph, name)
         squares[layer] = squares.get(layer, 0.0) + (0.0 if g is None else float(g.detach().double().pow(2).sum()))
-    ph.grad_norms = {layer: math.sqrt(v) for layer, v in sorted(squares.items())}
+    norms = {layer: math.sqrt(v) / scale for layer, v in sorted(squares.items())}
+    ph.grad_norms = {layer: v for layer, v in norms.items() if math.isfinite(v)}
 
 
 def write(ph: Phase) -> None:
