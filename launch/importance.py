@@ -25,11 +25,11 @@ def measure(ph: Phase) -> None:
     calls it at the same step, ``Backend.full_grads``). With float16's loss scaling the gradients
     are still scaled here (the step unscales them): divided by the scale. A layer whose norm is not
     finite (a step the scaler skips) is not measured."""
-    names = [name for name, _ in ph.built.body]
-    grads = ph.backend.full_grads(ph.built.engine, [p for _, p in ph.built.body])
-    scale = float(getattr(ph.backend.loss_scaler(ph.built.engine), "cur_scale", 1.0) or 1.0)
+    body, engine = ph.built.body, ph.built.engine
+    grads = ph.backend.full_grads(engine, [p for _, p in body])
+    scale = float(getattr(ph.backend.loss_scaler(engine), "cur_scale", 1.0) or 1.0)
     squares: dict[int, float] = {}
-    for name, g in zip(names, grads):
+    for (name, _), g in zip(body, grads):
         layer = carried_layer(ph, name)
         squares[layer] = squares.get(layer, 0.0) + (0.0 if g is None else float(g.detach().double().pow(2).sum()))
     norms = {layer: math.sqrt(v) / scale for layer, v in sorted(squares.items())}

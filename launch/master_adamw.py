@@ -51,6 +51,11 @@ class Slot:
     group: int
 
 
+def _autograds(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """Each parameter's gradient where autograd left it; zero for one that got none."""
+    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+
+
 def reads_autograds(accumulate: bool, world: int) -> bool:
     """Whether the kernel reads each gradient where autograd left it (one micro-batch a step, one
     rank), rather than from the fp32 buffer the micro-batches and ranks are summed in."""
@@ -163,7 +168,7 @@ class MasterAdamW(torch.optim.Optimizer):
         over the micro-batches and, in a copy, averaged over the ranks (collective); zero for one
         that got none."""
         if self.direct:
-            return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            return _autograds(params)
         out = [self._grad_of[id(p)] if id(p) in self._seen else torch.zeros_like(self._grad_of[id(p)]) for p in params]
         if self.world == 1 or not out:
             return out
@@ -203,7 +208,7 @@ class MasterAdamW(torch.optim.Optimizer):
         """This step's gradients: autograd's (``direct``), or None where they are in ``grads``,
         summed over the ranks by now."""
         if self.direct:
-            return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            return _autograds(self.params)
         if len(self._seen) != len(self._grad_of):  # a parameter that got no gradient steps with a zero one
             for key, view in self._grad_of.items():
                 if key not in self._seen:

@@ -263,9 +263,10 @@ class Runner:
         else:
             self._event("resumed", step=step, checkpoint=str(ckpt) if ckpt else None, pid=os.getpid(),
                         warmup_from=warmup_from)
-            journal_recovered(read_journal(self.run_dir), step, self._event)
-        self.importance.resume(self.phases, read_journal(self.run_dir), step)
-        self.importance.draw_ready(self.phases)
+            journal = read_journal(self.run_dir)
+            journal_recovered(journal, step, self._event)
+            self.importance.resume(self.phases, journal, step)  # a fresh run has no norms yet
+            self.importance.draw_ready(self.phases)
         return next_work(self.phases, ckpt, manifest)
 
     def _work_after(self, finished: Supervisor) -> Work | None:
