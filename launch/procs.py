@@ -19,6 +19,7 @@ import psutil
 
 from launch.contract.channels import GO
 from launch.contract.files import DUMP_STACKS, PhaseDir, rank_name
+from launch.contract.pids import started
 
 PR_SET_PDEATHSIG = 1
 
@@ -61,8 +62,7 @@ def fork_dying_with_parent(sig: int = signal.SIGKILL) -> int:
 
 def record_pid(phase_dir: Path, name: str) -> None:
     """Records this process as ``name`` in the phase directory, so the orchestrator can reap it."""
-    me = psutil.Process()
-    PhaseDir(phase_dir).record_pid(name, me.pid, me.create_time(), node_name())
+    PhaseDir(phase_dir).record_pid(name, os.getpid(), started(os.getpid()), node_name())
 
 
 def node_name() -> str:
@@ -70,10 +70,10 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def _watch(pid: int, create_time: float, interval: float) -> None:
+def _watch(pid: int, since: float, interval: float) -> None:
     while True:
         try:
-            alive = psutil.Process(pid).create_time() == create_time
+            alive = started(pid) == since
         except psutil.NoSuchProcess:
             alive = False
         if not alive:
@@ -82,13 +82,14 @@ def _watch(pid: int, create_time: float, interval: float) -> None:
 
 
 def watch_orchestrator(pid: int, interval: float = 0.5) -> None:
-    """A daemon thread that SIGKILLs this process once the orchestrator process is gone."""
+    """A daemon thread that SIGKILLs this process once the orchestrator process is gone (its pid
+    gone, or another process's: matched on ``started``, which no step of the clock moves)."""
     try:
-        create_time = psutil.Process(pid).create_time()
+        since = started(pid)
     except psutil.NoSuchProcess:
         os.kill(os.getpid(), signal.SIGKILL)
         return
-    threading.Thread(target=_watch, args=(pid, create_time, interval), daemon=True, name="orchestrator-watch").start()
+    threading.Thread(target=_watch, args=(pid, since, interval), daemon=True, name="orchestrator-watch").start()
 
 
 def dump_stacks_on_signal(phase_dir: Path, rank: int) -> None:

@@ -29,6 +29,7 @@ import psutil
 from launch import procs
 from launch.contract.channels import EARLY, FORK_REQUESTS, FORK_SERVER_START
 from launch.contract.files import DUMP_STACKS, UNRECORDED, PhaseDir, RunDir, rank_name, write_reason
+from launch.contract.pids import started
 from launch.contract.spec import PhaseSpec
 from shard_tools.files import open_append
 
@@ -118,7 +119,7 @@ class Zygote:
                     self._child(spec, spec_path, rank, nproc, requests_fd)
                 self.children[pid] = (phase_dir, rank)
             try:
-                phase_dir.record_pid(rank_name(rank), pid, psutil.Process(pid).create_time())
+                phase_dir.record_pid(rank_name(rank), pid, started(pid))
             except psutil.NoSuchProcess:
                 pass  # already gone: its exit file says how
 

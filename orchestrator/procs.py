@@ -12,17 +12,17 @@ from pathlib import Path
 import psutil
 
 from launch.contract.files import PhaseDir
+from launch.contract.pids import started
 
 
 def recorded(phase_dir: Path, prefix: str = "") -> list[psutil.Process]:
     """Live processes of the phase's pid records whose names start with ``prefix`` (``RANK`` for
-    the ranks), matched on create time: no pid reuse."""
+    the ranks), matched on their start (``launch.contract.pids``): no pid reuse, no step of the clock."""
     out = []
     for rec in PhaseDir(phase_dir).pid_records(prefix):
         try:
-            p = psutil.Process(rec.pid)
-            if abs(p.create_time() - rec.create_time) < 0.01:
-                out.append(p)
+            if started(rec.pid) == rec.started:
+                out.append(psutil.Process(rec.pid))
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return out

@@ -109,6 +109,13 @@ def write_schedule(path: Path, schedule: dict) -> Path:
     return path
 
 
+def said(proc: subprocess.Popen) -> str:
+    """Everything an ended process printed, whole: an assert's message that is not a string (the
+    tuple ``communicate()`` returns) is cut in the middle, which cut a failed phase's reason out."""
+    out, err = proc.communicate()
+    return f"exit {proc.returncode}\n{out or ''}\n{err or ''}"
+
+
 def faults_env(**plan) -> dict[str, str]:
     """Environment for a run whose processes install the fault handlers of ``plan`` (see
     tests/faults/sitecustomize.py)."""

@@ -56,8 +56,9 @@ class PidRecord(_Record):
     """pids/NAME.json."""
 
     pid: PositiveInt
-    create_time: float
-    """The process's start time: with the pid, a process that no pid reuse can impersonate."""
+    started: float
+    """When the process started, in seconds since the machine booted (``launch.contract.pids``):
+    with the pid, a process that no pid reuse can impersonate, and no step of the clock moves."""
     host: str | None = None  # the node it runs on (SLURM's name for it, else the host name)
     run: int | None = None
     """The run directory's inode when recorded: a copy of the directory (``cp -a RUN RUN2``) holds
@@ -137,10 +138,10 @@ class PhaseDir:
         self.stages.unlink(missing_ok=True)
         self.grad_norms.unlink(missing_ok=True)
 
-    def record_pid(self, name: str, pid: int, create_time: float, host: str | None = None) -> None:
+    def record_pid(self, name: str, pid: int, started: float, host: str | None = None) -> None:
         """pids/NAME.json, so that the orchestrator can find the process (and reap it)."""
         self.pids.mkdir(parents=True, exist_ok=True)
-        record = PidRecord(pid=pid, create_time=create_time, host=host, run=self._run_inode())
+        record = PidRecord(pid=pid, started=started, host=host, run=self._run_inode())
         write_atomic(self.pids / f"{name}.json", record.model_dump_json(), durable=False)
 
     def pid_records(self, prefix: str = "") -> list[PidRecord]:

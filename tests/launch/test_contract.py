@@ -115,11 +115,11 @@ def test_pid_records_skip_what_is_not_one(tmp_path):
     d.record_pid("rank-0", 11, 100)
     d.record_pid("launcher", 10, 99.0)
     d.pids.joinpath("rank-2.json").write_text('{"pid": 13, "create')  # a writer killed mid-write
-    d.pids.joinpath("rank-3.json").write_text('{"pid": "14", "create_time": 1.0}')
-    d.pids.joinpath("rank-4.json").write_text('{"pid": 0, "create_time": 1.0}')
+    d.pids.joinpath("rank-3.json").write_text('{"pid": "14", "started": 1.0}')
+    d.pids.joinpath("rank-4.json").write_text('{"pid": 0, "started": 1.0}')
     run = tmp_path.parent.parent.stat().st_ino  # RUN_DIR/phases/phase-NNNN's
-    assert d.pid_records(RANK) == [PidRecord(pid=11, create_time=100.0, run=run),
-                                   PidRecord(pid=12, create_time=100.5, run=run)]
+    assert d.pid_records(RANK) == [PidRecord(pid=11, started=100.0, run=run),
+                                   PidRecord(pid=12, started=100.5, run=run)]
     assert {r.pid for r in d.pid_records()} == {10, 11, 12}
     assert PhaseDir(tmp_path / "none").pid_records() == []
 

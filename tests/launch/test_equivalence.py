@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from launch.contract.pids import started
 from shard_tools.manifest import read_manifest
 from shard_tools.store import Checkpoints
 from tests.conftest import cli, schedule_dict, write_schedule
@@ -90,7 +91,7 @@ def test_each_phase_its_own_process_and_none_survives(tiny_run):
         rec = json.loads((tiny_run / "phases" / f"phase-{i:04d}" / "pids" / "rank-0.json").read_text())
         rank_pids.append(rec["pid"])
         try:
-            alive = psutil.Process(rec["pid"]).create_time() == rec["create_time"]
+            alive = started(rec["pid"]) == rec["started"]
         except psutil.NoSuchProcess:
             alive = False
         assert not alive, f"phase {i}'s worker {rec['pid']} is still alive"

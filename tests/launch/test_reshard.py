@@ -21,9 +21,10 @@ import psutil
 import pytest
 import torch
 
+from launch.contract.pids import started
 from shard_tools.manifest import read_manifest
 from shard_tools.store import Checkpoints
-from tests.conftest import cli, faults_env, schedule_dict, write_schedule
+from tests.conftest import cli, faults_env, said, schedule_dict, write_schedule
 from tests.reference import composed, max_abs_diff, reference_run
 
 pytestmark = pytest.mark.multiprocess
@@ -51,7 +52,7 @@ def events(run: Path) -> list[dict]:
 
 def alive(rec: dict) -> bool:
     try:
-        return psutil.Process(rec["pid"]).create_time() == rec["create_time"]
+        return started(rec["pid"]) == rec["started"]
     except psutil.NoSuchProcess:
         return False
 
@@ -161,12 +162,12 @@ def test_launcher_sigkill_takes_its_ranks_down_and_the_run_resumes(tmp_path, tin
                             start_new_session=True, env={**os.environ, **slow})
     try:
         wait_for(lambda: in_phase_1() or orch.poll() is not None, timeout=300, what="a step of phase 1")
-        assert orch.poll() is None, orch.communicate()
+        assert orch.poll() is None, said(orch)
         phase_dir = run / "phases" / "phase-0001"
         launcher = json.loads((phase_dir / "pids" / "launcher.json").read_text())
         ranks = [json.loads(f.read_text()) for f in sorted((phase_dir / "pids").glob("rank-*.json"))]
         assert len(ranks) == 2 and all(map(alive, ranks)), ranks
-        assert alive(launcher)  # matched on create_time: never signal a reused pid
+        assert alive(launcher)  # matched on its start: never signal a reused pid
         os.kill(launcher["pid"], signal.SIGKILL)
         # Every rank of every phase, the pre-warmed successors' too: none may keep device memory.
         # The slack covers the supervisor's poll interval and the SIGKILL after the grace.

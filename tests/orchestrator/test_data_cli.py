@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from orchestrator.cli import main
-from tests.conftest import ROOT, cli, schedule_dict, write_schedule
+from tests.conftest import ROOT, cli, said, schedule_dict, write_schedule
 
 ORCH = str(Path(sys.executable).parent / "orchestrator")
 INSTRUCTIONS = [{"instruction": f"Name colour number {i}.", "input": "", "output": f"The colour is {c}."}
@@ -168,7 +168,7 @@ def test_preempted_run_resumes_and_exports(tmp_path, model, fmt):
     try:
         metrics = run / "metrics.jsonl"
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
-            assert orch.poll() is None, orch.communicate()
+            assert orch.poll() is None, said(orch)
             subprocess.run(["sleep", "0.1"])
         orch.send_signal(signal.SIGTERM)
         assert orch.wait(timeout=120) == 75, orch.communicate()[1]
@@ -235,7 +235,7 @@ def test_a_stop_while_the_data_is_staged_leaves_nothing(tmp_path, model):
     def staging(orch: subprocess.Popen) -> None:
         # The data tool (a Python that imports transformers) takes seconds: the signal lands in it.
         while not list(tmp_path.glob(".relayer-data-*")):
-            assert orch.poll() is None, orch.communicate()
+            assert orch.poll() is None, said(orch)
 
     stop_while_preparing([ORCH, "run", str(sched(tmp_path, model, INSTRUCTIONS, "instruction"))], signal.SIGTERM,
                          staging)

@@ -25,7 +25,7 @@ from orchestrator.datastep import scratch_root, stage_data
 from orchestrator.errors import RunLocked
 from orchestrator.rundir import RunLock, create_run_dir
 from orchestrator.validate import load_schedule
-from tests.conftest import faults_env
+from tests.conftest import faults_env, said
 from tests.orchestrator.test_data_cli import (  # noqa: F401 - model: a fixture
     CHATS, INSTRUCTIONS, model, sched, stop_while_preparing,
 )
@@ -125,7 +125,7 @@ def preparing(orch: subprocess.Popen, workers: int = 2) -> list[int]:
         kids = [k for k in me.children(recursive=True) if _alive(k)]
         if len(kids) > workers:
             return [k.pid for k in kids]
-        assert orch.poll() is None, orch.communicate()
+        assert orch.poll() is None, said(orch)
         time.sleep(0.1)
     raise AssertionError("the data tool's workers never started")
 

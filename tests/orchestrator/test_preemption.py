@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from launch.contract.pids import started
 from shard_tools.manifest import read_manifest, verify_checkpoint
 from shard_tools.store import Checkpoints
 from tests.conftest import cli, faults_env, schedule_dict, write_schedule
@@ -51,7 +52,7 @@ def rank_pids(run: Path) -> list[dict]:
 
 def alive(rec: dict) -> bool:
     try:
-        return psutil.Process(rec["pid"]).create_time() == rec["create_time"]
+        return started(rec["pid"]) == rec["started"]
     except psutil.NoSuchProcess:
         return False
 

@@ -10,13 +10,14 @@ from types import SimpleNamespace
 
 import psutil
 
+from launch.contract.pids import started
 from orchestrator.quiet import Pauser
 
 
 def _record(phase_dir, rank: int, proc: subprocess.Popen) -> None:
     pids = phase_dir / "pids"
     pids.mkdir(parents=True, exist_ok=True)
-    record = {"pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time()}
+    record = {"pid": proc.pid, "started": started(proc.pid)}
     (pids / f"rank-{rank}.json").write_text(json.dumps(record))
 
 

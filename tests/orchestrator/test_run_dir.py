@@ -13,6 +13,7 @@ import psutil
 import pytest
 from click.testing import CliRunner
 
+from launch.contract.pids import started
 from orchestrator.cli import main
 from orchestrator.errors import RunLocked
 from orchestrator.journal import JsonlTail
@@ -165,7 +166,7 @@ def test_phases_keeps_the_last_phases_folders_and_those_with_a_process_left(tmp_
     me = psutil.Process()
     alive = run.phase(1).pids
     alive.mkdir()
-    (alive / "rank-0.json").write_text(json.dumps({"pid": me.pid, "create_time": me.create_time()}))
+    (alive / "rank-0.json").write_text(json.dumps({"pid": me.pid, "started": started(me.pid)}))
     half = tmp_path / "phases" / ".phase-0000.gone"
     (half / "exit").mkdir(parents=True)
     removed = prune_phase_dirs(tmp_path, 11)
@@ -182,8 +183,8 @@ def test_a_copy_of_a_run_directory_holds_no_process_of_its_own(tmp_path):
 
     me = psutil.Process()
     phase = RunDir(tmp_path / "run").phase(0)
-    phase.record_pid("rank-0", me.pid, me.create_time())
-    phase.pids.joinpath("rank-1.json").write_text(json.dumps({"pid": me.pid, "create_time": me.create_time()}))
+    phase.record_pid("rank-0", me.pid, started(me.pid))
+    phase.pids.joinpath("rank-1.json").write_text(json.dumps({"pid": me.pid, "started": started(me.pid)}))
     assert [p.pid for p in recorded(phase.path)] == [me.pid, me.pid]
     shutil.copytree(tmp_path / "run", tmp_path / "copy", symlinks=True)
     copied = RunDir(tmp_path / "copy").phase(0)

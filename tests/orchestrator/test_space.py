@@ -18,7 +18,7 @@ import pytest
 from orchestrator.plan import plan_phases
 from orchestrator.space import disk_need, file_system_of
 from orchestrator.validate import load_schedule
-from tests.conftest import cli, make_llama, schedule_dict, write_schedule
+from tests.conftest import cli, make_llama, said, schedule_dict, write_schedule
 
 
 @pytest.fixture
@@ -99,7 +99,7 @@ def test_a_disk_filled_mid_run_ends_it_naming_the_file_system(tmp_path, tmpfs, m
     try:
         deadline = time.time() + 300  # a first phase may build DeepSpeed's CPU extension first
         while len(list((run / "checkpoints").glob("step-*/manifest.json"))) < 2:
-            assert orch.poll() is None, orch.communicate()
+            assert orch.poll() is None, said(orch)
             assert time.time() < deadline, "no two checkpoints in 300 s"
             time.sleep(0.05)
         fill(disk)

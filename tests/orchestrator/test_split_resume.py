@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli, make_tokens, schedule_dict, write_schedule
+from tests.conftest import cli, make_tokens, said, schedule_dict, write_schedule
 from tests.reference import composed, max_abs_diff
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -43,7 +43,7 @@ def stop_after(schedule_path: Path, run: Path, lines: int) -> None:
                             text=True, start_new_session=True)
     try:
         while not ((run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= lines):
-            assert orch.poll() is None, orch.communicate()
+            assert orch.poll() is None, said(orch)
             time.sleep(0.1)
         orch.send_signal(signal.SIGTERM)
         assert orch.wait(timeout=120) == 75, orch.communicate()[1]

@@ -22,8 +22,9 @@ import psutil
 import pytest
 import torch
 
+from launch.contract.pids import started
 from shard_tools.history import read_journal
-from tests.conftest import cli, faults_env, schedule_dict, write_schedule
+from tests.conftest import cli, faults_env, said, schedule_dict, write_schedule
 from tests.reference import bitwise_equal, composed
 
 pytestmark = pytest.mark.multiprocess
@@ -89,7 +90,7 @@ def running(sched: Path, env: dict) -> Iterator[subprocess.Popen]:
 def wait_until(orch: subprocess.Popen, ready: Callable[[], bool], timeout: float = 240) -> None:
     end = time.time() + timeout
     while not ready():
-        assert orch.poll() is None and time.time() < end, orch.communicate()
+        assert orch.poll() is None and time.time() < end, said(orch)
         time.sleep(0.1)
 
 
@@ -116,7 +117,7 @@ def left_running(run: Path) -> list[int]:
         rec = json.loads(f.read_text())
         try:
             p = psutil.Process(rec["pid"])
-            if p.create_time() == rec["create_time"] and p.status() != psutil.STATUS_ZOMBIE:
+            if started(rec["pid"]) == rec["started"] and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(rec["pid"])
         except psutil.NoSuchProcess:
             continue

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import psutil
 import pytest
 
 from launch.contract.files import Carried, Offer, PhaseDir
+from launch.contract.pids import started
 from orchestrator.errors import PhaseFailed, Preempted
 from orchestrator.groups import Group, PhaseProcesses, Work
 from orchestrator.quiet import Pauser
@@ -99,7 +99,7 @@ def record_rank(phase_dir: Path, rank: int, proc: subprocess.Popen) -> None:
     pids = phase_dir / "pids"
     pids.mkdir(exist_ok=True)
     (pids / f"rank-{rank}.json").write_text(json.dumps({"pid": proc.pid,
-                                                        "create_time": psutil.Process(proc.pid).create_time()}))
+                                                        "started": started(proc.pid)}))
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import signal
 import subprocess
 import sys
 
-import psutil
 
 from launch.contract.files import RANK, PhaseDir
+from launch.contract.pids import started
 from orchestrator import watchdog
 
 SILENT = "import signal, time; signal.signal(signal.SIGUSR2, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
@@ -22,7 +22,7 @@ def test_a_rank_that_writes_no_stacks_is_said_so_with_py_spy_s_or_why_not(tmp_pa
         files = PhaseDir(tmp_path)
         files.pids.mkdir(parents=True)
         files.stacks.mkdir(parents=True)
-        files.record_pid(f"{RANK}0", rank.pid, psutil.Process(rank.pid).create_time())
+        files.record_pid(f"{RANK}0", rank.pid, started(rank.pid))
         monkeypatch.setattr(watchdog, "DUMP_SECONDS", 0.2)
         monkeypatch.setattr(watchdog.shutil, "which", lambda name: None)  # no py-spy
         folder, frames = watchdog.dump_stacks(tmp_path)
