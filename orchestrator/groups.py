@@ -69,9 +69,9 @@ class ForkedProc:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int | None:
-        end = None if timeout is None else time.time() + timeout
+        end = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
-            if end is not None and time.time() > end:
+            if end is not None and time.monotonic() > end:
                 return None
             time.sleep(0.01)
         return self.returncode

@@ -41,7 +41,7 @@ class Pauser:
         return self.since is not None
 
     def overdue(self) -> bool:
-        return self.since is not None and time.time() - self.since > self.limit
+        return self.since is not None and time.monotonic() - self.since > self.limit
 
     def pause(self, groups: list[Group]) -> None:
         if self.limit <= 0 or self.active:
@@ -50,7 +50,7 @@ class Pauser:
             if g.proc.poll() is None:
                 self.paused[g.work.phase.index] = (g, [])
         if self.paused:
-            self.since = time.time()
+            self.since = time.monotonic()
             self.stop_new_ranks()
             self.event("preparing_paused", phases=sorted(self.paused),
                        pids=sorted(p.pid for _, ranks in self.paused.values() for p in ranks))
@@ -75,7 +75,7 @@ class Pauser:
         for i in chosen:
             g, ranks = self.paused.pop(i)
             procs.signal_all(ranks + procs.recorded(g.phase_dir, RANK), signal.SIGCONT)
-        seconds = time.time() - self.since
+        seconds = time.monotonic() - self.since
         if not self.paused:
             self.since = None
         self.event("preparing_resumed", phases=sorted(chosen), reason=reason, seconds=round(seconds, 4))

@@ -325,7 +325,7 @@ class Supervisor:
     def _stop(self) -> None:
         """A stop signal: the group has ``launch.grace_seconds`` to finish its step (or its
         checkpoint, handing over) and exit."""
-        self.deadline = time.time() + self.ctx.grace
+        self.deadline = time.monotonic() + self.ctx.grace
         if self.state is not State.HANDING_OVER:  # which writes its checkpoint already
             self._enter(State.STOPPING)
             if self.group.offers:  # a rank whose last step ends now offers its state to nobody: it writes instead
@@ -335,7 +335,7 @@ class Supervisor:
     def waiting_for(self) -> str:
         """What the stop of this phase waits for now, in words (a repeated stop signal says them)."""
         ph = self.phase.index
-        left = f" ({max(0.0, self.deadline - time.time()):.0f} s of launch.grace_seconds left)" if self.deadline else ""
+        left = f" ({max(0.0, self.deadline - time.monotonic()):.0f} s of launch.grace_seconds left)" if self.deadline else ""
         if self.state is State.STOPPING:
             return f"phase {ph} to finish its step and write its checkpoint{left}"
         if self.state is State.HANDING_OVER:
@@ -349,14 +349,14 @@ class Supervisor:
         ranks = [p for p in procs.recorded(self.group.phase_dir, RANK) if p.pid not in self.signalled]
         procs.signal_all(ranks, signal.SIGTERM)
         self.signalled.update(p.pid for p in ranks)
-        return time.time() <= self.deadline
+        return time.monotonic() <= self.deadline
 
     def _drain(self) -> None:
         """What the group did last: the ranks of a stopped phase get the rest of their time (the
         launcher may be gone while they still write their checkpoint), then the last lines (none
         after a handover: the successor's supervisor reads them)."""
         if self.deadline is not None:
-            psutil.wait_procs(procs.recorded(self.group.phase_dir, RANK), timeout=max(0.0, self.deadline - time.time()))
+            psutil.wait_procs(procs.recorded(self.group.phase_dir, RANK), timeout=max(0.0, self.deadline - time.monotonic()))
         if self.state is not State.HANDING_OVER:
             self._read()
             if self.deadline is None and self.group.proc.returncode == 0:  # it ended between two looks: the

@@ -43,21 +43,21 @@ class Watchdog:
         self.limit = limit
         self.store = Checkpoints(run_dir)
         self.written = self._written()
-        self.at = time.time()
+        self.at = time.monotonic()
 
     def moved(self) -> None:
-        self.at, self.started = time.time(), True
+        self.at, self.started = time.monotonic(), True
 
     def stalled(self, quiet: bool) -> float | None:
         """Seconds since the last progress once they are over the limit (``QUIET_ALLOWANCE`` times
         it where ``quiet``), else None. Checkpoint bytes are counted only then."""
-        idle = time.time() - self.at
+        idle = time.monotonic() - self.at
         allowance = self.limit * (QUIET_ALLOWANCE if quiet or not self.started else 1)
         if idle <= (allowance if self.started else max(allowance, IMPORT_SECONDS)):
             return None
         written = self._written()
         if written != self.written:
-            self.written, self.at = written, time.time()
+            self.written, self.at = written, time.monotonic()
             return None
         return idle
 
@@ -80,8 +80,8 @@ def dump_stacks(phase_dir: Path) -> tuple[Path, str]:
     ranks = procs.recorded(phase_dir, RANK)
     before = {f: f.stat().st_size for f in folder.glob(f"{RANK}*.txt")}
     procs.signal_all(ranks, DUMP_STACKS)
-    end = time.time() + DUMP_SECONDS
-    while time.time() < end and sum(f.stat().st_size > n for f, n in before.items()) < len(ranks):
+    end = time.monotonic() + DUMP_SECONDS
+    while time.monotonic() < end and sum(f.stat().st_size > n for f, n in before.items()) < len(ranks):
         time.sleep(0.05)
     native = _native(ranks, folder)
     first = folder / f"{RANK}0.txt"
@@ -112,10 +112,10 @@ def _native(ranks: list[psutil.Process], folder: Path) -> str:
         return ""
     running = [subprocess.Popen([spy, "dump", "--native", "--pid", str(p.pid)], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True) for p in ranks]
-    end, dumps = time.time() + NATIVE_SECONDS, []
+    end, dumps = time.monotonic() + NATIVE_SECONDS, []
     for p, rank in zip(running, ranks):
         try:
-            out = p.communicate(timeout=max(0.0, end - time.time()))[0]
+            out = p.communicate(timeout=max(0.0, end - time.monotonic()))[0]
         except subprocess.TimeoutExpired:
             p.kill()
             out = p.communicate()[0]
