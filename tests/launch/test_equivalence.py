@@ -84,8 +84,8 @@ def test_step_counters_and_layer_history(tiny_run, tiny_model):
 @pytest.mark.smoke  # make test-fast: the shared tiny run against the reference
 def test_each_phase_its_own_process_and_none_survives(tiny_run):
     events = [json.loads(line) for line in (tiny_run / "journal.jsonl").read_text().splitlines()]
-    started = [e for e in events if e["event"] == "phase_started"]
-    assert [e["phase"] for e in started] == [0, 1, 2]
+    phases = [e for e in events if e["event"] == "phase_started"]
+    assert [e["phase"] for e in phases] == [0, 1, 2]
     rank_pids = []
     for i in range(3):
         rec = json.loads((tiny_run / "phases" / f"phase-{i:04d}" / "pids" / "rank-0.json").read_text())
