@@ -94,7 +94,7 @@ def _choice_line(s) -> str:
     """How the phases' layers were chosen and what their optimizer state does at a switch."""
     sc, warmup = s.schedule, s.lr_schedule.phase_warmup_steps
     how = "explicit phases" if sc.strategy is None else f"strategy {sc.strategy}"
-    if sc.layer_weights == "grad_norm":
+    if sc.by_importance:
         how += (f" by gradient norm (IST): phase i draws by the norms phases 0 .. i - {sc.importance_lag} measured "
                 f"at their last steps (the first {sc.importance_lag} alike)")
     elif sc.layer_weights not in (None, "uniform"):

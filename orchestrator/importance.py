@@ -20,9 +20,10 @@ from typing import Callable
 from launch.contract.files import RunDir
 from orchestrator.choose import weighted_sample
 from orchestrator.schedule import LoadedSchedule, Phase
+from shard_tools.history import journaled_norms
 
 EVENT = "grad_norms"
-"""The journal's record of a phase's norms: phase, step, layers, norms."""
+"""The journal's record of a phase's norms: phase, step, layers, norms (``history.journaled_norms``)."""
 
 
 def draw(seed: int, index: int, n: int, k: int, scores: dict[int, float], taken: set[int]) -> tuple[int, ...]:
@@ -54,19 +55,12 @@ def _window_taken(drawn: list[tuple[int, ...]], i: int, window: int | None) -> s
     return {layer for chosen in drawn[start:i] for layer in chosen}
 
 
-def _measured(e: dict) -> bool:
-    """A journaled ``grad_norms`` as the runner writes it (else the phase's folder is read)."""
-    layers, norms = e.get("layers"), e.get("norms")
-    return isinstance(layers, list) and isinstance(norms, list) and len(layers) == len(norms) and \
-        all(type(x) is int for x in layers) and all(type(x) is float for x in norms)
-
-
 class Importance:
     """The norms the run's phases measured, and the draws by them, for the runner."""
 
     def __init__(self, loaded: LoadedSchedule, run_dir: Path, event: Callable[..., None]):
         sc = loaded.schedule.schedule
-        self.on = sc.layer_weights == "grad_norm"
+        self.on = sc.by_importance
         self.lag, self.window, self.seed = sc.importance_lag, sc.window, loaded.schedule.run.seed
         self.n, self.k = loaded.num_layers, sc.layers_per_phase
         self.run_dir, self.event = run_dir, event
@@ -80,8 +74,8 @@ class Importance:
             return
         ended = {p.index for p in phases if p.end_step <= step}
         for e in journal:
-            if e.get("event") == EVENT and e.get("phase") in ended and _measured(e):
-                self.norms[e["phase"]] = dict(zip(e["layers"], e["norms"]))
+            if e.get("event") == EVENT and e.get("phase") in ended and (norms := journaled_norms(e)) is not None:
+                self.norms[e["phase"]] = norms
         for index in sorted(ended - set(self.norms)):
             self.finished(phases[index])
 

@@ -47,7 +47,7 @@ def phase_spec(loaded: LoadedSchedule, phases: list[Phase], work: Work, phase_di
         master_port=free_port(), master_addr=master_addr(s.launch), rendezvous_seconds=s.launch.rendezvous_seconds,
         orchestrator_pid=os.getpid(), orchestrator_host=socket.gethostname(),
         handover=handover_part(loaded, phases, ph.index, estimate), optimizer_state=s.schedule.optimizer_state,
-        grad_norms=s.schedule.layer_weights == "grad_norm",
+        grad_norms=s.schedule.by_importance,
         memory_cap=memory_cap(loaded, phases, ph.index, held=estimate.resident if resident and estimate else 0),
         waiting_cap=waiting_cap(loaded),
         resident=str(resident) if resident is not None else None,

@@ -75,7 +75,7 @@ def plan_phases(loaded: LoadedSchedule) -> list[Phase]:
         raise ScheduleError(f"{loaded.source}: schedule.layers_per_phase: expected at most {MAX_PLANNED_LAYERS:,} "
                             f"layers over all phases, got {count:,} phases x {k:,}")
     layers_of = chooser(sc.strategy, n, k, s.run.seed, _weights(loaded, n, k), sc.window)
-    by_norm = importance.planned(loaded, n, k) if sc.layer_weights == "grad_norm" else None
+    by_norm = importance.planned(loaded, n, k) if sc.by_importance else None
     phases, step, i = [], 0, 0
     while step < total:
         end = min(step + sc.interval, total)

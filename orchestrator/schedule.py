@@ -173,6 +173,11 @@ class ScheduleSection(Section):
 
     _epochs_float = field_validator("epochs", mode="before")(int_is_float)
 
+    @property
+    def by_importance(self) -> bool:
+        """Layers drawn as the run goes, by the gradient norms its phases measure (IST)."""
+        return self.layer_weights == "grad_norm"
+
     @field_validator("layer_weights", mode="before")
     @classmethod
     def _weights(cls, v: Any) -> Any:
@@ -194,7 +199,7 @@ class ScheduleSection(Section):
             if getattr(self, key) is not None and self.strategy != "lisa":
                 raise KeyProblem(f"schedule.{key}", f'takes schedule.strategy = "lisa", got strategy '
                                  f"{_show(self.strategy) if self.strategy else 'none (explicit phases)'}")
-        if "importance_lag" in self.model_fields_set and self.layer_weights != "grad_norm":
+        if "importance_lag" in self.model_fields_set and not self.by_importance:
             raise KeyProblem("schedule.importance_lag", 'takes schedule.layer_weights = "grad_norm", got '
                              f"{_show(self.layer_weights) if self.layer_weights is not None else 'none'}")
         if self.phases is not None:

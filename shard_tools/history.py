@@ -164,10 +164,19 @@ def replay(events: list[dict[str, Any]]) -> list[PhaseRow]:
             same_go = None not in (start, prev, before) and start[0] == prev[0]
             row.switch_seconds = switch_overhead(start[1], before, e) if same_go else None
         elif kind == "grad_norms" and e.get("phase") in phases:
-            phases[e["phase"]].grad_norms = dict(zip(e.get("layers") or [], e.get("norms") or []))
+            phases[e["phase"]].grad_norms = journaled_norms(e)
         elif kind in ENDED and e.get("phase") in phases:
             phases[e["phase"]].status = ENDED[kind]
     return [phases[i] for i in sorted(phases)]
+
+
+def journaled_norms(e: dict) -> dict[int, float] | None:
+    """Layer -> gradient norm of a journaled ``grad_norms`` as the runner writes it (layers and
+    norms as long, ints and floats); None for anything else (the runner then reads the phase's folder)."""
+    layers, norms = e.get("layers"), e.get("norms")
+    well_formed = isinstance(layers, list) and isinstance(norms, list) and len(layers) == len(norms) and \
+        all(type(x) is int for x in layers) and all(type(x) is float for x in norms)
+    return dict(zip(layers, norms)) if well_formed else None
 
 
 def switch_overhead(started: dict, before: dict, done: dict) -> float | None:

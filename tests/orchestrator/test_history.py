@@ -54,6 +54,18 @@ def test_a_rewound_phase_keeps_the_switch_of_its_last_attempt():
 
 
 @pytest.mark.multiprocess
+def test_a_phase_s_gradient_norms_are_read_only_as_the_runner_writes_them():
+    """The one reading of a journaled ``grad_norms``, for ``report --json`` and the draws alike (the
+    draws then read the phase's folder); a phase that measured nothing has {}."""
+    journal = [*_phase(0, 0, 0.0), *_phase(1, 10, 8.0), *_phase(2, 20, 16.0),
+               {"event": "grad_norms", "phase": 0, "step": 10, "layers": [0, 3], "norms": [0.5, 2.0]},
+               {"event": "grad_norms", "phase": 1, "step": 20, "layers": [], "norms": []}]
+    for bad in ({"layers": [1], "norms": [1]}, {"layers": [1, 2], "norms": [1.0]}, {"layers": ["1"], "norms": [1.0]},
+                {"layers": [True], "norms": [1.0]}, {"layers": None, "norms": None}, {}):
+        rows = replay([*journal, {"event": "grad_norms", "phase": 2, "step": 30, **bad}])
+        assert [r.grad_norms for r in rows] == [{0: 0.5, 3: 2.0}, {}, None], bad
+
+
 def test_inspect_and_report_agree_on_a_preempted_run(tmp_path, tiny_model, tiny_data):
     sched = schedule(tmp_path, tiny_model, tiny_data)
     run = tmp_path / "run"
