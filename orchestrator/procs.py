@@ -21,8 +21,9 @@ def recorded(phase_dir: Path, prefix: str = "") -> list[psutil.Process]:
     out = []
     for rec in PhaseDir(phase_dir).pid_records(prefix):
         try:
+            p = psutil.Process(rec.pid)  # first: psutil's handle stays this process's, whatever reuses the pid
             if started(rec.pid) == rec.started:
-                out.append(psutil.Process(rec.pid))
+                out.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return out

@@ -4,9 +4,9 @@ psutil's ``create_time()`` is the start counted from boot *plus* the boot time, 
 from the wall clock (``btime`` in /proc/stat): every step of the clock (NTP, a virtual machine
 restored from a snapshot, ``date -s``) moves it, and with it every process's create time. A rank
 comparing its orchestrator's create time with the one it read at its start then took the
-orchestrator for gone and SIGKILLed itself (seen: one phase of a CI run on a freshly forked virtual
-machine died silently, nothing in its log), and the orchestrator no longer recognised the processes
-it had recorded. The start counted from boot (field 22 of /proc/PID/stat, in clock ticks) never moves.
+orchestrator for gone and SIGKILLed itself, nothing in its log (shown by stepping the clock,
+``tests/orchestrator/test_clock.py``; the likely death of a phase in a CI run on a freshly forked
+virtual machine), and the orchestrator no longer recognised the processes it had recorded. The start counted from boot (field 22 of /proc/PID/stat, in clock ticks) never moves.
 """
 
 from __future__ import annotations
