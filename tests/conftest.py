@@ -16,9 +16,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 import tomli_w
 from filelock import FileLock
+
+from launch.contract.pids import started
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 96
@@ -107,6 +110,15 @@ def schedule_dict(model_dir: Path, data_path: Path, **sections) -> dict:
 def write_schedule(path: Path, schedule: dict) -> Path:
     path.write_text(tomli_w.dumps(schedule))
     return path
+
+
+def alive(rec: dict) -> bool:
+    """Whether the process of a pid record (``pids/NAME.json`` read as JSON) still runs: matched on
+    its start, so a reused pid is never taken for it."""
+    try:
+        return started(rec["pid"]) == rec["started"]
+    except psutil.NoSuchProcess:
+        return False
 
 
 def said(proc: subprocess.Popen) -> str:

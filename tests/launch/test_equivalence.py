@@ -13,15 +13,13 @@ import json
 import os
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from launch.contract.pids import started
 from shard_tools.manifest import read_manifest
 from shard_tools.store import Checkpoints
-from tests.conftest import cli, schedule_dict, write_schedule
+from tests.conftest import alive, cli, schedule_dict, write_schedule
 from tests.reference import composed, max_abs_diff, reference_run
 
 PHASES = [(10, [0]), (10, [1]), (10, [0])]
@@ -90,11 +88,7 @@ def test_each_phase_its_own_process_and_none_survives(tiny_run):
     for i in range(3):
         rec = json.loads((tiny_run / "phases" / f"phase-{i:04d}" / "pids" / "rank-0.json").read_text())
         rank_pids.append(rec["pid"])
-        try:
-            alive = started(rec["pid"]) == rec["started"]
-        except psutil.NoSuchProcess:
-            alive = False
-        assert not alive, f"phase {i}'s worker {rec['pid']} is still alive"
+        assert not alive(rec), f"phase {i}'s worker {rec['pid']} is still alive"
     assert len(set(rank_pids)) == 3
 
 

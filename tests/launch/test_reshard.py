@@ -17,14 +17,12 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
-from launch.contract.pids import started
 from shard_tools.manifest import read_manifest
 from shard_tools.store import Checkpoints
-from tests.conftest import cli, faults_env, said, schedule_dict, write_schedule
+from tests.conftest import alive, cli, faults_env, said, schedule_dict, write_schedule
 from tests.reference import composed, max_abs_diff, reference_run
 
 pytestmark = pytest.mark.multiprocess
@@ -48,13 +46,6 @@ def manifests(run: Path) -> dict[int, object]:
 
 def events(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "journal.jsonl").read_text().splitlines()]
-
-
-def alive(rec: dict) -> bool:
-    try:
-        return started(rec["pid"]) == rec["started"]
-    except psutil.NoSuchProcess:
-        return False
 
 
 def records(run: Path, pattern: str) -> list[dict]:

@@ -17,13 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from launch.contract.pids import started
 from shard_tools.manifest import read_manifest, verify_checkpoint
 from shard_tools.store import Checkpoints
-from tests.conftest import cli, faults_env, schedule_dict, write_schedule
+from tests.conftest import alive, cli, faults_env, schedule_dict, write_schedule
 from tests.reference import bitwise_equal, composed, max_abs_diff
 
 pytestmark = pytest.mark.multiprocess
@@ -48,13 +46,6 @@ def metrics_steps(run: Path) -> int:
 
 def rank_pids(run: Path) -> list[dict]:
     return [json.loads(f.read_text()) for f in (run / "phases").glob("phase-*/pids/*.json")]
-
-
-def alive(rec: dict) -> bool:
-    try:
-        return started(rec["pid"]) == rec["started"]
-    except psutil.NoSuchProcess:
-        return False
 
 
 def start(sched: Path, env: dict | None = None, **kw) -> subprocess.Popen:

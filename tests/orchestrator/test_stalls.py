@@ -22,9 +22,8 @@ import psutil
 import pytest
 import torch
 
-from launch.contract.pids import started
 from shard_tools.history import read_journal
-from tests.conftest import cli, faults_env, said, schedule_dict, write_schedule
+from tests.conftest import alive, cli, faults_env, said, schedule_dict, write_schedule
 from tests.reference import bitwise_equal, composed
 
 pytestmark = pytest.mark.multiprocess
@@ -116,8 +115,7 @@ def left_running(run: Path) -> list[int]:
     for f in run.glob("phases/*/pids/*.json"):
         rec = json.loads(f.read_text())
         try:
-            p = psutil.Process(rec["pid"])
-            if started(rec["pid"]) == rec["started"] and p.status() != psutil.STATUS_ZOMBIE:
+            if alive(rec) and psutil.Process(rec["pid"]).status() != psutil.STATUS_ZOMBIE:
                 out.append(rec["pid"])
         except psutil.NoSuchProcess:
             continue

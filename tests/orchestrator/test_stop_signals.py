@@ -20,8 +20,8 @@ from orchestrator.retention import named_at_stop
 from orchestrator.runner import Runner
 from orchestrator.validate import load_schedule
 from shard_tools.store import Checkpoints
-from tests.conftest import cli, faults_env, schedule_dict, write_schedule
-from tests.orchestrator.test_preemption import alive, events, metrics_steps, rank_pids, start, wait_for
+from tests.conftest import alive, cli, faults_env, schedule_dict, write_schedule
+from tests.orchestrator.test_preemption import events, metrics_steps, rank_pids, start, wait_for
 
 
 @pytest.mark.multiprocess
