@@ -99,7 +99,7 @@ def micro_batch(shape: dict, device_bytes: int, want_handover: bool, depth: int)
         mem = phase_memory(count, trainable, dtype="bfloat16", zero_stage=2, world=1, micro_batch=mb,
                            seq_len=shape["seq_len"], resident=True)
         held = count.total * 2 + PROCESS_BYTES
-        overlap = held + overlap_peak(mem, mem, offered_bytes(count, head, 2), depth)
+        overlap = held + overlap_peak(mem, mem, offered_bytes(count, head, 2), depth * PROCESS_BYTES)
         if want_handover and overlap <= device_bytes:
             return mb, True
         if fallback is None and held + on_device(mem) + depth * 2_600_000_000 <= device_bytes:

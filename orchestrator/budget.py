@@ -10,7 +10,8 @@ What one device holds, by the formulas and constants of ``orchestrator.estimate`
                            (waiting(i): the phases pre-warmed beside it, up to launch.prewarm_depth)
     at its end             the same + what it gathers to save or offer (ZeRO >= 1: the head's fp32
                            masters and moments, its layers' masters; at ZeRO 0 the optimizer's own)
-    a device handover      overlap_peak: both phases whole, the offer and its copy, the phases waiting
+    a device handover      overlap_peak: the finished phase let go, the offer, the successor with its
+                           copy of it, the phases waiting (PROCESS_BYTES each, their share)
 
 A switch goes, in this order, the first way that fits: on the device (the overlap fits the
 budget); else, where the rules of ``orchestrator.handover`` let a handover happen at all, through

@@ -23,15 +23,23 @@ At a switch that hands the state over on the device (``launch.handover``, orches
 the finished phase P and its successor S are both alive on one device for a while, beside the
 phases that wait pre-warmed. The overlap's peak on one device, as NVML sees it:
 
-    let_go(P) + offered + offered + on_device(S) + waiting x PROCESS_BYTES
+    let_go(P) + offered (ZeRO: P's gathered copy) + taking(S) + waiting
     let_go       a finished phase once it offered: its weights + its optimizer state (under ZeRO its
                  gradients too) x RESERVE + PROCESS_BYTES; it gives its gradients and its allocator's
                  cache back as it offers (``launch.handover``)
-    on_device    a phase's weights + the rest of its total x RESERVE + PROCESS_BYTES
+    on_device    a phase's weights + the rest of its total x RESERVE + PROCESS_BYTES; with the
+                 holder's copy, at ZeRO stage 0 the optimizer's state (relayer's MasterAdamW, flat
+                 buffers allocated once) without the reserve too, in this and in let_go
+    taking       with the holder's copy, S's on_device where its copy of the offer (dropped once its
+                 engine holds the state, before its first step) stands for its gradients and
+                 activations, whichever is more; with a copy per phase, offered + on_device(S)
     offered      head x 12 bytes (fp32 masters, exp_avg, exp_avg_sq of the whole head, gathered: not
                  ZeRO's partition) + P's layers x per_layer x 4 bytes (their fp32 masters); under
-                 ZeRO 0 P offers its optimizer's own memory, so only S's copy counts
-    waiting      the phases pre-warmed beyond S (launch.prewarm_depth, as many as are left)
+                 ZeRO 0 P offers its optimizer's own memory, so it counts only in S's copy
+    waiting      the phases pre-warmed beyond S (launch.prewarm_depth, as many as are left): with the
+                 holder's copy each its CUDA context (CONTEXT_BYTES) and one warm-up (they warm up one
+                 at a time: a toy of one layer, its whole phase); under launch.device_memory, or with
+                 a copy per phase, each PROCESS_BYTES
 
 With one copy of the model per device (``launch.resident``, on a GPU by default), the holder keeps
 the model's weights (P x dtype bytes) and its CUDA context (``CONTEXT_BYTES``) for the whole run,
@@ -39,8 +47,9 @@ and a phase's weights are only what it trains (T x dtype bytes, its own copies):
 one model, not two, and so does a device budget (``orchestrator.budget``).
 
 P holds its whole phase's memory and, beside it, the copies it gathered to offer; S has copied the
-same bytes into its own memory before it answers and before P lets go of anything, and S's own
-phase memory counts whole because its engine is built right after. The phase totals below count
+same bytes into its own memory before it answers and before P lets go of anything; its engine is
+built right after, and its first step (gradients, activations) comes once the copy is dropped,
+while P may still be alive (writing its checkpoint). The phase totals below count
 allocated bytes; a device holds more: every CUDA process a fixed part (``PROCESS_BYTES``: its
 context, library workspaces, what a phase's warm-up leaves), and a training process's caching
 allocator a reserve above its allocated peak (``RESERVE``), counted on all but the weights, which
@@ -52,7 +61,10 @@ switches (benchmarks/results/2026-12-06-issue42-h100-7b). The constants were mea
 (benchmarks/results/2026-12-01-handover-h200, NVML per process): a waiting phase held 2.54 GB at
 1.1B and 2.12 GB at 7B; a training process 12.6 GB at 1.1B (8.5 GB allocated at its peak) and
 41.35 GB at 7B (31.8 GB). At 7B on one H200 the formula gives 102.4 GB with three phases waiting;
-NVML saw 83-103.5 GB (run7). The successor's worker compares this number
+NVML saw 83-103.5 GB (run7). With the holder's copy (one H100, 7B, stage 0,
+benchmarks/results/2026-12-06-issue41-h100-resident): 61.6 GB planned with three phases waiting against
+NVML's 58.9 GB at the switches one of them warmed up in, and 46.1-49.2 GB where none waits against
+45.0-46.7 GB. The successor's worker compares this number
 (``HandoverPart.peak_bytes``) with its device's memory and reads the checkpoint instead where it
 does not fit.
 
@@ -208,10 +220,19 @@ class PhaseMemory:
     optimizer: int
     gradients: int
     activations: int
+    flat_optimizer: bool = False
+    """The optimizer's state lies in buffers allocated once (relayer's MasterAdamW, ZeRO stage 0): no
+    allocator reserve above it, as above the weights. Counted so with the holder's copy of the model
+    (measured so on an H100); the H200's constants, of a copy per phase, keep the reserve."""
 
     @property
     def total(self) -> int:
         return self.weights + self.optimizer + self.gradients + self.activations
+
+    @property
+    def unreserved(self) -> int:
+        """The bytes NVML sees as allocated, without the caching allocator's reserve above them."""
+        return self.weights + (self.optimizer if self.flat_optimizer else 0)
 
 
 def activation_bytes(count: ParamCount, *, width: int, micro_batch: int, seq_len: int,
@@ -237,6 +258,7 @@ def phase_memory(count: ParamCount, trainable: int, *, dtype: str, zero_stage: i
                                  bucket=bucket, largest=largest),
         activations=activation_bytes(count, width=width, micro_batch=micro_batch, seq_len=seq_len,
                                      checkpointing=checkpointing) + micro_batch * seq_len * count.vocab * LOGIT_BYTES,
+        flat_optimizer=zero_stage == 0 and resident,
     )
 
 
@@ -262,23 +284,61 @@ def offered_bytes(count: ParamCount, head: int, layers: int) -> int:
 def on_device(memory: PhaseMemory) -> int:
     """Bytes NVML sees for one training process of a phase: its weights, the rest with its allocator's
     reserve, and its fixed part. The weights lie in one block (the frozen ones, ``launch.staging``)
-    and the optimizer's flat buffers, allocated once: no reserve above them."""
-    return memory.weights + math.ceil((memory.total - memory.weights) * RESERVE) + PROCESS_BYTES
+    and at ZeRO stage 0 the optimizer's state in flat buffers, each allocated once: no reserve above
+    them."""
+    return memory.unreserved + math.ceil((memory.total - memory.unreserved) * RESERVE) + PROCESS_BYTES
 
 
 def let_go(memory: PhaseMemory, zero: bool) -> int:
     """Bytes NVML sees for a finished phase once it has offered its state: its gradients and its
     allocator's cache are given back (``launch.handover``); under ZeRO (``zero``) its gradient
     partitions and reduce buckets are counted still."""
-    kept = memory.optimizer + (memory.gradients if zero else 0)
-    return memory.weights + math.ceil(kept * RESERVE) + PROCESS_BYTES
+    reserved = (0 if memory.flat_optimizer else memory.optimizer) + (memory.gradients if zero else 0)
+    return memory.unreserved + math.ceil(reserved * RESERVE) + PROCESS_BYTES
 
 
-def overlap_peak(before: PhaseMemory, after: PhaseMemory, offered: int, waiting: int, gathered: bool = True) -> int:
+def taking(memory: PhaseMemory, offered: int) -> int:
+    """Bytes NVML sees for the successor at its peak in a handover: its whole phase, where the copy it
+    made of the offer (dropped once its engine holds the state, before its first step) stands in
+    for its gradients and activations, whichever is more."""
+    reserved = memory.total - memory.unreserved - memory.gradients - memory.activations
+    return memory.unreserved + math.ceil((reserved + max(offered, memory.gradients + memory.activations)) * RESERVE) \
+        + PROCESS_BYTES
+
+
+def overlap_peak(before: PhaseMemory, after: PhaseMemory, offered: int, waiting: int, gathered: bool = True,
+                 resident: bool = False) -> int:
     """Bytes on one device while a phase hands over to its successor: the finished phase as it is
-    once it offered (``let_go``), the offer (where ``gathered``: ZeRO's; relayer's MasterAdamW offers
-    its own memory) and its copy, the successor's whole phase, and ``waiting`` pre-warmed phases."""
-    return let_go(before, gathered) + (offered if gathered else 0) + offered + on_device(after) + waiting * PROCESS_BYTES
+    once it offered (``let_go``), the offer where ``gathered`` (ZeRO's; relayer's MasterAdamW offers
+    its own memory), the successor's copy of it and its whole phase, and ``waiting``: the bytes of
+    the phases waiting pre-warmed beside them (``waiting_bytes``). With the holder's copy of the
+    model (``resident``: measured so, on an H100) the copy counts inside the successor's peak
+    (``taking``); with a copy of the model per phase as the H200's constants were measured, beside it."""
+    successor = taking(after, offered) if resident else offered + on_device(after)
+    return let_go(before, gathered) + (offered if gathered else 0) + successor + waiting
+
+
+def warm_up_bytes(count: ParamCount, *, dtype: str, zero_stage: int, world: int, micro_batch: int, seq_len: int,
+                  checkpointing: bool, offload: bool, bucket: int) -> int:
+    """Bytes NVML sees for a waiting phase's warm-up beyond its context: a toy of the model with one
+    layer, every parameter trained (``launch.prepare.warm_up``), one step of the phase's shape. Its
+    memory goes back before the go, and the waiting phases warm up one at a time on a GPU."""
+    toy = ParamCount(head=count.head, per_layer=count.per_layer, num_layers=1, hidden=count.hidden, vocab=count.vocab)
+    m = phase_memory(toy, toy.total, dtype=dtype, zero_stage=zero_stage, world=world, micro_batch=micro_batch,
+                     seq_len=seq_len, checkpointing=checkpointing, offload=offload, bucket=bucket,
+                     largest=max(count.head.values(), default=0))
+    return on_device(m) - PROCESS_BYTES
+
+
+def waiting_bytes(waiting: int, warm_up: int, resident: bool, capped: bool) -> int:
+    """Bytes of ``waiting`` phases pre-warmed beside a handover: with the holder's copy of the model
+    (``resident``) and no device budget, each its CUDA context (its parameters map the holder's
+    block) and one warm-up, as they warm up one at a time (measured so on an H100); else each
+    ``PROCESS_BYTES``: under a budget (``capped``) that is its share (``orchestrator.budget``: its
+    allocator capped at that less its context), with a copy per phase the H200's constant."""
+    if capped or not resident:
+        return waiting * PROCESS_BYTES
+    return waiting * CONTEXT_BYTES + (warm_up if waiting else 0)
 
 
 def waiting_beside(loaded: LoadedSchedule, phases: list[Phase], successor: int) -> int:
@@ -337,8 +397,15 @@ def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
                         bucket=reduce_bucket(loaded, trainable), largest=largest, resident=resident)
            for ph in phases for trainable in [head + len(ph.layers) * count.per_layer]]
     held = count.total * DTYPE_BYTES[s.model.dtype] + CONTEXT_BYTES if resident else 0
+    warm = warm_up_bytes(count, dtype=s.model.dtype, zero_stage=s.deepspeed.zero_stage,
+                         world=phases[0].nproc * s.launch.nnodes if phases else 1, micro_batch=s.data.micro_batch_size,
+                         seq_len=s.data.seq_len, checkpointing=s.model.gradient_checkpointing,
+                         offload=offloads_optimizer(loaded.deepspeed_config),
+                         bucket=reduce_bucket(loaded, sum(count.head.values()) + count.per_layer))
+    capped = s.launch.device_memory is not None
     overlaps = [held + overlap_peak(out[i], out[i + 1], offered_bytes(count, head, len(phases[i].layers)),
-                                    waiting_beside(loaded, phases, i + 1), gathered=s.deepspeed.zero_stage > 0)
+                                    waiting_bytes(waiting_beside(loaded, phases, i + 1), warm, resident, capped),
+                                    gathered=s.deepspeed.zero_stage > 0, resident=resident)
                 for i in range(len(phases) - 1)]
     return PlanEstimate(phases=out, count=count, unsized=[p for p in persistent if p not in count.head],
                         overlaps=overlaps, resident=held)
