@@ -78,6 +78,7 @@ real models. No torch here: the orchestrator never imports it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -327,7 +328,8 @@ def warm_up_bytes(count: ParamCount, *, dtype: str, zero_stage: int, world: int,
     m = phase_memory(toy, toy.total, dtype=dtype, zero_stage=zero_stage, world=world, micro_batch=micro_batch,
                      seq_len=seq_len, checkpointing=checkpointing, offload=offload, bucket=bucket,
                      largest=max(count.head.values(), default=0))
-    return on_device(m) - PROCESS_BYTES
+    # Its weights are its own, its optimizer's buffers as flat as a phase's.
+    return on_device(dataclasses.replace(m, flat_optimizer=zero_stage == 0)) - PROCESS_BYTES
 
 
 def waiting_bytes(waiting: int, warm_up: int, resident: bool, capped: bool) -> int:

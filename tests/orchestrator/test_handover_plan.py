@@ -186,8 +186,10 @@ def test_the_overlap_at_7b_is_what_nvml_saw_on_an_h100_within_10_percent(tmp_pat
     assert abs(max(defaults.overlaps) / 58.9e9 - 1) <= 0.1
     assert abs(defaults.overlaps[-1] / 46.7e9 - 1) <= 0.1
     assert abs(plan_7b(tmp_path, tiny_data, micro_batch=1, phases=10).overlaps[-1] / 45.0e9 - 1) <= 0.1
+    assert max(defaults.overlaps) < 80e9
+    # A copy of the model per phase: the model once more in the successor (the H200's constants).
     own = plan_7b(tmp_path, tiny_data, micro_batch=2, phases=14, resident="off")
-    assert max(own.overlaps) > 80e9 > max(defaults.overlaps) and own.resident == 0 < defaults.resident
+    assert max(own.overlaps) > max(defaults.overlaps) + 13e9 and own.resident == 0 < defaults.resident
 
 
 def test_the_spec_carries_the_handover_and_its_planned_peak(tmp_path, tiny_data):
@@ -297,8 +299,9 @@ def test_plan_names_each_switch_and_its_fallback(tmp_path, tiny_data):
     code, lines, _ = plan_lines(str(path), "--device-memory", "80GiB")
     assert code == 0
     # Two phases wait beside the first overlap, one beside the second.
-    assert lines == ["switch after phase 0: hands over on the device, overlap peak 6.0 GiB per device",
-                     "switch after phase 1: hands over on the device, overlap peak 5.4 GiB per device",
+    # (Phases of 2 and 4 processes: a copy of the model per phase, no holder.)
+    assert lines == ["switch after phase 0: hands over on the device, overlap peak 9.7 GiB per device",
+                     "switch after phase 1: hands over on the device, overlap peak 7.3 GiB per device",
                      "switch after phase 2: through the checkpoint: phase 2 runs 2 processes, phase 3 4"]
     # A budget just below the first overlap: phase 0 alone, beside the phases waiting, still fits it.
     # (Under a budget the phases waiting are counted at their share, PROCESS_BYTES each.)
