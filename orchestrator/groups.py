@@ -89,6 +89,7 @@ class Group:
     proc: subprocess.Popen | ForkedProc
     log_path: Path
     t_start: float
+    """When it started (the wall clock: its records' times are compared with it), or got its go."""
     go_fd: int | None
     world: int
     port: int
@@ -96,6 +97,8 @@ class Group:
     preload: Path | None = None
     """A pre-warmed group's weights as of this checkpoint, read before its go."""
     prewarmed: bool = False
+    since: float = field(default_factory=time.monotonic)
+    """``t_start`` on the monotonic clock, for durations a step of the wall clock must not change."""
     offers: bool = False
     """At its end it offers its state to its successor (``launch.handover``) before it writes."""
     takes: bool = False
@@ -323,7 +326,7 @@ class PhaseProcesses:
         # group is gone, since a pipe's data goes with its last open descriptor.
         for _ in range(group.world):
             os.write(group.go_fd, record)
-        group.t_start = time.time()
+        group.t_start, group.since = time.time(), time.monotonic()
 
     def decline(self, group: Group, reason: str) -> None:
         """Answers "not taken" to every rank of ``group`` still waiting for its successor's answer

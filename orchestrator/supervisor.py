@@ -309,7 +309,7 @@ class Supervisor:
 
     def _switching(self) -> None:
         """SWITCHING -> TRAINING once the first step is done, or the pause has lasted long enough."""
-        late = time.time() - self.group.t_start > self.ctx.pauser.limit
+        late = time.monotonic() - self.group.since > self.ctx.pauser.limit
         if self.logged_step > self.work.start_step or late:
             self.ctx.pauser.resume("limit" if self.logged_step == self.work.start_step else "first_step")
             self._enter(State.TRAINING)
