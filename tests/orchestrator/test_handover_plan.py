@@ -163,14 +163,14 @@ def test_the_phases_waiting_beside_an_overlap_follow_the_prewarm_depth(launch, w
     assert [peak - base for peak in budgeted.overlaps] == [n * PROCESS_BYTES for n in waiting]  # each at its share
 
 
-def plan_7b(tmp_path: Path, tiny_data: Path, micro_batch: int, phases: int, **launch):
+def plan_7b(tmp_path: Path, tiny_data: Path, micro_batch: int, phases: int, checkpointing: bool = False, **launch):
     llama_7b = {"model_type": "llama", "max_position_embeddings": 2048, "hidden_size": 4096,
                 "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
                 "num_key_value_heads": 32, "vocab_size": 32000}
     raw = schedule_dict(Path("unused"), tiny_data, data={"seq_len": 512, "batch_size": 4, "micro_batch_size": micro_batch},
                         schedule={"phases": [{"steps": 20, "layers": [2 * i, 2 * i + 1]} for i in range(phases)]},
                         deepspeed={"zero_stage": 0}, launch=launch)
-    raw["model"] = {"config": llama_7b, "dtype": "bfloat16"}
+    raw["model"] = {"config": llama_7b, "dtype": "bfloat16", "gradient_checkpointing": checkpointing}
     loaded = load_schedule(write_schedule(tmp_path / "s.toml", raw))
     return estimate_plan(loaded, plan_phases(loaded))
 
@@ -187,6 +187,11 @@ def test_the_overlap_at_7b_is_what_nvml_saw_on_an_h100_within_10_percent(tmp_pat
     assert abs(defaults.overlaps[-1] / 46.7e9 - 1) <= 0.1
     assert abs(plan_7b(tmp_path, tiny_data, micro_batch=1, phases=10).overlaps[-1] / 45.0e9 - 1) <= 0.1
     assert max(defaults.overlaps) < 80e9
+    # With gradient checkpointing the successor's activations (and the warm-up's) are a layer's input
+    # each and one layer recomputed: the overlap is smaller by their difference with the reserve.
+    ckpt = plan_7b(tmp_path, tiny_data, micro_batch=2, phases=14, checkpointing=True)
+    saved = defaults.phases[1].activations - ckpt.phases[1].activations
+    assert saved > 3e9 and defaults.overlaps[-1] - ckpt.overlaps[-1] == pytest.approx(saved * RESERVE, abs=2)
     # A copy of the model per phase: the model once more in the successor (the H200's constants).
     own = plan_7b(tmp_path, tiny_data, micro_batch=2, phases=14, resident="off")
     assert max(own.overlaps) > max(defaults.overlaps) + 13e9 and own.resident == 0 < defaults.resident
