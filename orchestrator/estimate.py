@@ -78,10 +78,9 @@ real models. No torch here: the orchestrator never imports it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from launch.contract.dsconfig import bucket_size
@@ -329,7 +328,7 @@ def warm_up_bytes(count: ParamCount, *, dtype: str, zero_stage: int, world: int,
                      seq_len=seq_len, checkpointing=checkpointing, offload=offload, bucket=bucket,
                      largest=max(count.head.values(), default=0))
     # Its weights are its own, its optimizer's buffers as flat as a phase's.
-    return on_device(dataclasses.replace(m, flat_optimizer=zero_stage == 0)) - PROCESS_BYTES
+    return on_device(replace(m, flat_optimizer=zero_stage == 0)) - PROCESS_BYTES
 
 
 def waiting_bytes(waiting: int, warm_up: int, resident: bool, capped: bool) -> int:
