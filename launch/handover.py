@@ -83,7 +83,7 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
     transport = transport_of(ph, taking=False)
     if not ph.spec.handover.offer or transport is None:
         return None, True
-    snap = snapshot(ph)  # collectives: every rank
+    snap = snapshot(ph, on_device=transport != "shm")  # collectives: every rank
     on_host = _ahead_into(ph, snap)
     files = PhaseDir(ph.spec.phase_dir)
     files.handover.mkdir(mode=0o700, exist_ok=True)

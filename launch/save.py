@@ -20,18 +20,23 @@ from shard_tools.manifest import layer_of
 from shard_tools.state import PhaseState, RunState, StateFiles, save_state
 
 
-def snapshot(ph: Phase) -> PhaseState:
-    """The phase-end state on the device, full tensors on every rank (collectives): what a finished
-    phase offers its successor (``launch.handover``) and, once answered, writes from its own memory."""
+def snapshot(ph: Phase, on_device: bool = True) -> PhaseState:
+    """The phase-end state, full tensors on every rank (collectives): what a finished phase offers
+    its successor (``launch.handover``) and, once answered, writes from its own memory. On the
+    device, or (``on_device`` false: the host path, whose offer is host memory) each tensor copied
+    to the host as it is gathered, so that the device holds one gathered tensor at a time: with the
+    optimizer's state offloaded and the holder's copy of the model under a budget of 24 GiB, a 7B
+    phase's allocator has about 6 GiB, and its whole state gathered on the device (4.7 GB) ran out
+    of it (H100, benchmarks/results/2026-12-07-issue42-h100)."""
     built, backend = ph.built, ph.backend
     ph.timeline.add(carried_wait_seconds=ph.made.host.flush(ph.made.carried, ph.device, ph.made.staging))
     backend.relink(built.engine)
-    head = backend.get_state(built.head, on_device=True)
+    head = backend.get_state(built.head, on_device=on_device)
     if ph.spec.optimizer_state != "keep":
-        return _state(ph, True, head, {**ph.made.carried, **backend.get_masters(built.body, on_device=True)})
+        return _state(ph, True, head, {**ph.made.carried, **backend.get_masters(built.body, on_device=on_device)})
     # "keep": its layers' Adam state too, parked in its end checkpoint (which it always writes), on the
     # host from here: its device memory goes once it has offered.
-    body = backend.get_state(built.body, on_device=True)
+    body = backend.get_state(built.body, on_device=on_device)
     masters = body.pop("master")
     kept = {k: {n: to_host(t, t.shape, None, ph.made.staging) for n, t in by_name.items()} for k, by_name in body.items()}
     kept["step"] = body_steps(ph, {})
