@@ -286,7 +286,7 @@ def _warm_on(ph: Phase, made: Prepared, small: bool) -> None:
     try:
         faults.point("warm_up.toy", phase=ph.spec.phase, small=small)
         engine, gas = _toy_engine(ph, made, small)
-        _toy_steps(ph, made, engine, gas)
+        _toy_steps(ph, made, engine, gas, small)
     finally:
         if engine is not None:
             engine.destroy()
@@ -330,12 +330,21 @@ def _toy_engine(ph: Phase, made: Prepared, small: bool = False) -> tuple[object,
     return backend.initialize(toy, optimizer, cfg), cfg["gradient_accumulation_steps"]
 
 
-def _toy_steps(ph: Phase, made: Prepared, engine, gas: int) -> None:
-    """One step of this phase's shape on the toy engine, and the step's small collective."""
+SMALL_TOKENS = 16
+"""The tokens of the one row the smallest toy steps on (``small``): its logits keep the vocabulary, and
+at the phase's micro-batch (4 x 512 x 32000 at 7B, 0.8 GB with the loss's copies) they did not fit a
+waiting phase's share of a 24 GiB budget on an H100 (benchmarks/results/2026-12-07-issue42-h100)."""
+
+
+def _toy_steps(ph: Phase, made: Prepared, engine, gas: int, small: bool = False) -> None:
+    """One step of this phase's shape on the toy engine (``small``: on the first SMALL_TOKENS tokens
+    of one row: the code paths, not the shape), and the step's small collective."""
     d = ph.spec.data
     for micro in range(gas):
         batch = micro_batch(made.examples, made.order, ph.spec.start_step, d.batch_size, micro, ph.rank,
                             ph.world, d.micro_batch_size)
+        if small:
+            batch = {k: v[:1, :SMALL_TOKENS] for k, v in batch.items()}
         engine.backward(token_loss(engine, batch, ph.device)[0])
         engine.step()
     flags = torch.zeros(2, device=ph.device)
