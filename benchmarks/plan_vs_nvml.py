@@ -69,13 +69,14 @@ def table(result: dict, device_memory: str) -> str:
     planned = {s.after: s for s in plan_switches(loaded, phases, estimate, size_option(device_memory, "--device-memory"))}
     rows = ["| switch after phase | went | planned | planned overlap (GB) | NVML peak (GB) | planned / NVML |",
             "| ---: | --- | --- | ---: | ---: | ---: |"]
+    peaks = switch_peaks(result["ways"]["relayer"])
     ratios = []
-    for k, seen, went in switch_peaks(result["ways"]["relayer"]):
+    for k, seen, went in peaks:
         plan = estimate.overlaps[k]
         ratios.append(plan / seen)
         way = "through host memory" if planned[k].host else "device" if planned[k].reason is None else "checkpoint"
         rows.append(f"| {k} | {went} | {way} | {plan / 1e9:.1f} | {seen / 1e9:.1f} | {plan / seen:.3f} |")
-    peak = max(seen for _, seen, _ in switch_peaks(result["ways"]["relayer"]))
+    peak = max(seen for _, seen, _ in peaks)
     rows.append("")
     rows.append(f"The run's largest switch: NVML {peak / 1e9:.1f} GB, planned {max(estimate.overlaps) / 1e9:.1f} GB "
                 f"({max(estimate.overlaps) / peak:.3f}); per switch {min(ratios):.3f}-{max(ratios):.3f}.")
