@@ -8,7 +8,9 @@ command (``peer.make_setup``, ``switch.write_schedule``) with the model's config
 ``orchestrator plan`` (in this process, no torch) gives each switch's planned overlap
 (``PlanEstimate.overlaps``, the holder's copy included). A switch's NVML peak is the device's most
 from the predecessor's last step to the later of its exit and the successor's first step (and 0.3 s
-more). Runs on a CPU: the results were measured on the device.
+more). Where the switches go through host memory (a budget, ``--device-memory``), no switch overlaps
+two phases on the device, and the run's NVML peak is set beside ``plan``'s budget line (the largest
+phase's peak, ``budget.phase_peak``). Runs on a CPU: the results were measured on the device.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from orchestrator.budget import phase_peak  # noqa: E402
 from orchestrator.estimate import estimate_plan, size_option  # noqa: E402
 from orchestrator.handover import plan_switches  # noqa: E402
 from orchestrator.plan import plan_phases  # noqa: E402
@@ -80,6 +83,13 @@ def table(result: dict, device_memory: str) -> str:
     rows.append("")
     rows.append(f"The run's largest switch: NVML {peak / 1e9:.1f} GB, planned {max(estimate.overlaps) / 1e9:.1f} GB "
                 f"({max(estimate.overlaps) / peak:.3f}); per switch {min(ratios):.3f}-{max(ratios):.3f}.")
+    if any(s.host for s in planned.values()):
+        # No switch overlaps two phases on the device: the run's peak is the largest phase's, as
+        # ``plan``'s budget line gives it (``budget.phase_peak``), against NVML's whole trace.
+        phase = max(phase_peak(loaded, phases, estimate, i) for i in range(len(phases)))
+        run = max(u for _, u in result["ways"]["relayer"]["trace"])
+        rows.append(f"Through host memory, the run's peak: planned {phase / 2**30:.2f} GiB (a phase's most, `plan`'s "
+                    f"budget line), NVML {run / 2**30:.2f} GiB over the whole run ({phase / run:.3f}).")
     return "\n".join(rows) + "\n"
 
 
@@ -90,8 +100,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="also write the table here")
     args = ap.parse_args()
     result = json.loads((args.results / "results.json").read_text())
+    dm = "" if args.device_memory == "81559MiB" else f" --device-memory {args.device_memory}"
     text = (f"# The plan against NVML: {result['name']} ({result['date']}, {result['hardware'].get('gpu_nvml', '?')})\n\n"
-            f"`python benchmarks/plan_vs_nvml.py {args.results}` (the plan of this checkout)\n\n" + table(result, args.device_memory))
+            f"`python benchmarks/plan_vs_nvml.py {args.results}{dm}` (the plan of this checkout)\n\n" + table(result, args.device_memory))
     print(text, end="")
     if args.out:
         args.out.write_text(text)
