@@ -88,8 +88,8 @@ class Setup:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def groups(self) -> list[dict]:
-        """relayer's four groups, as ``launch.engine.param_groups`` makes them (weight decay 0.01)."""
-        from launch.engine import param_groups
+        """relayer's four groups, as ``launch.groups.param_groups`` makes them (weight decay 0.01)."""
+        from launch.groups import param_groups
 
         opt = SimpleNamespace(weight_decay=0.01)
         return param_groups(self.model, self.head, self.trainable - self.head, opt)[0]

@@ -4,9 +4,11 @@ the predecessor's last step to the go, then from the go the successor's pieces, 
     python benchmarks/switch_pieces.py RUN_DIR [--json out.json]
 
 Columns: ``last->go`` (the predecessor's last step's end to the successor's go), then each mark's time
-after the go: taken (the offer read and answered), on_device (its own weights there; under a budget
-after its wait for the predecessor, ``exit_wait``), engine (built), restored, first (its first step's
-end); ``warm`` says how it warmed up (a one-layer toy, the smallest toy, skipped) and ``pinned`` what
+after the go: taken (the offer read and answered), on_device (its own weights there), engine (built),
+restored, predecessor_gone (under a budget, its wait for the predecessor to leave the device before
+the first step, ``exit_wait`` long; before 2026-12-07 it came before on_device), first (its first step's
+end); the predecessor's ``gathered`` and ``offered`` after its last step (its state read, then in the host
+path's file and released, before the go); ``warm`` says how it warmed up (a one-layer toy, the smallest toy, skipped) and ``pinned`` what
 its engine took of the host memory it pinned ahead (``launch.pinned``).
 """
 
@@ -16,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-MARKS = ("t_taken", "t_on_device", "t_engine_built", "t_restored", "t_first_step_end")
+MARKS = ("t_taken", "t_on_device", "t_engine_built", "t_restored", "t_predecessor_gone", "t_first_step_end")
 
 
 def pieces(run: Path) -> list[dict]:
@@ -34,6 +36,9 @@ def pieces(run: Path) -> list[dict]:
         row = {"phase": k, "handover": r.get("handover"),
                "last->go": round(go - before["t_last_step_end"], 3) if "t_last_step_end" in before else None}
         row.update({m.removeprefix("t_"): round(r[m] - go, 3) if m in r else None for m in MARKS})
+        for mark in ("t_gathered", "t_offered"):
+            if mark in before and "t_last_step_end" in before:
+                row[mark.removeprefix("t_")] = round(before[mark] - before["t_last_step_end"], 3)
         wait = r.get("predecessor_exit_wait")
         row["exit_wait"] = round(wait, 3) if isinstance(wait, float) else wait
         small = r.get("warm_up_small") is True  # the smallest toy; warm_up_skipped: the one layer did not fit

@@ -37,8 +37,6 @@ from shard_tools.model import DTYPES
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 KEYS = ("master", *MOMENTS)
-# The roles of a phase's param groups (``param_groups``): Adam's step is per group.
-HEAD_DECAY, HEAD_NO_DECAY, BODY_DECAY, BODY_NO_DECAY = range(4)
 Named = list[tuple[str, nn.Parameter]]
 State = dict[str, dict[str, torch.Tensor]]
 
@@ -145,7 +143,7 @@ class Backend:
                       "exp_avg": {}, "exp_avg_sq": {}}
         for name, p in named:
             for key in MOMENTS:
-                full = self._full(p, key)
+                full = self._read(p, key, on_device)
                 if keep:
                     out[key][name] = self._kept(full, p, into.get(key, {}).get(name), staging, on_device)
         return out if keep else {}
@@ -155,10 +153,21 @@ class Backend:
         into = into or {}
         out = {}
         for n, p in named:
-            full = self._full(p, "master")
+            full = self._read(p, "master", on_device)
             if keep:
                 out[n] = self._kept(full, p, into.get(n), staging, on_device)
         return out
+
+    def _read(self, p: nn.Parameter, key: str, on_device: bool) -> torch.Tensor:
+        """``_full``; wanted on the host, where it lies whole there (``_live``), that tensor itself
+        (what reads it copies it out or writes it before the next step, ``launch.save``)."""
+        live = None if on_device else self._live(p, key)
+        return self._full(p, key) if live is None else live
+
+    def _live(self, p: nn.Parameter, key: str) -> torch.Tensor | None:
+        """``p``'s own fp32 master or moment where it lies whole in host memory, no rank else holding
+        part of it (no collective); None elsewhere."""
+        return None
 
     def _kept(self, full: torch.Tensor, p: nn.Parameter, out: torch.Tensor | None, staging: Staging | None,
               on_device: bool) -> torch.Tensor:
@@ -171,6 +180,9 @@ class Backend:
         for name, p in named:
             for key in keys:
                 t = state[key][name]
+                if (live := self._live(p, key)) is not None and t.device.type == "cpu":
+                    live.copy_(t.reshape(-1))  # host to host: not by way of the device
+                    continue
                 if t.device != p.device:  # else taken over on the device (``launch.handover``)
                     t = staging.to_device(t) if staging is not None and p.device.type == "cuda" else t.to(p.device)
                 self._set(p, key, t)
@@ -266,6 +278,18 @@ class ZeroBackend(Backend):
 
     def _full(self, p: nn.Parameter, key: str) -> torch.Tensor:
         return safe_get_full_fp32_param(p) if key == "master" else safe_get_full_optimizer_state(p, key)
+
+    def _live(self, p: nn.Parameter, key: str) -> torch.Tensor | None:
+        """Stages 1-2, the optimizer offloaded, one rank: the host partition's fragment that is all of
+        ``p``. DeepSpeed's getter copies it to the device and reduces it, ``to_host`` back: 3.8 s of
+        the host path's offer at 7B on an H100 (benchmarks/results/2026-12-07-issue42-h100)."""
+        mapping = getattr(p, "_hp_mapping", None)
+        if self.stage == 3 or mapping is None or mapping.lp_fragment_address.numel != p.numel():
+            return None
+        fragment = mapping.get_hp_fragment(None if key == "master" else key)
+        if fragment.device.type != "cpu" or torch.distributed.get_world_size(getattr(p, "_dp_group", None)) != 1:
+            return None
+        return fragment.detach()  # the optimizer's parameter: written in place as a plain tensor
 
     def _set(self, p: nn.Parameter, key: str, t: torch.Tensor) -> None:
         if key == "master":
@@ -376,33 +400,6 @@ def adamw(groups: list[dict], o, device: torch.device, lr: float | None = None,
                              weight_decay=o.weight_decay, fused=fused)
 
 
-def param_groups(model: nn.Module, head: set[str], body: set[str], opt,
-                 starts: dict[str, int] | None = None) -> tuple[list[dict], list[int], list[int]]:
-    """Four groups (head/body x decay/no-decay; 1-D parameters never decay), empty ones dropped;
-    and each group's role and the Adam step it starts from.
-
-    The head and the body must not share a group: Adam's step (bias correction) is per group. So
-    body parameters that start from different steps (``starts``, by name: optimizer_state "keep",
-    a layer's step of its last visit; 0 where not given) are split into a group per step too.
-    """
-    starts = starts or {}
-    buckets: dict[tuple[int, int], list[nn.Parameter]] = {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        no_decay = p.ndim < 2
-        role = (HEAD_NO_DECAY if no_decay else HEAD_DECAY) if name in head else (BODY_NO_DECAY if no_decay else BODY_DECAY)
-        assert name in head or name in body, name
-        buckets.setdefault((role, 0 if name in head else starts.get(name, 0)), []).append(p)
-    groups, roles, steps = [], [], []
-    for (role, step), params in sorted(buckets.items()):
-        wd = 0.0 if role in (HEAD_NO_DECAY, BODY_NO_DECAY) else opt.weight_decay
-        groups.append({"params": params, "weight_decay": wd})
-        roles.append(role)
-        steps.append(step)
-    return groups, roles, steps
-
-
 def to_host(t: torch.Tensor, shape: torch.Size, out: torch.Tensor | None, staging: Staging | None) -> torch.Tensor:
     """The fp32 full tensor on the host: copied into ``out`` where given (a prepared checkpoint
     file's view, so the copy from the device is the write), else a host tensor of its own."""
@@ -418,9 +415,8 @@ def to_host(t: torch.Tensor, shape: torch.Size, out: torch.Tensor | None, stagin
 
 @contextlib.contextmanager
 def _no_broadcast_to_itself():
-    """In a process group of one, DeepSpeed's engine still broadcasts every parameter from rank 0
-    to itself as it is built (``DeepSpeedEngine._broadcast_model``: 291 calls at 7B, 10 ms of a
-    switch on an H100): skipped there, changing nothing. Where the engine names it otherwise, it runs."""
+    """In a process group of one, the engine's build broadcasts every parameter to itself (291 calls
+    at 7B, 10 ms of a switch on an H100): skipped, changing nothing, where the engine names it so."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     if torch.distributed.get_world_size() != 1 or not hasattr(DeepSpeedEngine, "_broadcast_model"):

@@ -4,8 +4,8 @@ whose overlap is above ``launch.device_memory``).
 
 The predecessor writes its end state, the fp32 state only (the head's masters and Adam moments,
 the masters of its layers and of the layers it carries), into a file in shared memory
-(``PhaseDir.shm_blob_path``, 0600), offers it, lets go of its device memory (``release_device``:
-its engine's tensors, so that only its CUDA context is left while the successor builds its engine)
+(``PhaseDir.shm_blob_path``, 0600), lets go of its device memory (``release_device``: its engine's
+tensors, so that only its CUDA context is left while the successor builds its engine), offers it
 and waits for the answer; then it writes its checkpoint, if asked, from that file, and exits. The
 successor prepared a host model as a phase without a handover does (no skeleton: the model's
 frozen weights never move between the two; or it maps the holder's copy, ``launch.resident``, and
@@ -31,6 +31,7 @@ from launch.contract import devmem, faults
 from launch.contract.files import Carried, Offer, TensorRef
 from launch.record import Phase
 from launch.staging import Staging, one_block
+from shard_tools.later import Later
 from shard_tools.state import PhaseState, RunState, layer_weights
 
 ALIGN = 64
@@ -42,19 +43,48 @@ def pack_state(snap: PhaseState) -> dict[str, torch.Tensor]:
     return {f"{part}/{n}": t for part, by_name in parts.items() for n, t in by_name.items() if t.numel()}
 
 
-def export(tensors: dict[str, torch.Tensor], blob: Path, staging: Staging | None, **at: object) -> tuple[list[dict], list[TensorRef]]:
-    """Every tensor's bytes into ``blob`` (0600, sized first, then mapped and copied into: from a
-    GPU through the pinned ring of ``staging``); the offer's blocks and tensors, as the host
-    transport's."""
+def offer_bytes(ph: Phase) -> int:
+    """At most the bytes of this phase's offer through host memory (``pack_state``, laid out by
+    ``export``): fp32, the head's masters and moments, its layers' masters, the layers it carries."""
+    numels = [ph.backend.shape(p).numel() for _, p in ph.built.head] * 3
+    numels += [ph.backend.shape(p).numel() for _, p in ph.built.body] + [t.numel() for t in ph.made.carried.values()]
+    return sum(-(-n * 4 // ALIGN) * ALIGN for n in numels if n)
+
+
+def make_blob(blob: Path, size: int) -> torch.Tensor | None:
+    """``blob`` (0600) of ``size`` bytes, mapped shared and its pages in memory already
+    (``MAP_POPULATE``): a fresh file's pages, each faulted in as it is first written, made the
+    copy into it several times slower (1.9 s a GB on the CPU machine of the tests, 0.15 s
+    populated). None where it cannot be made (a full /dev/shm: ``export`` makes its own)."""
+    try:
+        fd = os.open(blob, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError:
+        return None
+    try:
+        os.ftruncate(fd, size)
+        return torch.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE), dtype=torch.uint8)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def prepare(ph: Phase, blob: Path) -> Later[torch.Tensor | None]:
+    """After the first step, this phase's offer file made and its pages in memory off the switch."""
+    return Later(make_blob, blob, offer_bytes(ph))
+
+
+def export(tensors: dict[str, torch.Tensor], blob: Path, staging: Staging | None, ready: torch.Tensor | None = None,
+           **at: object) -> tuple[list[dict], list[TensorRef]]:
+    """Every tensor's bytes into ``blob`` (0600: ``ready``, the file ``make_blob`` made ahead where
+    it is large enough, else one made now; from a GPU through the pinned ring of ``staging``); the
+    offer's blocks and tensors, as the host transport's."""
     sizes = [t.numel() * t.element_size() for t in tensors.values()]
     offsets = [sum(-(-n // ALIGN) * ALIGN for n in sizes[:i]) for i in range(len(sizes))]
     total = offsets[-1] + sizes[-1] if sizes else 0
-    fd = os.open(blob, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.ftruncate(fd, total)
-        whole = torch.frombuffer(mmap.mmap(fd, total), dtype=torch.uint8) if total else None
-    finally:
-        os.close(fd)
+    whole = ready if ready is not None and ready.numel() >= total else make_blob(blob, total) if total else None
+    if total and whole is None:
+        raise OSError(f"{blob}: cannot make {total} bytes in shared memory")
     blocks, refs = [], []
     for i, ((name, t), offset, size) in enumerate(zip(tensors.items(), offsets, sizes)):
         if i:
@@ -124,8 +154,8 @@ def release_device(ph: Phase) -> int:
 
 
 PREDECESSOR_EXIT_SECONDS = 60.0
-"""How long a successor under a device budget waits for its predecessor to exit before it puts its
-weights on the device (``wait_gone``): the predecessor writes its checkpoint first (0.8-1.4 s at 7B)."""
+"""How long a successor under a device budget waits for its predecessor to exit before its first step
+(``wait_gone``, ``handover.await_leaving``): the predecessor writes its checkpoint first (0.8-1.4 s at 7B)."""
 
 
 def wait_gone(pid: int, timeout: float = PREDECESSOR_EXIT_SECONDS, poll: float = 0.02,
@@ -133,7 +163,7 @@ def wait_gone(pid: int, timeout: float = PREDECESSOR_EXIT_SECONDS, poll: float =
     """Waits until process ``pid`` has exited and no longer ``holds`` device memory (NVML lists it
     no more); the seconds it waited, None where ``timeout`` passed first.
 
-    Under a budget the successor waits for this before it puts its weights on the device: the
+    Under a budget the successor waits for this before its first step (``handover.await_leaving``): the
     predecessor's ``release_device`` does not give all of its memory back (at 7B on an H100 the
     device held both phases' weights at every switch, 30-34 GiB under a budget of 24,
     benchmarks/results/2026-12-06-issue42-h100-7b), its exit does, but not at once: with the wait

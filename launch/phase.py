@@ -40,6 +40,7 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict,
         with switch_profile(Path(spec.phase_dir) / f"switch-profile-rank{rank}.txt"):
             phase.built = switch.assemble(phase, go, delta)
             switch.restore(phase)
+            handover.await_leaving(phase)
         set_threads(phase, cores)
         done = train.train(phase, stop)
         if done:  # the next phase maps what this one trained (launch.resident)

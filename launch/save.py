@@ -13,7 +13,8 @@ from launch.contract import faults
 from launch.contract.spec import lr_at
 from launch.record import Phase, Prepared
 from launch.scaler import scaler_fields
-from launch.engine import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DECAY, to_host
+from launch.engine import to_host
+from launch.groups import BODY_DECAY, BODY_NO_DECAY, HEAD_DECAY, HEAD_NO_DECAY
 from shard_tools.errors import CheckpointError
 from shard_tools.later import Later
 from shard_tools.manifest import layer_of

@@ -14,7 +14,8 @@ from launch import handover, pinned, procs, resident
 from launch.prepare import host_model, memory_now
 from launch.record import Assembled, Phase, Prepared, Source
 from launch.scaler import restore_scaler
-from launch.engine import HEAD_DECAY, HEAD_NO_DECAY, MOMENTS, param_groups
+from launch.engine import MOMENTS
+from launch.groups import HEAD_DECAY, HEAD_NO_DECAY, param_groups
 from shard_tools.checkpoint import populate_pages
 from shard_tools.errors import CheckpointError
 from shard_tools.later import Later
