@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from launch import engine, hostpath
-from launch.contract import faults
+from launch.contract import devmem, faults
 from launch.contract.cadence import end_writes
 from launch.contract.files import Answer, Carried, Offer, PhaseDir
 from launch.record import Phase, Prepared
@@ -32,6 +32,7 @@ from launch.save import carried_layer, snapshot
 from launch.staging import install, one_block
 from launch.transports import device_id, export_cuda, export_host, map_offer
 from shard_tools.errors import CheckpointError
+from shard_tools.later import Later
 from shard_tools.state import PhaseState, RunState, layer_weights
 
 CARRY_SHARE = 0.9
@@ -90,11 +91,7 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
     files.handover.mkdir(mode=0o700, exist_ok=True)
     blob = files.shm_blob_path(ph.rank) if transport == "shm" else files.blob_path(ph.rank)
     if transport == "shm":
-        faults.point("handover.gathered", phase=ph.spec.phase, rank=ph.rank)
-        ready = ph.blob.result() if ph.blob is not None else None
-        blocks, refs = hostpath.export(hostpath.pack_state(snap), blob, ph.made.staging, ready, phase=ph.spec.phase,
-                                       rank=ph.rank)
-        ph.timeline.add(offer_file_ahead=ready is not None and ready.numel() >= blob.stat().st_size)
+        blocks, refs = _export_shm(ph, snap, blob)
     else:
         tensors = _pack(ph.built.engine.module, snap, on_host, ph.made.resident is not None)
         blocks, refs = export_cuda(tensors) if transport == "cuda" else export_host(tensors, blob)
@@ -118,6 +115,16 @@ def offer(ph: Phase) -> tuple[PhaseState | None, bool]:
     if not write:
         ph.timeline.add(checkpoint_written=False)
     return snap, write
+
+
+def _export_shm(ph: Phase, snap: PhaseState, blob: Path) -> tuple[list[dict], list]:
+    """The host path's offer into ``blob``: the file made after the first step where it was."""
+    faults.point("handover.gathered", phase=ph.spec.phase, rank=ph.rank)
+    ready = ph.blob.result() if ph.blob is not None else None
+    blocks, refs = hostpath.export(hostpath.pack_state(snap), blob, ph.made.staging, ready, phase=ph.spec.phase,
+                                   rank=ph.rank)
+    ph.timeline.add(offer_file_ahead=ready is not None and ready.numel() >= blob.stat().st_size)
+    return blocks, refs
 
 
 def _let_go(ph: Phase) -> int:
@@ -288,7 +295,7 @@ def _after_answer(ph: Phase, offered: Offer, carried: PhaseState, shm: bool) -> 
     trained between from committed checkpoints, not the predecessor, which need not wait for them to
     free its device and write its own."""
     if shm and ph.spec.memory_cap and ph.device.type == "cuda":
-        ph.leaving = offered.pid
+        ph.leaving = (offered.pid, Later(devmem.listing))
     _upload(ph)
     if shm:
         hostpath.layers_between(ph, offered.carried, frozenset(r.name.partition("/")[2] for r in offered.tensors
@@ -300,14 +307,13 @@ def _after_answer(ph: Phase, offered: Offer, carried: PhaseState, shm: bool) -> 
 def await_leaving(ph: Phase) -> None:
     """Under a budget, before the first step: until the predecessor that offered through host memory
     has left the device (``hostpath.wait_gone``). It let go of all but its CUDA context before its
-    offer (``hostpath.release_device``), so this phase builds its engine and restores beside that
-    context while the predecessor writes its checkpoint and exits; its steps' gradients and
-    activations, the phase's peak, come once the device holds nothing of the predecessor. Waiting
-    before the build instead took 2.0-2.3 s of every switch of 7B under 24 GiB on an H100
-    (benchmarks/results/2026-12-07-issue42-h100)."""
+    offer (``hostpath.release_device``): this phase builds and restores beside that while it writes
+    its checkpoint and exits, and steps (its peak) once it is gone. Waiting before the build took
+    2.0-2.3 s of every switch at 7B under 24 GiB on an H100 (benchmarks/results/2026-12-07-issue42-h100)."""
     if ph.leaving is None:
         return
-    ph.timeline.add(predecessor_exit_wait=hostpath.wait_gone(ph.leaving))
+    pid, listed = ph.leaving
+    ph.timeline.add(predecessor_exit_wait=hostpath.wait_gone(pid, holds=listed.result()))
     ph.timeline.mark("t_predecessor_gone")
     ph.leaving = None
 

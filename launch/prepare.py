@@ -76,6 +76,10 @@ def _warm(ph: Phase, made: Prepared) -> None:
             warm_up(ph, made)
     finally:
         ph.files.result()
+    if ph.device.type == "cuda":  # it waits beside a training phase: its allocator's cache goes back
+        gc.collect()
+        torch.cuda.empty_cache()
+        ph.timeline.add(memory_waiting=memory_now())
     ph.timeline.mark("t_warmed_up")
     # What the fork server could import for every phase (launch.zygote.WARM_IMPORTS).
     ph.timeline.add(warm_up_imports=sorted(set(sys.modules) - modules)[:50])

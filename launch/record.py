@@ -170,8 +170,9 @@ class Phase:
         """Each trained layer's gradient norm at the phase's last step (``launch.importance``)."""
         self.blob: Later | None = None
         """The host path's file for its offer, made ahead (``launch.hostpath.prepare``): its mapping."""
-        self.leaving: int | None = None
-        """Under a budget, the predecessor whose exit the first step waits for (``handover.await_leaving``)."""
+        self.leaving: tuple[int, Later] | None = None
+        """Under a budget, the predecessor whose exit the first step waits for (``handover.await_leaving``),
+        and NVML's list of the device's processes, opened meanwhile."""
         self.cores = None
         """Where the switch was too short to measure the free cores: the measure (``launch.threads``),
         taken again at the first step's end."""

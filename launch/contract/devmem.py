@@ -57,8 +57,26 @@ def holders() -> Iterator[Callable[[int], bool]]:
     NVML session however often it is asked: a process that has exited holds its device memory
     until the driver has torn its context down."""
     with session() as pynvml:
-        def holds(pid: int) -> bool:
-            found = None if pynvml is None else _snapshot(pynvml, None)
-            return found is not None and any(p["pid"] == pid for d in found["devices"] for p in d["processes"])
+        yield _holds(pynvml)
 
-        yield holds
+
+def listing() -> Callable[[int], bool]:
+    """``holders``' question for the rest of the process, NVML initialised once and left so (the
+    process exits soon after its last question): nvmlInit took about 0.5 s on an H100's host, and a
+    successor under a budget starts it while it builds its engine (``launch.handover``)."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except ImportError:
+        return _holds(None)
+    except pynvml.NVMLError:
+        return _holds(None)
+    return _holds(pynvml)
+
+
+def _holds(pynvml) -> Callable[[int], bool]:
+    def holds(pid: int) -> bool:
+        found = None if pynvml is None else _snapshot(pynvml, None)
+        return found is not None and any(p["pid"] == pid for d in found["devices"] for p in d["processes"])
+
+    return holds
