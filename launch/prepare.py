@@ -266,22 +266,47 @@ def warm_up(ph: Phase, made: Prepared) -> None:
     0.5 s of the first collective without it, benchmarks/results/2026-12-06-issue42-h100-7b). A rank
     of several out of memory fails (its phase is then started afresh when its turn comes), so under
     a budget several take the smallest toy from the start (a rank out of memory in a collective
-    would leave the others waiting in it)."""
-    small = ph.world > 1 and ph.spec.waiting_cap > 0 and ph.device.type == "cuda"
+    would leave the others waiting in it), and so does one whose share cannot hold the one-layer
+    toy's weights and gradients (``_one_layer_fits``)."""
+    small = ph.world > 1 and ph.spec.waiting_cap > 0 and ph.device.type == "cuda" or not _one_layer_fits(ph, made)
+    said = _warm_or_oom(ph, made, small)
+    if said is not None and not small:
+        print(f"relayer: warm-up on one layer skipped, no room on the device ({said}); on the smallest toy",
+              file=sys.stderr, flush=True)
+        ph.timeline.add(warm_up_skipped=said)
+        small = True
+        said = _warm_or_oom(ph, made, small)
+    if said is not None:  # not even that: the go pays DeepSpeed's first initialize
+        ph.timeline.add(warm_up_small_skipped=said)
+    ph.timeline.add(warm_up_small=small)
+
+
+def _warm_or_oom(ph: Phase, made: Prepared, small: bool) -> str | None:
+    """``_warm_on``; where one rank of one ran out of memory, what it said, once the toy's tensors are
+    gone: the exception's frames held them, and a smallest toy warmed up in its ``except`` held them
+    all along (1.7 GiB of a waiting phase's 1.9 at 7B under 24 GiB on an H100: the run above the
+    budget, benchmarks/results/2026-12-07-issue42-h100)."""
     try:
         _warm_on(ph, made, small)
+        return None
     except torch.OutOfMemoryError as e:
         if ph.world > 1:
             raise
-        print(f"relayer: warm-up on one layer skipped, no room on the device ({e}); on the smallest toy",
-              file=sys.stderr, flush=True)
-        ph.timeline.add(warm_up_skipped=str(e).splitlines()[0][:200])
-        small = True
-        try:
-            _warm_on(ph, made, small)
-        except torch.OutOfMemoryError as e:  # not even that: the go pays DeepSpeed's first initialize
-            ph.timeline.add(warm_up_small_skipped=str(e).splitlines()[0][:200])
-    ph.timeline.add(warm_up_small=small)
+        said = str(e).splitlines()[0][:200]
+    gc.collect()
+    if ph.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return said
+
+
+def _one_layer_fits(ph: Phase, made: Prepared) -> bool:
+    """Whether a phase waiting under a budget may hold the one-layer toy: its weights and gradients
+    at 16 bits within its share (``waiting_cap``); elsewhere it tries."""
+    if not (ph.spec.prewarm and ph.spec.waiting_cap > 0 and ph.device.type == "cuda"):
+        return True
+    names = {*made.head_names, *layer_param_names(made.model, made.origin.layers_attr, 0)}
+    numel = sum(p.numel() for n, p in made.model.named_parameters() if n in names)
+    return 4 * numel <= ph.spec.waiting_cap
 
 
 def _warm_on(ph: Phase, made: Prepared, small: bool) -> None:
