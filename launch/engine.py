@@ -180,9 +180,6 @@ class Backend:
         for name, p in named:
             for key in keys:
                 t = state[key][name]
-                if (live := self._live(p, key)) is not None and t.device.type == "cpu":
-                    live.copy_(t.reshape(-1))  # host to host: not by way of the device
-                    continue
                 if t.device != p.device:  # else taken over on the device (``launch.handover``)
                     t = staging.to_device(t) if staging is not None and p.device.type == "cuda" else t.to(p.device)
                 self._set(p, key, t)
@@ -289,7 +286,7 @@ class ZeroBackend(Backend):
         fragment = mapping.get_hp_fragment(None if key == "master" else key)
         if fragment.device.type != "cpu" or torch.distributed.get_world_size(getattr(p, "_dp_group", None)) != 1:
             return None
-        return fragment.detach()  # the optimizer's parameter: written in place as a plain tensor
+        return fragment.detach()
 
     def _set(self, p: nn.Parameter, key: str, t: torch.Tensor) -> None:
         if key == "master":

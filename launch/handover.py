@@ -32,7 +32,6 @@ from launch.save import carried_layer, snapshot
 from launch.staging import install, one_block
 from launch.transports import device_id, export_cuda, export_host, map_offer
 from shard_tools.errors import CheckpointError
-from shard_tools.later import Later
 from shard_tools.state import PhaseState, RunState, layer_weights
 
 CARRY_SHARE = 0.9
@@ -290,12 +289,11 @@ def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False
 
 
 def _after_answer(ph: Phase, offered: Offer, carried: PhaseState, shm: bool) -> None:
-    """Once answered: under a budget, the predecessor whose exit the first step waits for
-    (``await_leaving``); the uploads (the copies in ``_copy_in`` do not wait for them); the layers
-    trained between from committed checkpoints, not the predecessor, which need not wait for them to
-    free its device and write its own."""
+    """Once answered: under a budget, the predecessor whose exit the first step waits for (``await_leaving``);
+    the uploads (``_copy_in``'s copies do not wait for them); the layers trained between from committed
+    checkpoints, not the predecessor, which need not wait for them to free its device and write its own."""
     if shm and ph.spec.memory_cap and ph.device.type == "cuda":
-        ph.leaving = (offered.pid, Later(devmem.listing))
+        ph.leaving = offered.pid
     _upload(ph)
     if shm:
         hostpath.layers_between(ph, offered.carried, frozenset(r.name.partition("/")[2] for r in offered.tensors
@@ -305,17 +303,20 @@ def _after_answer(ph: Phase, offered: Offer, carried: PhaseState, shm: bool) -> 
 
 
 def await_leaving(ph: Phase) -> None:
-    """Under a budget, before the first step: until the predecessor that offered through host memory
-    has left the device (``hostpath.wait_gone``). It let go of all but its CUDA context before its
-    offer (``hostpath.release_device``): this phase builds and restores beside that while it writes
-    its checkpoint and exits, and steps (its peak) once it is gone. Waiting before the build took
-    2.0-2.3 s of every switch at 7B under 24 GiB on an H100 (benchmarks/results/2026-12-07-issue42-h100)."""
-    if ph.leaving is None:
-        return
-    pid, listed = ph.leaving
-    ph.timeline.add(predecessor_exit_wait=hostpath.wait_gone(pid, holds=listed.result()))
-    ph.timeline.mark("t_predecessor_gone")
-    ph.leaving = None
+    """Under a budget, before the first step (its peak): until the predecessor that offered through
+    host memory, and let go of its device memory then (``hostpath.release_device``), has left the
+    device (``hostpath.wait_gone``); built and restored meanwhile (waited for before the build: 2.0 s
+    a switch at 7B under 24 GiB on an H100, benchmarks/results/2026-12-07-issue42-h100)."""
+    listing, ph.listing = ph.listing, None  # opened while it waited (``launch.prepare``)
+    try:
+        if ph.leaving is not None:
+            listing = listing or devmem.Listing()
+            ph.timeline.add(predecessor_exit_wait=hostpath.wait_gone(ph.leaving, holds=listing))
+            ph.timeline.mark("t_predecessor_gone")
+    finally:
+        if listing is not None:
+            listing.close()
+        ph.leaving = None
 
 
 def _unfit(ph: Phase, offered: Offer | None, files: PhaseDir) -> str | None:

@@ -21,7 +21,7 @@ from torch import nn
 
 from launch import handover, pinned, procs, rendezvous, resident
 from launch.basemodel import base_model, model_spec
-from launch.contract import faults
+from launch.contract import devmem, faults
 from launch.contract.files import DATA_CACHE
 from launch.contract.spec import PhaseSpec
 from launch.data.examples import SampleOrder, load_examples, load_validation, micro_batch, prepare as prepare_data
@@ -80,6 +80,8 @@ def _warm(ph: Phase, made: Prepared) -> None:
         gc.collect()
         torch.cuda.empty_cache()
         ph.timeline.add(memory_waiting=memory_now())
+        if ph.spec.memory_cap:  # under a budget its first step waits for its predecessor to be gone
+            ph.listing = devmem.Listing()
     ph.timeline.mark("t_warmed_up")
     # What the fork server could import for every phase (launch.zygote.WARM_IMPORTS).
     ph.timeline.add(warm_up_imports=sorted(set(sys.modules) - modules)[:50])
@@ -301,12 +303,21 @@ def _warm_or_oom(ph: Phase, made: Prepared, small: bool) -> str | None:
 
 def _one_layer_fits(ph: Phase, made: Prepared) -> bool:
     """Whether a phase waiting under a budget may hold the one-layer toy: its weights and gradients
-    at 16 bits within its share (``waiting_cap``); elsewhere it tries."""
+    at 16 bits and its logits at the micro-batch (``LOGIT_BYTES`` an element) within its share
+    (``waiting_cap``); elsewhere it tries. At 7B under 24 GiB: 2.5 GB against 2.0 (an H100 saw every
+    try run out of memory after filling the share)."""
     if not (ph.spec.prewarm and ph.spec.waiting_cap > 0 and ph.device.type == "cuda"):
         return True
     names = {*made.head_names, *layer_param_names(made.model, made.origin.layers_attr, 0)}
     numel = sum(p.numel() for n, p in made.model.named_parameters() if n in names)
-    return 4 * numel <= ph.spec.waiting_cap
+    d = ph.spec.data
+    logits = d.micro_batch_size * d.seq_len * getattr(made.model.config, "vocab_size", 0) * LOGIT_BYTES
+    return 4 * numel + logits <= ph.spec.waiting_cap
+
+
+LOGIT_BYTES = 10
+"""The logits' bytes an element at their peak (the 16-bit logits, the loss's fp32 copy and its
+gradient: ``orchestrator.estimate``'s count, which ``launch`` does not import)."""
 
 
 def _warm_on(ph: Phase, made: Prepared, small: bool) -> None:

@@ -170,9 +170,11 @@ class Phase:
         """Each trained layer's gradient norm at the phase's last step (``launch.importance``)."""
         self.blob: Later | None = None
         """The host path's file for its offer, made ahead (``launch.hostpath.prepare``): its mapping."""
-        self.leaving: tuple[int, Later] | None = None
-        """Under a budget, the predecessor whose exit the first step waits for (``handover.await_leaving``),
-        and NVML's list of the device's processes, opened meanwhile."""
+        self.leaving: int | None = None
+        """Under a budget, the predecessor whose exit the first step waits for (``handover.await_leaving``)."""
+        self.listing = None
+        """Under a budget on a GPU, NVML's list of the device's processes (``devmem.Listing``), opened
+        while it waits for its go."""
         self.cores = None
         """Where the switch was too short to measure the free cores: the measure (``launch.threads``),
         taken again at the first step's end."""

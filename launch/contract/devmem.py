@@ -56,27 +56,34 @@ def holders() -> Iterator[Callable[[int], bool]]:
     """For the block, whether NVML lists a process on any device (always False without NVML), in one
     NVML session however often it is asked: a process that has exited holds its device memory
     until the driver has torn its context down."""
-    with session() as pynvml:
-        yield _holds(pynvml)
-
-
-def listing() -> Callable[[int], bool]:
-    """``holders``' question for the rest of the process, NVML initialised once and left so (the
-    process exits soon after its last question): nvmlInit took about 0.5 s on an H100's host, and a
-    successor under a budget starts it while it builds its engine (``launch.handover``)."""
+    listing = Listing()
     try:
-        import pynvml
-        pynvml.nvmlInit()
-    except ImportError:
-        return _holds(None)
-    except pynvml.NVMLError:
-        return _holds(None)
-    return _holds(pynvml)
+        yield listing
+    finally:
+        listing.close()
 
 
-def _holds(pynvml) -> Callable[[int], bool]:
-    def holds(pid: int) -> bool:
-        found = None if pynvml is None else _snapshot(pynvml, None)
+class Listing:
+    """``holders``' question with NVML opened here, till ``close``: nvmlInit took 0.3-0.6 s of a
+    switch on an H100's host, so a phase waiting under a budget opens it before its go."""
+
+    def __init__(self):
+        self._nvml = None
+        try:
+            import pynvml
+        except ImportError:
+            return
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError:
+            return
+        self._nvml = pynvml
+
+    def __call__(self, pid: int) -> bool:
+        found = None if self._nvml is None else _snapshot(self._nvml, None)
         return found is not None and any(p["pid"] == pid for d in found["devices"] for p in d["processes"])
 
-    return holds
+    def close(self) -> None:
+        if self._nvml is not None:
+            self._nvml.nvmlShutdown()
+            self._nvml = None
