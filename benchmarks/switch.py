@@ -11,7 +11,7 @@ One model shape, one schedule, three ways. Phase k trains the head and the two b
 sample, so that every way and every run trains the same layers and the sums of a walk are easy
 to read. ``--layers lisa`` samples them as LISA does (seeded by ``--seed``): a layer then comes
 back within a few phases, which the walk never does, and a pre-warmed phase meets layers trained
-since its preload (``launch.handover``'s ``LayerRefresh``).
+since its preload (``launch.preload``'s ``LayerRefresh``).
 
   a  relayer    ``orchestrator run`` on a generated schedule: a fresh process group per phase,
                 ``--nproc`` processes (``launch.nproc``), ``--handover`` (``launch.handover``)

@@ -81,6 +81,10 @@ class Backend:
         """Bytes of host memory the engine's build pins (``launch.pinned``); 0: none."""
         return 0
 
+    def masters_on_host(self, spec: PhaseSpec) -> bool:
+        """Whether the fp32 masters live in host memory (the optimizer offloaded)."""
+        return False
+
     def compile_ahead(self, spec: PhaseSpec, device: torch.device, world: int) -> None:
         """Starts compiling what the first step would (a phase started cold), in a thread."""
 
@@ -180,6 +184,9 @@ class Backend:
         for name, p in named:
             for key in keys:
                 t = state[key][name]
+                if (live := self._live(p, key)) is not None and t.device.type == "cpu":
+                    live.copy_(t.reshape(-1))  # host to host, not by way of the device: half the restore's time
+                    continue
                 if t.device != p.device:  # else taken over on the device (``launch.handover``)
                     t = staging.to_device(t) if staging is not None and p.device.type == "cuda" else t.to(p.device)
                 self._set(p, key, t)
@@ -215,6 +222,9 @@ class ZeroBackend(Backend):
         partition = -(-sum(numels) // world)
         accumulate = sum(numels) * width if cfg["gradient_accumulation_steps"] > 1 else 0
         return partition * (4 + width + 4) + max(numels, default=0) * width + accumulate + (len(numels) + 64) * 4096
+
+    def masters_on_host(self, spec: PhaseSpec) -> bool:
+        return offloads(spec.deepspeed_config)
 
     def optimizer(self, groups: list[dict], spec: PhaseSpec, device: torch.device, world: int,
                   lr: float | None = None) -> torch.optim.Optimizer:
@@ -325,6 +335,10 @@ class MasterBackend(Backend):
     def host_buffers(self, spec: PhaseSpec, world: int, numels: list[int]) -> int:
         """Bytes of host memory the engine's build pins (``launch.pinned``); 0: none."""
         return 0
+
+    def masters_on_host(self, spec: PhaseSpec) -> bool:
+        """Whether the fp32 masters live in host memory (the optimizer offloaded)."""
+        return False
 
     def compile_ahead(self, spec: PhaseSpec, device: torch.device, world: int) -> None:
         """The kernel of ``launch.adamw_kernel``, compiled in a thread, not at the first step."""

@@ -8,11 +8,10 @@ offered block, copies it into memory of its own (never an alias: the predecessor
 with its process), lets the mappings go (``torch.cuda.ipc_collect``) and answers. Nothing is
 pickled: the offer is JSON, CUDA IPC's handles in it base64.
 
-Transports: ``cuda`` (CUDA IPC, both processes on the same GPU, matched by UUID) and ``host``
-(the bytes in a 0600 file in the predecessor's phase directory: the same choreography without a
-GPU, for testing it on a CPU; ``launch.handover = "on"``). The recipe was verified on one H200
-(torch 2.11) by ``benchmarks/handover.py``, whose measured floor is in
-benchmarks/results/2026-12-01-ipc-handover-h200/.
+Transports: ``cuda`` (CUDA IPC, both processes on the same GPU, matched by UUID), ``host`` (the
+bytes in a 0600 file in the predecessor's phase directory: the same choreography on a CPU, for
+testing; ``launch.handover = "on"``) and the host path (``launch.hostpath``). Verified on an H200 by
+``benchmarks/handover.py`` (benchmarks/results/2026-12-01-ipc-handover-h200/).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 import torch
 
-from launch import engine, hostpath
+from launch import engine, hostpath, preload
 from launch.contract import devmem, faults
 from launch.contract.cadence import end_writes
 from launch.contract.files import Answer, Carried, Offer, PhaseDir
@@ -31,12 +30,11 @@ from launch.record import Phase, Prepared
 from launch.save import carried_layer, snapshot
 from launch.staging import install, one_block
 from launch.transports import device_id, export_cuda, export_host, map_offer
-from shard_tools.errors import CheckpointError
-from shard_tools.state import PhaseState, RunState, layer_weights
+from shard_tools.state import PhaseState, RunState
 
 CARRY_SHARE = 0.9
-"""Of the device's memory, what the switch's planned peak and the carried layers (twice) may take:
-on one H200 at 7B the switches' peak reached 147 of 151 GB with 29 layers carried and no margin."""
+"""Of the device's memory, what the switch's planned peak and the carried layers (twice) may take
+(on an H200 at 7B the switches' peak reached 147 of 151 GB with 29 layers carried, no margin)."""
 ANSWER_POLL = 0.002
 
 
@@ -188,70 +186,6 @@ def refusal(ph: Phase) -> str | None:
     return None
 
 
-def preload_layers(ph: Phase, made: Prepared) -> None:
-    """The fp32 masters of this phase's layers trained before its preload checkpoint, in pinned host
-    memory until its go (``_put_layers``); a layer its predecessor trains comes with the offer."""
-    _put_layers(ph, made, {l: s for l, s in made.preloaded.items() if l in ph.spec.layers})
-
-
-class LayerRefresh:
-    """Called while a phase that takes over waits for its go: its layers that phases since its
-    preload have trained, from the newest phase-end checkpoint this run has committed meanwhile, go
-    on its device then, so that the go reads only what comes after (``_layers_trained_between``).
-    Without it, a layer that LISA samples again within ``prewarm_depth`` phases was read from disk
-    at the go. Looks every ``every`` seconds; reads only when a new checkpoint is there."""
-
-    def __init__(self, ph: Phase, every: float = 0.2):
-        self.ph, self.every, self.at, self.seen = ph, every, 0.0, None
-
-    def __call__(self) -> None:
-        ph, now = self.ph, time.monotonic()
-        if now - self.at < self.every:
-            return
-        self.at = now
-        ckpts = ph.checkpoints.upto(ph.spec.start_step)
-        if not ckpts or ckpts[-1] == self.seen:
-            return
-        try:
-            # A phase's end written since this process started: not one an earlier attempt left.
-            upto = ph.checkpoints.newest_phase_end(ph.spec.start_step, ph.timeline.get("t_process_start"))
-            sources = ph.checkpoints.layer_sources(upto) if upto is not None else {}
-            changed = _own_since(ph, sources)
-            _put_layers(ph, ph.made, changed)
-        except (OSError, CheckpointError):
-            return  # written over or removed meanwhile: again at the next look, or at the go
-        self.seen = ckpts[-1]
-        ph.made.preloaded.update(changed)
-        if changed:
-            ph.timeline.add(layers_refreshed=sorted({*ph.timeline.get("layers_refreshed", []), *changed}))
-
-
-def _own_since(ph: Phase, sources: dict[int, Path]) -> dict[int, Path]:
-    """This phase's layers whose newest source in ``sources`` is not the one on its device."""
-    return {l: s for l, s in sources.items() if l in ph.spec.layers and ph.made.preloaded.get(l) != s}
-
-
-def _put_layers(ph: Phase, made: Prepared, sources: dict[int, Path], offered: frozenset[str] = frozenset(),
-                now: bool = False) -> None:
-    """The fp32 masters of this phase's layers in ``sources``, except ``offered`` ones: on its
-    device ``now`` (at the go), else in pinned host memory until the go (``_upload``): a phase
-    waiting pre-warmed holds nothing large on the device (1.6 GB a phase at 7B)."""
-    for name, t in layer_weights(sources, mapped=True).items():
-        if name in made.body_names and name not in offered:
-            if now or ph.device.type != "cuda":
-                made.trained[name] = t.to(ph.device, copy=True)
-            else:
-                made.trained[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
-
-
-def _upload(ph: Phase) -> None:
-    """At the go: the masters ``_put_layers`` kept on the host, to the device by DMA, on the stream
-    the engine build then uses (ordered before it; the host goes on meanwhile)."""
-    for name, t in ph.made.trained.items():
-        if t.device != ph.device:
-            ph.made.trained[name] = t.to(ph.device, non_blocking=True)
-
-
 def take(ph: Phase, source: Path, restore: Path | None, defer: bool = False
          ) -> tuple[PhaseState | None, Path | None, Path | None]:
     """Copies the predecessor's offered state (rank for rank) into this process and answers. With
@@ -294,7 +228,7 @@ def _after_answer(ph: Phase, offered: Offer, carried: PhaseState, shm: bool) -> 
     checkpoints, not the predecessor, which need not wait for them to free its device and write its own."""
     if shm and ph.spec.memory_cap and ph.device.type == "cuda":
         ph.leaving = offered.pid
-    _upload(ph)
+    preload.upload(ph)
     if shm:
         hostpath.layers_between(ph, offered.carried, frozenset(r.name.partition("/")[2] for r in offered.tensors
                                                                if r.name.startswith("master/")))
@@ -441,8 +375,8 @@ def _layers_trained_between(ph: Phase, carried: Carried, offered: frozenset[str]
         return
     ph.checkpoints.wait_committed(Path(carried.restore))  # its writer, two phases back, may be writing still
     now = ph.checkpoints.layer_sources(Path(carried.restore))
-    changed = _own_since(ph, now)
-    _put_layers(ph, ph.made, changed, offered, now=True)
+    changed = preload.own_since(ph, now)
+    preload.put_layers(ph, ph.made, changed, offered, now=True)
     ph.timeline.add(layers_at_go=sorted(changed))
 
 

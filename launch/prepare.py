@@ -19,7 +19,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from launch import handover, pinned, procs, rendezvous, resident
+from launch import handover, pinned, preload, procs, rendezvous, resident
 from launch.basemodel import base_model, model_spec
 from launch.contract import devmem, faults
 from launch.contract.files import DATA_CACHE
@@ -139,8 +139,8 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
                     chat_template=trained_template(spec.data))
     head_names = head_param_names(model, persistent)
     body_names = [n for i in spec.layers for n in layer_param_names(model, layers_attr, i)]
-    preload = spec.preload or spec.restore
-    moving = None if preload or spec.prewarm or views is not None else \
+    preload_from = spec.preload or spec.restore
+    moving = None if preload_from or spec.prewarm or views is not None else \
         _to_device_early(ph, model, staging, {*head_names, *body_names})
     ph.stage("preparing data")
     examples, validation = _load_data(ph)
@@ -148,10 +148,10 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
         staging=staging, refusal=refusal, model=model, skeleton=skeleton, origin=origin,
         head_names=head_names, body_names=body_names, examples=examples, validation=validation,
         order=SampleOrder(len(examples), spec.seed, spec.data.shuffle),
-        preloaded=ph.checkpoints.layer_sources(Path(preload)) if preload else {}, trained={}, moving=moving,
+        preloaded=ph.checkpoints.layer_sources(Path(preload_from)) if preload_from else {}, trained={}, moving=moving,
         resident=views)
     if made.taking:
-        handover.preload_layers(ph, made)
+        preload.preload_layers(ph, made)
     else:
         made.overlay(layer_weights(made.preloaded, mapped=True))
     return made

@@ -74,7 +74,7 @@ class Prepared:
     @property
     def taking(self) -> bool:
         """It will take its predecessor's state over if offered, into a model of no host weights
-        (a skeleton, or the holder's block): its layers' masters wait pinned (``handover.preload_layers``)."""
+        (a skeleton, or the holder's block): its layers' masters wait pinned (``preload.preload_layers``)."""
         return self.refusal is None and (self.skeleton or self.resident is not None)
 
     def overlay(self, weights: dict[str, torch.Tensor]) -> None:

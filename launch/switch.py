@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from launch import handover, pinned, procs, resident
+from launch import handover, pinned, preload, procs, resident
 from launch.prepare import host_model, memory_now
 from launch.record import Assembled, Phase, Prepared, Source
 from launch.scaler import restore_scaler
@@ -52,7 +52,7 @@ def await_go(ph: Phase) -> tuple[Go, Delta | None]:
     is read (the head file mapped) into host memory already (the early ``Delta``): reading
     touches no device."""
     made, expected = ph.made, ph.checkpoints.at(ph.spec.start_step)
-    refresh = handover.LayerRefresh(ph) if made.taking else None
+    refresh = preload.LayerRefresh(ph) if made.taking else None
     delta: Delta | None = None
 
     def idle() -> None:

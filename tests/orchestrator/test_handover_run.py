@@ -233,7 +233,7 @@ def test_layers_trained_since_the_preload_come_from_their_checkpoints(tmp_path, 
 
 def test_layers_trained_while_a_phase_waits_go_on_its_device_before_its_go(tmp_path, tiny_model, tiny_data, device):
     """A layer LISA samples again within prewarm_depth phases is put on the device while its phase
-    waits (``handover.LayerRefresh``), as soon as the checkpoint that holds it is committed, not read
+    waits (``preload.LayerRefresh``), as soon as the checkpoint that holds it is committed, not read
     at the go. Every pre-warmed phase holds 3 s before its first step, and no phase pauses the ones
     ahead of it meanwhile, so phases 3 and 4 are ready long before their go."""
     kw = {"phases": AGAIN, "prewarm_depth": 3, "dtype": "bfloat16", "pause_preparing_seconds": 0}

@@ -55,7 +55,7 @@ def test_the_host_path_gives_the_same_checkpoints(tmp_path, tiny_model, tiny_dat
     # Phase 3 was preloaded at phase 0's start, phase 4 at phase 1's: their layers 0 and 1 (trained
     # since by phases 0 and 1) come from those checkpoints, read at the go, into the host model; its
     # own layer (phase 3's 0, phase 4's 1) read while it waited instead where that checkpoint was
-    # committed before its go (``handover.LayerRefresh``: a matter of timing here).
+    # committed before its go (``preload.LayerRefresh``: a matter of timing here).
     for k, own, other in ((3, 0, 1), (4, 1, 2)):
         assert other in rec[k]["layers_at_go"], rec[k]
         assert own in {*rec[k]["layers_at_go"], *rec[k].get("layers_refreshed", [])}, rec[k]
