@@ -35,6 +35,36 @@ def test_the_state_goes_through_the_file_bit_for_bit(tmp_path):
     assert torch.equal(again["master"]["b"], tensors["master/b"])
 
 
+def test_the_file_made_ahead_takes_the_offer_and_one_too_small_does_not(tmp_path):
+    """``hostpath.prepare``'s file (``make_blob``: sized, 0600, its pages in memory) is what ``export``
+    writes into where it holds the offer; where it does not, ``export`` makes the file again."""
+    tensors = {"master/a": torch.arange(10.0), "exp_avg/a": torch.ones(3, 4)}
+    blob = tmp_path / "rank-0.bin"
+    ahead = hostpath.make_blob(blob, 4096)
+    assert blob.stat().st_size == 4096 and blob.stat().st_mode & 0o777 == 0o600
+    blocks, refs = hostpath.export(tensors, blob, None, ahead)
+    assert blob.stat().st_size == 4096  # written into the file made ahead, not made again
+    assert torch.equal(ahead[:40].view(torch.float32), tensors["master/a"])
+    offer = Offer(pid=1, device="host", transport="shm", blocks=blocks, tensors=refs,
+                  carried=Carried(phase=0, global_step=1, layers=[0], head_step=1, body_step=1, scaler={},
+                                  restore=None, end="step-00000001"))
+    assert torch.equal(hostpath.map_blob(offer, blob)["exp_avg"]["a"], tensors["exp_avg/a"])
+    small = hostpath.make_blob(blob, 8)
+    blocks, _ = hostpath.export(tensors, blob, None, small)
+    assert blob.stat().st_size == blocks[-1]["offset"] + blocks[-1]["size"]  # too small: a file of its own
+
+
+def test_without_nvml_no_process_holds_the_device():
+    """``devmem.Listing`` (what a successor under a budget asks before its first step) on a machine
+    without NVML: no process is listed, so the wait ends when the process has exited."""
+    listing = devmem.Listing()
+    try:
+        assert listing(1) is False
+    finally:
+        listing.close()
+    listing.close()  # twice: nothing left to close
+
+
 def test_every_tensor_of_the_optimizer_is_found():
     model = torch.nn.Linear(4, 3)
     opt = MasterAdamW([{"params": list(model.parameters())}], lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
