@@ -336,10 +336,6 @@ class MasterBackend(Backend):
         """Bytes of host memory the engine's build pins (``launch.pinned``); 0: none."""
         return 0
 
-    def masters_on_host(self, spec: PhaseSpec) -> bool:
-        """Whether the fp32 masters live in host memory (the optimizer offloaded)."""
-        return False
-
     def compile_ahead(self, spec: PhaseSpec, device: torch.device, world: int) -> None:
         """The kernel of ``launch.adamw_kernel``, compiled in a thread, not at the first step."""
         if device.type == "cuda":

@@ -78,7 +78,8 @@ def put_layers(ph: Phase, made: Prepared, sources: dict[int, Path], offered: fro
 def upload(ph: Phase) -> None:
     """At the go: the masters ``put_layers`` kept on the host, to the device by DMA, on the stream the
     engine build then uses; not where they live on the host (at 7B under 24 GiB on an H100 they were
-    the device's peak, 24.1 GiB, uploaded beside the predecessor and copied back to the host)."""
+    the device's peak, 24.1 GiB, uploaded beside the predecessor and copied back to the host:
+    benchmarks/results/2026-12-07-issue42-h100-switch)."""
     if ph.backend.masters_on_host(ph.spec):
         return
     for name, t in ph.made.trained.items():

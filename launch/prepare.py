@@ -270,7 +270,7 @@ def warm_up(ph: Phase, made: Prepared) -> None:
     a budget several take the smallest toy from the start (a rank out of memory in a collective
     would leave the others waiting in it), and so does one whose share cannot hold the one-layer
     toy's weights and gradients (``_one_layer_fits``)."""
-    small = ph.world > 1 and ph.spec.waiting_cap > 0 and ph.device.type == "cuda" or not _one_layer_fits(ph, made)
+    small = (ph.world > 1 and ph.spec.waiting_cap > 0 and ph.device.type == "cuda") or not _one_layer_fits(ph, made)
     said = _warm_or_oom(ph, made, small)
     if said is not None and not small:
         print(f"relayer: warm-up on one layer skipped, no room on the device ({said}); on the smallest toy",
@@ -286,8 +286,8 @@ def warm_up(ph: Phase, made: Prepared) -> None:
 def _warm_or_oom(ph: Phase, made: Prepared, small: bool) -> str | None:
     """``_warm_on``; where one rank of one ran out of memory, what it said, once the toy's tensors are
     gone: the exception's frames held them, and a smallest toy warmed up in its ``except`` held them
-    all along (1.7 GiB of a waiting phase's 1.9 at 7B under 24 GiB on an H100: the run above the
-    budget, benchmarks/results/2026-12-07-issue42-h100)."""
+    all along (1.7 GiB of a waiting phase's 1.9 at 7B under 24 GiB on an H100: runs above the budget,
+    benchmarks/results/2026-12-07-issue42-h100-switch)."""
     try:
         _warm_on(ph, made, small)
         return None
