@@ -130,15 +130,18 @@ def release_device(ph: Phase) -> int:
     allocator's cache goes back to the driver. The bytes it gave back (0 off CUDA).
 
     The buffers too: the frozen weights lie in one block with them (``staging.module_to_device``),
-    and a buffer's view keeps the whole block. Not enough yet: at 7B on an H100 (ZeRO 2, the
-    optimizer on the host) it gave back 4.2 GB of ~16 GB, the device at 30-34 GiB at every switch
-    under a budget of 24 until the process exits (benchmarks/results/2026-12-06-issue42-h100-7b)."""
+    and a buffer's view keeps the whole block. So do ZeRO's links of each parameter to its partitions
+    (``_hp_mapping``: a view of the trainable weights' 16-bit flat block on the device, 1.2 GiB at 7B)
+    and the torch optimizer's param groups (three levels down). Before those two, at 7B on an H100
+    (ZeRO 2, the optimizer on the host, the holder's copy) a released phase still held 3.8 GiB until
+    it exited, its CUDA context about 1.4 of it (benchmarks/results/2026-12-07-issue42-h100-switch)."""
     cuda = ph.device.type == "cuda"
     before = torch.cuda.memory_reserved(ph.device) if cuda else 0
     engine = ph.built.engine
     for p in engine.module.parameters():
         p.grad = None
         p.data = torch.empty(0, dtype=p.data.dtype, device=p.data.device)
+        p._hp_mapping = None  # ZeRO 1-2's fragments: views of the 16-bit flat block on the device, too
     for m in engine.module.modules():
         for name, b in m._buffers.items():
             if b is not None:
@@ -192,7 +195,7 @@ def _tensors(optimizer: object) -> list[torch.Tensor]:
     inner = getattr(optimizer, "optimizer", None)  # a ZeRO optimizer's torch optimizer
     todo = [optimizer, getattr(optimizer, "state", {}), getattr(optimizer, "inner", None), inner,
             getattr(inner, "state", {})]
-    for depth in range(3):
+    for depth in range(4):
         nxt = []
         for obj in todo:
             values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else \
@@ -200,7 +203,7 @@ def _tensors(optimizer: object) -> list[torch.Tensor]:
             for v in values:
                 if isinstance(v, torch.Tensor):
                     found[id(v)] = v
-                elif isinstance(v, (list, tuple, dict)) and depth < 2:
+                elif isinstance(v, (list, tuple, dict)) and depth < 3:
                     nxt.append(v)
         todo = nxt
     return list(found.values())
