@@ -48,7 +48,12 @@ def offer_bytes(ph: Phase) -> int:
     ``export``): fp32, the head's masters and moments, its layers' masters, the layers it carries."""
     numels = [ph.backend.shape(p).numel() for _, p in ph.built.head] * 3
     numels += [ph.backend.shape(p).numel() for _, p in ph.built.body] + [t.numel() for t in ph.made.carried.values()]
-    return sum(-(-n * 4 // ALIGN) * ALIGN for n in numels if n)
+    return sum(_aligned(n * 4) for n in numels if n)
+
+
+def _aligned(size: int) -> int:
+    """``size`` bytes rounded up to the offer's alignment: where the next tensor starts (``export``)."""
+    return -(-size // ALIGN) * ALIGN
 
 
 def make_blob(blob: Path, size: int) -> torch.Tensor | None:
@@ -80,7 +85,7 @@ def export(tensors: dict[str, torch.Tensor], blob: Path, staging: Staging | None
     it is large enough, else one made now; from a GPU through the pinned ring of ``staging``); the
     offer's blocks and tensors, as the host transport's."""
     sizes = [t.numel() * t.element_size() for t in tensors.values()]
-    offsets = [sum(-(-n // ALIGN) * ALIGN for n in sizes[:i]) for i in range(len(sizes))]
+    offsets = [sum(_aligned(n) for n in sizes[:i]) for i in range(len(sizes))]
     total = offsets[-1] + sizes[-1] if sizes else 0
     whole = ready if ready is not None and ready.numel() >= total else make_blob(blob, total) if total else None
     if total and whole is None:
@@ -141,7 +146,8 @@ def release_device(ph: Phase) -> int:
     for p in engine.module.parameters():
         p.grad = None
         p.data = torch.empty(0, dtype=p.data.dtype, device=p.data.device)
-        p._hp_mapping = None  # ZeRO 1-2's fragments: views of the 16-bit flat block on the device, too
+        if hasattr(p, "_hp_mapping"):  # ZeRO 1-2's fragments: views of the 16-bit flat block on the device, too
+            p._hp_mapping = None
     for m in engine.module.modules():
         for name, b in m._buffers.items():
             if b is not None:

@@ -15,20 +15,11 @@ from typing import Callable, Iterator
 @contextlib.contextmanager
 def session() -> Iterator[object | None]:
     """NVML (the ``pynvml`` module) initialised for the block, shut down after; None without it."""
+    listing = Listing()
     try:
-        import pynvml
-    except ImportError:
-        yield None
-        return
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        yield None
-        return
-    try:
-        yield pynvml
+        yield listing._nvml
     finally:
-        pynvml.nvmlShutdown()
+        listing.close()
 
 
 def snapshot(pids: set[int] | None = None) -> dict | None:
