@@ -34,7 +34,7 @@ def run_phase(spec: PhaseSpec, rank: int, world: int, stop: dict,
         phase.timeline.add(gc_collections_before_switch=procs.gc_collections())
         restore = Path(spec.restore) if spec.restore else None
         go, delta = switch.await_go(phase) if spec.prewarm else (switch.Go(restore), None)
-        if spec.prewarm and spec.waiting_cap > 0 and phase.device.type == "cuda":  # its predecessor is gone
+        if phase.waits_in_a_share:  # its predecessor is gone
             phase.timeline.add(memory_fraction=cap_memory(phase.device, spec.memory_cap))
         cores = FreeCores()
         with switch_profile(Path(spec.phase_dir) / f"switch-profile-rank{rank}.txt"):

@@ -110,7 +110,7 @@ def _start_group(ph: Phase) -> Staging | None:
     if ph.device.type == "cuda":
         # Before the process group, so NCCL binds each rank to its own device.
         torch.cuda.set_device(ph.device)
-        waiting = ph.spec.prewarm and ph.spec.waiting_cap > 0  # beside a training phase until its go
+        waiting = ph.waits_in_a_share
         cap = ph.spec.waiting_cap if waiting else ph.spec.memory_cap
         ph.timeline.add(**{"memory_fraction_waiting" if waiting else "memory_fraction": cap_memory(ph.device, cap)})
         staging = Staging(ph.device)
@@ -270,7 +270,7 @@ def warm_up(ph: Phase, made: Prepared) -> None:
     a budget several take the smallest toy from the start (a rank out of memory in a collective
     would leave the others waiting in it), and so does one whose share cannot hold the one-layer
     toy's weights and gradients (``_one_layer_fits``)."""
-    small = (ph.world > 1 and ph.spec.waiting_cap > 0 and ph.device.type == "cuda") or not _one_layer_fits(ph, made)
+    small = (ph.world > 1 and ph.waits_in_a_share) or not _one_layer_fits(ph, made)
     said = _warm_or_oom(ph, made, small)
     if said is not None and not small:
         print(f"relayer: warm-up on one layer skipped, no room on the device ({said}); on the smallest toy",
@@ -306,7 +306,7 @@ def _one_layer_fits(ph: Phase, made: Prepared) -> bool:
     at 16 bits and its logits at the micro-batch (``LOGIT_BYTES`` an element) within its share
     (``waiting_cap``); elsewhere it tries. At 7B under 24 GiB: 2.5 GB against 2.0 (an H100 saw every
     try run out of memory after filling the share)."""
-    if not (ph.spec.prewarm and ph.spec.waiting_cap > 0 and ph.device.type == "cuda"):
+    if not ph.waits_in_a_share:
         return True
     names = {*made.head_names, *layer_param_names(made.model, made.origin.layers_attr, 0)}
     numel = sum(p.numel() for n, p in made.model.named_parameters() if n in names)

@@ -179,6 +179,12 @@ class Phase:
         """Where the switch was too short to measure the free cores: the measure (``launch.threads``),
         taken again at the first step's end."""
 
+    @property
+    def waits_in_a_share(self) -> bool:
+        """Whether it waits for its go on a GPU beside a training phase, in its share of the device
+        budget (``PhaseSpec.waiting_cap``), to have the whole budget at its go."""
+        return self.spec.prewarm and self.spec.waiting_cap > 0 and self.device.type == "cuda"
+
     def stage(self, name: str) -> None:
         """What this phase is doing before its first step, for the progress display (rank 0)."""
         if self.rank == 0:
