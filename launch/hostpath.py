@@ -31,6 +31,7 @@ from launch.contract import devmem, faults
 from launch.contract.files import Carried, Offer, TensorRef
 from launch.record import Phase
 from launch.staging import Staging, one_block
+from shard_tools.checkpoint import populate_writable
 from shard_tools.later import Later
 from shard_tools.state import PhaseState, RunState, layer_weights
 
@@ -57,8 +58,8 @@ def _aligned(size: int) -> int:
 
 
 def make_blob(blob: Path, size: int) -> torch.Tensor | None:
-    """``blob`` (0600) of ``size`` bytes, mapped shared and its pages in memory already
-    (``MAP_POPULATE``): a fresh file's pages, each faulted in as it is first written, made the
+    """``blob`` (0600) of ``size`` bytes, mapped shared, its pages in memory already
+    (``populate_writable``): a fresh file's pages, each faulted in as it is first written, made the
     copy into it several times slower (1.9 s a GB on the CPU machine of the tests, 0.15 s
     populated). None where it cannot be made (a full /dev/shm: ``export`` makes its own)."""
     try:
@@ -67,7 +68,9 @@ def make_blob(blob: Path, size: int) -> torch.Tensor | None:
         return None
     try:
         os.ftruncate(fd, size)
-        return torch.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE), dtype=torch.uint8)
+        whole = torch.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_SHARED), dtype=torch.uint8)
+        populate_writable(whole)
+        return whole
     except (OSError, ValueError):
         return None
     finally:

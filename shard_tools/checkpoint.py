@@ -234,6 +234,27 @@ def _populate(mm: mmap.mmap, fd: int) -> None:
             mm[offset] = 0
 
 
+POPULATE_CHUNK = 32 << 20
+"""The bytes one ``populate_writable`` call asks the kernel for at a time."""
+
+
+def populate_writable(t: torch.Tensor, chunk: int = POPULATE_CHUNK) -> bool:
+    """Every page under ``t`` (a shared file's mapping) in memory and mapped writable now, ``chunk``
+    bytes a call (``MADV_POPULATE_WRITE``, the GIL free meanwhile), so that the copy that writes it
+    later does not stop at every page; False where the kernel cannot (older than 5.14: the pages come
+    as first written). In chunks, not at once (``MAP_POPULATE``): the process's mappings stay locked
+    while the kernel fills a range, and another thread's allocation waited for all 4.7 GB of a 7B
+    offer (the step it was in took 2.3 s instead of 0.47 on an H100,
+    benchmarks/results/2026-12-07-issue42-h100-confirm)."""
+    start, end = t.data_ptr() - t.data_ptr() % mmap.PAGESIZE, t.data_ptr() + t.nbytes
+    for at in range(start, end, chunk):
+        if err := _madvise(at, min(chunk, end - at), MADV_POPULATE_WRITE):
+            if err != errno.EINVAL:
+                raise OSError(err, os.strerror(err))
+            return False
+    return True
+
+
 def _view(mm: mmap.mmap, spec: tuple[torch.dtype, tuple[int, ...]], start: int) -> torch.Tensor:
     dtype, shape = spec
     numel = math.prod(shape)

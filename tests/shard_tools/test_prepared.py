@@ -153,3 +153,22 @@ def test_map_tensors_without_populate_maps_pages_only_when_asked(tmp_path):
     populate_pages([moments])
     assert _rss_kb(moments.data_ptr()) >= 7800  # its 8 MB now are (the page cache's own pages)
     assert torch.equal(moments, big[HEAD]["exp_avg/w"]) and torch.equal(lazy["master/w"], big[HEAD]["master/w"])
+
+
+def test_populate_writable_maps_every_page_a_chunk_at_a_time(tmp_path):
+    """The host path's offer file (``launch.hostpath.make_blob``) populated in chunks: every page of
+    it in this process after, none before; a chunk that does not divide the size included."""
+    import mmap
+
+    from shard_tools.checkpoint import populate_writable
+
+    size = 8 * 2**20 + 3 * mmap.PAGESIZE
+    fd = os.open(tmp_path / "blob", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, size)
+    whole = torch.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_SHARED), dtype=torch.uint8)
+    os.close(fd)
+    assert _rss_kb(whole.data_ptr()) < 100
+    if not populate_writable(whole, chunk=3 * 2**20 + mmap.PAGESIZE):
+        pytest.skip("the kernel has no MADV_POPULATE_WRITE (older than 5.14)")
+    assert _rss_kb(whole.data_ptr()) >= size // 1024
+    assert os.stat(tmp_path / "blob").st_blocks * 512 >= size
