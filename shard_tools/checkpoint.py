@@ -199,7 +199,8 @@ class PreparedFiles:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def _madvise(address: int, length: int, advice: int) -> int:
@@ -246,13 +247,20 @@ def populate_writable(t: torch.Tensor, chunk: int = POPULATE_CHUNK) -> bool:
     while the kernel fills a range, and another thread's allocation waited for all 4.7 GB of a 7B
     offer (the step it was in took 2.3 s instead of 0.47 on an H100,
     benchmarks/results/2026-12-07-issue42-h100-confirm)."""
+    if err := _advise_pages(t, MADV_POPULATE_WRITE, chunk):
+        if err != errno.EINVAL:
+            raise OSError(err, os.strerror(err))
+        return False
+    return True
+
+
+def _advise_pages(t: torch.Tensor, advice: int, chunk: int) -> int:
+    """``advice`` over the pages under ``t``, ``chunk`` bytes a call: 0, or the first errno."""
     start, end = t.data_ptr() - t.data_ptr() % mmap.PAGESIZE, t.data_ptr() + t.nbytes
     for at in range(start, end, chunk):
-        if err := _madvise(at, min(chunk, end - at), MADV_POPULATE_WRITE):
-            if err != errno.EINVAL:
-                raise OSError(err, os.strerror(err))
-            return False
-    return True
+        if err := _madvise(at, min(chunk, end - at), advice):
+            return err
+    return 0
 
 
 def _view(mm: mmap.mmap, spec: tuple[torch.dtype, tuple[int, ...]], start: int) -> torch.Tensor:
@@ -329,9 +337,6 @@ def _check_regular(path: Path) -> None:
         raise CheckpointError(f"{path}: {fault}")
 
 
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
-
-
 def map_tensors(path: Path, populate: bool = True) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file as a view of a private mapping of it: no copy.
 
@@ -366,12 +371,11 @@ def map_tensors(path: Path, populate: bool = True) -> dict[str, torch.Tensor]:
 def populate_pages(tensors: list[torch.Tensor]) -> None:
     """Maps the pages of tensors over ``map_tensors``' mappings now (``MADV_POPULATE_READ``), so
     that the copy that reads them later does not stop at every page. The GIL is free meanwhile:
-    a thread can do it while the caller goes on. Does nothing where the kernel cannot."""
+    a thread can do it while the caller goes on, a chunk at a time (``populate_writable``). Does
+    nothing where the kernel cannot."""
     for t in tensors:
-        if t.numel():
-            start = t.data_ptr() - t.data_ptr() % mmap.PAGESIZE
-            # An error leaves the pages to their first read.
-            _madvise(start, t.data_ptr() + t.nbytes - start, MADV_POPULATE_READ)
+        if t.numel() and t.device.type == "cpu":
+            _advise_pages(t, MADV_POPULATE_READ, POPULATE_CHUNK)  # an error leaves the pages to their first read
 
 
 def file_metadata(path: Path) -> dict[str, str]:
