@@ -107,8 +107,7 @@ class Source:
     awaiting: Path | None = None
     """The predecessor's checkpoint, not yet committed at the go: this phase commits nothing before it."""
     populating: Later[None] | None = None
-    """Maps the head's moments (``launch.switch.read_delta``, or the host path's offer) while the
-    engine is built."""
+    """Maps the head's moments (``launch.switch.read_delta``) while the engine is built."""
     kept: dict[str, dict[str, torch.Tensor]] | None = None
     """optimizer_state "keep", a new phase: the kept Adam state of its layers trained before
     (``shard_tools.state.kept_state``), on the host until ``launch.switch.restore`` puts it in."""

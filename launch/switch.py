@@ -4,14 +4,11 @@ predecessor changed into the host model (``read_delta``, early where it can), bu
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
-from deepspeed.accelerator import get_accelerator
 
 from launch import handover, pinned, preload, procs, resident
 from launch.prepare import host_model, memory_now
@@ -117,11 +114,7 @@ def assemble(ph: Phase, go: Go, delta: Delta | None) -> Assembled:
         taken, base, before = handover.take(ph, go.offer_from, go.restore, go.defer)
         if taken is not None:  # its checkpoints wait for the predecessor's (or, where it writes none, for its base)
             ph.timeline.mark("t_delta_loaded")
-            # Through host memory, the head's moments are first read at the restore: their pages
-            # mapped while the engine is built (its masters were read into the host model already).
-            moments = Later(populate_pages, [t for k in MOMENTS for t in taken.head.get(k, {}).values()])
-            return build_engine(ph, made, Source(base, taken, taken=True, awaiting=base, before=before,
-                                                 populating=moments))
+            return build_engine(ph, made, Source(base, taken, taken=True, awaiting=base, before=before))
         ph.checkpoints.wait_committed(go.restore)  # it answered "not taken": the checkpoint is read once committed
     if made.skeleton:  # prepared to take over, but the go names a checkpoint only
         host_model(ph, made)
@@ -155,7 +148,7 @@ def build_engine(ph: Phase, made: Prepared, source: Source) -> Assembled:
                                                starts)
     index = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
     group_of = {n: index[id(p)] for n, p in model.named_parameters() if n in made.body_names}
-    with pinned.serving(made.arena), _cache_kept(ph.leaving is not None):
+    with pinned.serving(made.arena):
         engine = backend.initialize(model, backend.optimizer(groups, spec, ph.device, ph.world), ds_config)
     if made.arena is not None:
         ph.timeline.add(pinned_ahead=made.arena.summary())
@@ -165,26 +158,6 @@ def build_engine(ph: Phase, made: Prepared, source: Source) -> Assembled:
     return Assembled(engine=engine, head=[(n, named[n]) for n in made.head_names],
                      body=[(n, named[n]) for n in made.body_names], roles=roles, starts=group_starts,
                      group_of=group_of, gas=ds_config["gradient_accumulation_steps"], source=source)
-
-
-@contextlib.contextmanager
-def _cache_kept(keep: bool) -> Iterator[None]:
-    """``keep``: DeepSpeed's build does not give the allocator's cache back to the driver (its
-    accelerator's ``empty_cache``, four times at ZeRO 2). Under a budget the build runs beside a
-    predecessor that is exiting, and the driver's calls wait while another process lets its pinned
-    host memory go (up to 0.47 s a call beside a 7 GiB unpinning on an H100, against 1.4 ms alone:
-    ``benchmarks/teardown_probe.py``); the four took 0.46 s of a 7B switch's profile. What the
-    build frees (the weights before their flat copy) stays in this process's cache, within its cap
-    (``cap_memory``), for the first step, which comes once the predecessor is gone."""
-    if not keep:
-        yield
-        return
-    accel = get_accelerator()
-    accel.empty_cache = lambda: None
-    try:
-        yield
-    finally:  # the instance's own attribute goes: its class's method again
-        del accel.empty_cache
 
 
 def body_starts(ph: Phase, source: Source) -> dict[str, int]:

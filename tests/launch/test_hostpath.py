@@ -188,29 +188,3 @@ def test_an_exited_predecessor_is_waited_for_until_the_driver_lets_its_memory_go
     assert hostpath.wait_gone(gone.pid, timeout=0.3, holds=lambda pid: True) is None
     with devmem.holders() as holds:  # this machine: no NVML, or not listed
         assert holds(gone.pid) is False and holds(gone.pid) is False  # one session, asked twice
-
-
-def test_the_build_beside_an_exiting_predecessor_keeps_the_allocators_cache():
-    """``switch._cache_kept``: DeepSpeed's ``empty_cache`` does nothing within it (the build under a
-    budget, beside a predecessor that unpins its host memory) and is the accelerator's own again
-    after, an exception included; without ``keep`` nothing changes."""
-    import pytest
-    from deepspeed.accelerator import get_accelerator
-
-    from launch import switch
-
-    accel, calls = get_accelerator(), []
-    own = type(accel).empty_cache
-    type(accel).empty_cache = lambda self: calls.append(1)
-    try:
-        with switch._cache_kept(False):
-            accel.empty_cache()
-        assert calls == [1]
-        with pytest.raises(RuntimeError), switch._cache_kept(True):
-            accel.empty_cache()
-            raise RuntimeError("the build failed")
-        assert calls == [1] and "empty_cache" not in vars(accel)
-        accel.empty_cache()
-        assert calls == [1, 1]
-    finally:
-        type(accel).empty_cache = own

@@ -51,8 +51,6 @@ def test_the_host_path_gives_the_same_checkpoints(tmp_path, tiny_model, tiny_dat
         assert (before["handover_taken"], before["handover_answer"]) == (True, "successor"), before
         assert "device_released" in before and before["t_offered"] <= after["t_taken"], before
         assert before["offer_file_ahead"] is True, before  # made after its first step (hostpath.prepare)
-        # The head's moments, views of the offer's file, were mapped while the engine was built.
-        assert after["t_engine_built"] <= after["t_head_populated"] <= after["t_restored"], after
         assert after["t_go"] < before["t_gone"]  # the successor went on before its predecessor was gone
     # Phase 3 was preloaded at phase 0's start, phase 4 at phase 1's: their layers 0 and 1 (trained
     # since by phases 0 and 1) come from those checkpoints, read at the go, into the host model; its
