@@ -188,3 +188,23 @@ def test_an_exited_predecessor_is_waited_for_until_the_driver_lets_its_memory_go
     assert hostpath.wait_gone(gone.pid, timeout=0.3, holds=lambda pid: True) is None
     with devmem.holders() as holds:  # this machine: no NVML, or not listed
         assert holds(gone.pid) is False and holds(gone.pid) is False  # one session, asked twice
+
+
+def test_a_full_shared_memory_is_an_error_not_a_sigbus(tmp_path):
+    """``make_blob`` on a tmpfs too small for the offer: None (its pages could not be populated), and
+    ``export`` then says which file and how many bytes, where the copy into a file mapped over pages
+    the tmpfs cannot give would have died of SIGBUS. A 1 MiB tmpfs of its own (root only)."""
+    import subprocess
+
+    import pytest
+
+    small = tmp_path / "shm"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        assert hostpath.make_blob(small / "blob", 4 << 20) is None
+        with pytest.raises(OSError, match="cannot make 4194304 bytes in shared memory"):
+            hostpath.export({"master/a": torch.ones(1 << 20)}, small / "blob", None)
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
