@@ -6,8 +6,9 @@ the switch's profile.)
 One process, B, times a loop of what an engine build does on the device (an allocation of 256 MiB,
 a copy into it, its release and ``empty_cache``, a small pinned copy), while another, A, pins
 ``--pinned`` GiB of host memory, holds ``--device`` GiB on the GPU and exits: B's loop before A's
-exit, during its teardown (from A's last line to A reaped) and after. Also the same with A freeing
-its pinned memory before it exits (``--free-first``), to see which part of A's exit is the slow one.
+exit, during its teardown (from A's last line to A reaped) and after. Trials: A exits holding its
+pinned memory, A frees it first (to see which part of its exit is the slow one), A exits holding it
+again, and A with nothing pinned.
 
     python benchmarks/teardown_probe.py --pinned 7 --device 3 --out teardown.json
 """
@@ -59,7 +60,7 @@ def trial(torch, pinned: float, device: float, free_first: bool) -> dict:
     t0 = time.monotonic()
     a.stdin.write("go\n")
     a.stdin.flush()
-    during, said = [], None
+    during = []
     while a.poll() is None:
         during.append(loop_once(torch))
     reaped = time.monotonic() - t0

@@ -222,11 +222,14 @@ def _madvise_mapping(mm: mmap.mmap, advice: int) -> int:
 
 
 def _populate(mm: mmap.mmap, fd: int) -> None:
-    """Every page of a new file's mapping in the page cache, dirty and mapped writable. The GIL
-    is free meanwhile: a phase does this in a thread."""
-    if err := _madvise_mapping(mm, MADV_POPULATE_WRITE):
-        if err != errno.EINVAL:
-            raise OSError(err, os.strerror(err))
+    """Every page of a new file's mapping in the page cache, dirty and mapped writable
+    (``populate_writable``). The GIL is free meanwhile: a phase does this in a thread."""
+    whole = torch.frombuffer(mm, dtype=torch.uint8)
+    try:
+        populated = populate_writable(whole)
+    finally:
+        del whole  # the mapping may be closed once nothing exports it
+    if not populated:
         # An older kernel: write the file (errors are errors, not SIGBUS), then touch each page.
         zeros = bytes(digest.CHUNK)
         for offset in range(0, len(mm), digest.CHUNK):
