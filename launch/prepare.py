@@ -32,7 +32,8 @@ from launch.staging import Staging, cap_memory
 from launch.data.templates import trained_template
 from launch.train import token_loss
 from shard_tools.later import Later
-from shard_tools.model import DTYPES, build_skeleton, detect_parts, head_param_names, layer_param_names
+from shard_tools.model import DTYPES, build_skeleton, detect_parts, head_param_names, layer_param_names, \
+    unit_param_names
 from shard_tools.state import Origin, StateFiles, layer_weights
 
 
@@ -138,7 +139,8 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
                     layers_attr=layers_attr, world_size=ph.world, zero_stage=ph.backend.stage,
                     chat_template=trained_template(spec.data))
     head_names = head_param_names(model, persistent)
-    body_names = [n for i in spec.layers for n in layer_param_names(model, layers_attr, i)]
+    in_layers = [n for i in spec.layers for n in layer_param_names(model, layers_attr, i)]
+    body_names = unit_param_names(in_layers, layers_attr, spec.modules) if spec.modules else in_layers
     preload_from = spec.preload or spec.restore
     moving = None if preload_from or spec.prewarm or views is not None else \
         _to_device_early(ph, model, staging, {*head_names, *body_names})
@@ -149,7 +151,7 @@ def _load(ph: Phase, staging: Staging | None, refusal: str | None) -> Prepared:
         head_names=head_names, body_names=body_names, examples=examples, validation=validation,
         order=SampleOrder(len(examples), spec.seed, spec.data.shuffle),
         preloaded=ph.checkpoints.layer_sources(Path(preload_from)) if preload_from else {}, trained={}, moving=moving,
-        resident=views)
+        resident=views, parts=frozenset(in_layers) - frozenset(body_names))
     if made.taking:
         preload.preload_layers(ph, made)
     else:

@@ -63,6 +63,10 @@ class Prepared:
     whose ends wrote none (``checkpoint.every_seconds``), taken over from the predecessor: its
     checkpoint, or its offer to its successor, holds them too. On the host (``launch.carried``),
     once ``host`` has settled."""
+    parts: frozenset[str] = frozenset()
+    """Under module units (``PhaseSpec.modules``): the other parameters of this phase's layers, which
+    it does not train; their fp32 weights wait in ``carried`` (``hold_parts``), so that its
+    checkpoints hold each of its layers whole."""
     host: HostCarry = field(default_factory=HostCarry)
     """The shared host memory ``carried`` lies in."""
     arena: Arena | None = None
@@ -89,6 +93,16 @@ class Prepared:
                     params[name].copy_(t.to(params[name].dtype))
                 if name in keep:
                     self.trained[name] = t
+                elif name in self.parts:
+                    self.carried[name] = t
+
+    def hold_parts(self) -> None:
+        """The fp32 weights of ``parts`` that no checkpoint held (``overlay`` took the others): the
+        base model's, as the model has them."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name in self.parts - set(self.carried):
+                self.carried[name] = params[name].detach().to("cpu", torch.float32, copy=True)
 
 
 @dataclass

@@ -131,6 +131,7 @@ def build_engine(ph: Phase, made: Prepared, source: Source) -> Assembled:
     """Freezes all but the head and this phase's layers and builds the DeepSpeed engine on the host
     model, which holds the predecessor's weights by now."""
     spec, model, backend = ph.spec, made.model, ph.backend
+    made.hold_parts()
     trainable = frozenset(made.head_names) | frozenset(made.body_names)
     for name, p in model.named_parameters():
         p.requires_grad_(name in trainable)

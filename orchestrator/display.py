@@ -51,8 +51,10 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switc
             cells += [format_bytes(b) for b in (m.weights, m.optimizer, m.gradients, m.activations, m.total)]
             style = "red" if device_memory is not None and m.total > device_memory else None
         table.add_row(*cells, style=style)
-    # Piped, the table keeps one line a phase (rich would wrap it at 80 columns) for scripts to read.
-    out = Console(width=None if sys.stdout.isatty() else 200)
+    # Piped, the table keeps one line a phase (rich would wrap it at 80 columns) for scripts to read,
+    # however many module units a phase names.
+    widest = max(len(_layers_cell(p)) for p in phases)
+    out = Console(width=None if sys.stdout.isatty() else 200 + widest)
     out.print(table)
     chosen = "" if "zero_stage" in (loaded.raw.get("deepspeed") or {}) else (
         " (deepspeed.zero_stage unset: 0 on one process, else 2)")
@@ -71,8 +73,14 @@ def print_plan(loaded: LoadedSchedule, phases: list[Phase], switches: list[Switc
 
 
 def _layers_cell(p: Phase) -> str:
-    """A phase's layers; drawn as the run goes (schedule.layer_weights = "grad_norm"): how many."""
-    return f"{len(p.layers)} by gradient norm" if p.drawn_later else ", ".join(map(str, p.layers))
+    """A phase's layers; drawn as the run goes (schedule.layer_weights = "grad_norm"): how many;
+    module units: each layer with its units ("3: self_attn.q_proj, mlp.up_proj")."""
+    if p.drawn_later:
+        return f"{len(p.layers)} by gradient norm"
+    if p.modules:
+        return "; ".join(f"{layer}: " + ", ".join(u.partition(".")[2] for u in p.modules
+                                                   if u.partition(".")[0] == str(layer)) for layer in p.layers)
+    return ", ".join(map(str, p.layers))
 
 
 def holder_line(estimate: PlanEstimate) -> str | None:
@@ -101,6 +109,11 @@ def _choice_line(s) -> str:
         how += " weighted " + "/".join(f"{w:g}" for w in sc.layer_weights)
     if sc.window:
         how += f", no layer twice within {sc.window} phases"
+    if sc.strategy == "misa":
+        how += (f" (MISA): module units drawn to {sc.module_budget:g} of the body's parameters a phase, the rest of "
+                "their layers frozen")
+    elif sc.by_modules:
+        how += " of module units (MISA), the rest of their layers frozen"
     state = {"reset": "the body's new each phase, the head's carried",
              "drop-all": "the body's and the head's new each phase",
              "keep": "each layer's kept in the checkpoint from its last visit (new on its first), as LMFlow's "

@@ -12,7 +12,9 @@ as it always did. The rules, in the order ``boundary_reason`` names them:
   than one node needs another launcher (schedule.py), so this also rules out ``launch.nnodes > 1``
   (where, as under srun, every switch starts its phase cold: ``orchestrator.nodes.cold_switch``);
 - different process counts: rank N hands to rank N;
-- ZeRO stage 3: no process holds the whole head.
+- ZeRO stage 3: no process holds the whole head;
+- module units (``Phase.modules``): the phase holds the fp32 weights of its layers' other modules
+  on the host (``launch.record.Prepared.parts``), which only its checkpoint carries on.
 
 The worker decides the rest at run time, from what it sees: no GPU (unless ``"on"``, which hands
 over through a file), another GPU than its predecessor's, a device with less memory than the
@@ -46,6 +48,8 @@ def boundary_reason(loaded: LoadedSchedule, phases: list[Phase], index: int) -> 
         return f"phase {before.index} runs {before.nproc} processes, phase {after.index} {after.nproc}"
     if s.deepspeed.zero_stage == 3:
         return "deepspeed.zero_stage = 3: no process holds the whole head"
+    if before.modules or after.modules:
+        return "module units: a handover carries whole layers' fp32 masters, a checkpoint each layer whole"
     return None
 
 

@@ -197,9 +197,10 @@ def _ranges(indices: set[int]) -> str:
 
 
 def check_weights(model: ModelSection, config: dict[str, Any], n_layers: int, model_path: Path,
-                   source: Path) -> None:
+                   source: Path) -> dict[int, dict[str, list[int]]]:
     """Every weight config.json implies is in the safetensors files, and only those: the layer list
-    covers exactly layers 0..n-1, no layer lacks a tensor its siblings hold, the embedding is there."""
+    covers exactly layers 0..n-1, no layer lacks a tensor its siblings hold, the embedding is there.
+    Returns each layer's tensors (past its prefix and index) with their shapes."""
     weights, headers = _weight_names(model_path, source)
     names = set(headers)
     prefix, held = _body(model, names, n_layers, weights, model_path / CONFIG, source)
@@ -211,6 +212,7 @@ def check_weights(model: ModelSection, config: dict[str, Any], n_layers: int, mo
                             "embed_tokens or wte)")
     _check_embedding(config, headers, embeddings, weights, model_path / CONFIG, source)
     _check_persistent(model, config, names, outside, prefix, weights, source)
+    return {i: {t: list(headers[f"{prefix}.{i}.{t}"].get("shape") or []) for t in ts} for i, ts in held.items()}
 
 
 def _check_embedding(config: dict[str, Any], headers: dict[str, Any], embeddings: list[str], weights: str,

@@ -38,7 +38,7 @@ def phase_spec(loaded: LoadedSchedule, phases: list[Phase], work: Work, phase_di
         run_dir=str(loaded.output_dir), phase_dir=str(phase_dir), seed=s.run.seed,
         tensorboard=s.run.tensorboard or "tensorboard" in s.run.report_to, wandb="wandb" in s.run.report_to,
         eval_prompts=s.eval.prompts, eval_max_new_tokens=s.eval.max_new_tokens, phase=ph.index, start_step=work.start_step, phase_start_step=ph.start_step, end_step=ph.end_step,
-        layers=list(ph.layers), restore=str(work.restore) if work.restore else None,
+        layers=list(ph.layers), modules=list(ph.modules), restore=str(work.restore) if work.restore else None,
         model=_model_part(loaded), data=DataPart(**data_spec(loaded)),
         optimizer=_optimizer_part(loaded, total_steps=phases[-1].end_step),
         zero_stage=s.deepspeed.zero_stage, deepspeed_config=loaded.deepspeed_config,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator import importance
+from orchestrator import importance, units
 from orchestrator.choose import chooser, drawable
 from orchestrator.errors import ScheduleError
 from orchestrator.schedule import DataSection, LoadedSchedule, Phase
@@ -56,24 +56,21 @@ def plan_phases(loaded: LoadedSchedule) -> list[Phase]:
         phases, step = [], 0
         for i, p in enumerate(s.schedule.phases):
             nproc = loaded.nproc_override or p.nproc or s.launch.nproc
-            phases.append(Phase(index=i, start_step=step, end_step=step + p.steps, layers=tuple(p.layers), nproc=nproc))
+            phases.append(Phase(index=i, start_step=step, end_step=step + p.steps, layers=p.trained_layers,
+                                modules=tuple(p.modules or ()), nproc=nproc))
             step += p.steps
         _check_steps(loaded, step)
         return phases
     sc, total = s.schedule, loaded.total_steps
-    n, k = loaded.num_layers, sc.layers_per_phase
     _check_steps(loaded, total)
+    if sc.strategy == "misa":
+        return _by_modules(loaded, total)
+    n, k = loaded.num_layers, sc.layers_per_phase
     assert sc.interval and k
     if k > n:
         raise ScheduleError(f"{loaded.source}: schedule.layers_per_phase: expected at most the model's {n} layers, "
                             f"got {k}")
-    count = -(-total // sc.interval)
-    if count > MAX_PHASES:
-        raise ScheduleError(f"{loaded.source}: schedule.interval: expected at most {MAX_PHASES:,} phases, got "
-                            f"total_steps / interval = {total:,} / {sc.interval:,} = {count:,} phases")
-    if count * k > MAX_PLANNED_LAYERS:
-        raise ScheduleError(f"{loaded.source}: schedule.layers_per_phase: expected at most {MAX_PLANNED_LAYERS:,} "
-                            f"layers over all phases, got {count:,} phases x {k:,}")
+    _phase_count(loaded, total, k)
     layers_of = chooser(sc.strategy, n, k, s.run.seed, _weights(loaded, n, k), sc.window)
     by_norm = importance.planned(loaded, n, k) if sc.by_importance else None
     phases, step, i = [], 0, 0
@@ -83,6 +80,31 @@ def plan_phases(loaded: LoadedSchedule) -> list[Phase]:
         phases.append(Phase(index=i, start_step=step, end_step=end, layers=layers, nproc=nproc_default,
                             drawn_later=later))
         step, i = end, i + 1
+    return phases
+
+
+def _phase_count(loaded: LoadedSchedule, total: int, k: int) -> None:
+    """A strategy's table: at most MAX_PHASES phases, MAX_PLANNED_LAYERS layers over them."""
+    interval = loaded.schedule.schedule.interval
+    count = -(-total // interval)
+    if count > MAX_PHASES:
+        raise ScheduleError(f"{loaded.source}: schedule.interval: expected at most {MAX_PHASES:,} phases, got "
+                            f"total_steps / interval = {total:,} / {interval:,} = {count:,} phases")
+    if count * k > MAX_PLANNED_LAYERS:
+        raise ScheduleError(f"{loaded.source}: schedule.layers_per_phase: expected at most {MAX_PLANNED_LAYERS:,} "
+                            f"layers over all phases, got {count:,} phases x {k:,}")
+
+
+def _by_modules(loaded: LoadedSchedule, total: int) -> list[Phase]:
+    """Strategy misa's phases: each its module units, drawn (``orchestrator.units.misa``)."""
+    s, interval = loaded.schedule, loaded.schedule.schedule.interval
+    _phase_count(loaded, total, 1)
+    draw, phases, step = units.misa(loaded), [], 0
+    while step < total:
+        layers, modules = draw(len(phases))
+        phases.append(Phase(index=len(phases), start_step=step, end_step=min(step + interval, total), layers=layers,
+                            modules=modules, nproc=loaded.nproc_override or s.launch.nproc))
+        step = phases[-1].end_step
     return phases
 
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from orchestrator.datasection import DataSection, SourceSection  # noqa: F401 - the [data] section, its own module
 from orchestrator.libfacts import deepspeed_refusal
+from orchestrator.schedulesection import PhaseEntry, ScheduleSection  # noqa: F401 - [schedule], its own module
 from orchestrator.sections import (  # noqa: F401
     KeyProblem, NonNegInt, NonNegSeconds, NonNegSteps, PositiveInt, Seconds, Section, Steps, _show, int_is_float,
 )
@@ -107,119 +108,6 @@ class LrScheduleSection(Section):
     """A warm-up after each switch: step s of every phase (from 0, the first phase too) trains at
     the lr above x (s + 1) / (phase_warmup_steps + 1) while s < phase_warmup_steps, so the new
     layers' fresh Adam state takes small steps first; 0: none."""
-
-
-class PhaseEntry(Section):
-    steps: Steps
-    """Optimizer steps of this phase."""
-    layers: Annotated[list[NonNegInt], Field(min_length=1)]
-    """Body layers this phase trains (0-based), besides the head."""
-    nproc: PositiveInt | None = None
-    """Processes per node for this phase; None: launch.nproc. --nproc overrides both."""
-
-    @field_validator("layers")
-    @classmethod
-    def _distinct(cls, v: list[int]) -> list[int]:
-        twice = sorted({x for x in v if v.count(x) > 1})
-        if twice:
-            raise ValueError(f"expected distinct layers, got {v} (layer {twice[0]} appears twice)")
-        return v
-
-
-class ScheduleSection(Section):
-    phases: list[PhaseEntry] | None = None
-    """Explicit phases, in order: [{ steps = 10, layers = [0] }, ...]; or use strategy."""
-    strategy: Literal["lisa", "ascending", "descending", "badam"] | None = None
-    """lisa: layers sampled at random each phase (seeded by run.seed; LISA, Pan et al. 2024);
-    ascending / descending: in turn; badam: the layers cut into blocks of layers_per_phase
-    consecutive layers, each pass over all blocks in a seeded order reshuffled every pass (BAdam,
-    Luo et al. 2024, switch_mode "random"; with optimizer_state = "drop-all" as BAdam)."""
-    total_steps: Steps | None = None
-    """With strategy: optimizer steps of the whole run; or epochs."""
-    epochs: Annotated[float, Field(gt=0, le=1e6)] | None = None
-    """With strategy, instead of total_steps: passes over the training rows; the run's steps are
-    ceil(round(epochs x rows) / data.batch_size) (orchestrator plan shows both), the last step
-    taking the next epoch's first rows where the division is not whole."""
-    interval: Steps | None = None
-    """With strategy: steps per phase (the last phase may be shorter)."""
-    layers_per_phase: PositiveInt | None = None
-    """With strategy: body layers trained per phase."""
-    layer_weights: list[Annotated[float, Field(ge=0)]] | Literal["uniform", "grad_norm"] | None = None
-    """With strategy lisa: a weight per body layer (as many as the model has), layers drawn in
-    proportion to it without replacement within a phase (OwLore, Li et al. 2024, samples by its
-    outlier ratios: `shard-tools outliers MODEL DATA` prints them, OWL's of Yin et al. 2023 over
-    calibration rows); 0 never draws a layer; "uniform" or None: all alike. "grad_norm": by
-    importance measured as the run trains (IST, Yao et al. 2024, scores layers online): each phase's
-    last step measures its layers' gradient norms, and phase i draws in proportion to each layer's
-    latest norm among phases 0 .. i - importance_lag (a layer not measured yet weighs as the highest
-    measured, so every layer is tried; before any, all alike); the norms are journaled, and a
-    resume, at any process count, draws the same layers."""
-    importance_lag: PositiveInt = 4
-    """With layer_weights = "grad_norm": phase i draws by the norms of the phases that ended
-    importance_lag or more phases before it. The phases pre-warmed ahead (launch.prewarm_depth) are
-    drawn before they start: at most importance_lag - 1 of them are."""
-    window: PositiveInt | None = None
-    """With strategy lisa: phases per window (0-based phases [0, window), [window, 2 x window) ...)
-    within which no layer is drawn twice; window x layers_per_phase must not pass the layers drawable."""
-    optimizer_state: Literal["reset", "drop-all", "keep"] = "reset"
-    """What the optimizer's state does at a switch. reset (LISA): the body's layers start each
-    phase with new Adam state (step 0), the head's carries on; drop-all (BAdam): the head's restarts
-    too; keep (LMFlow's and axolotl's LISA callbacks): a layer trained before gets back its Adam
-    state (moments and step) of the end of its last visit, parked in that phase's checkpoint beside
-    its weights, never on the device, while a layer trained for the first time starts new and the
-    head's carries on (the lr schedule stays the run's); every phase end then writes its
-    checkpoint (a switch still hands the head's state over). Resuming inside a phase restores both,
-    whichever. Which head modules train: model.persistent."""
-
-    _epochs_float = field_validator("epochs", mode="before")(int_is_float)
-
-    @property
-    def by_importance(self) -> bool:
-        """Layers drawn as the run goes, by the gradient norms its phases measure (IST)."""
-        return self.layer_weights == "grad_norm"
-
-    @field_validator("layer_weights", mode="before")
-    @classmethod
-    def _weights(cls, v: Any) -> Any:
-        """One message naming the key (or the weight), not one per member of the union."""
-        if isinstance(v, list):
-            for i, x in enumerate(v):
-                if isinstance(x, bool) or not isinstance(x, int | float) or not x >= 0:
-                    raise KeyProblem(f"schedule.layer_weights[{i}]", f"expected a non-negative number, got {_show(x)}")
-            return [int_is_float(x) for x in v]
-        if v is not None and v not in ("uniform", "grad_norm"):
-            raise KeyProblem("schedule.layer_weights", f'expected a list of weights, "uniform" or "grad_norm", '
-                             f"got {_show(v)}")
-        return v
-
-    @model_validator(mode="after")
-    def _one_form(self) -> ScheduleSection:
-        strategy_keys = {k: getattr(self, k) for k in ("total_steps", "interval", "layers_per_phase")}
-        for key in ("layer_weights", "window"):
-            if getattr(self, key) is not None and self.strategy != "lisa":
-                raise KeyProblem(f"schedule.{key}", f'takes schedule.strategy = "lisa", got strategy '
-                                 f"{_show(self.strategy) if self.strategy else 'none (explicit phases)'}")
-        if "importance_lag" in self.model_fields_set and not self.by_importance:
-            raise KeyProblem("schedule.importance_lag", 'takes schedule.layer_weights = "grad_norm", got '
-                             f"{_show(self.layer_weights) if self.layer_weights is not None else 'none'}")
-        if self.phases is not None:
-            given = [k for k in ("strategy", *strategy_keys, "epochs") if getattr(self, k) is not None]
-            if given:
-                raise KeyProblem(f"schedule.{given[0]}", "expected either schedule.phases or schedule.strategy "
-                                 "(with total_steps or epochs, interval, layers_per_phase), not both")
-            if not self.phases:
-                raise KeyProblem("schedule.phases", "expected at least one phase, got an empty list")
-            return self
-        if self.strategy is None:
-            raise KeyProblem("schedule", "expected schedule.phases or schedule.strategy")
-        if self.epochs is not None and self.total_steps is not None:
-            raise KeyProblem("schedule.epochs", "expected schedule.total_steps or schedule.epochs, not both")
-        missing = [k for k, v in strategy_keys.items() if v is None and not (k == "total_steps" and self.epochs)]
-        if missing:
-            also = " (or schedule.epochs)" if missing[0] == "total_steps" else ""
-            raise KeyProblem(f"schedule.{missing[0]}",
-                             f"required with schedule.strategy = {_show(self.strategy)}{also}, but missing")
-        return self
 
 
 class DeepSpeedSection(Section):
@@ -410,6 +298,8 @@ class Phase(BaseModel):
     end_step: int
     layers: tuple[int, ...]
     nproc: int
+    modules: tuple[str, ...] = ()
+    """The module units it trains of ``layers`` ("<layer>.<module path>"); empty: each layer whole."""
     drawn_later: bool = False
     """Its layers are drawn as the run goes (schedule.layer_weights = "grad_norm", ``orchestrator.importance``);
     until then ``layers`` stands in for them (as many, drawn uniformly)."""
@@ -435,6 +325,9 @@ class LoadedSchedule(BaseModel):
     """--nproc: the process count of every phase, over launch.nproc and per-phase nproc."""
     data_check: dict[str, Any] | None = None
     """The data step's answer (``orchestrator.datastep``), where loading needed it: schedule.epochs."""
+    layer_tensors: dict[int, dict[str, list[int]]] = {}
+    """Under module units (``ScheduleSection.by_modules``): each body layer's tensors, past its prefix
+    and index, with their shapes (``orchestrator.units``)."""
     deepspeed_config: dict[str, Any] = {}
     """deepspeed.config as merged: its table, or its file's, checked (``orchestrator.dsconfig``)."""
 

@@ -20,6 +20,7 @@ from orchestrator.budget import check_budget
 from orchestrator.dsconfig import deepspeed_config
 from orchestrator.errors import ScheduleError
 from orchestrator.libfacts import causal_lm_types
+from orchestrator.units import check_units
 from orchestrator.modelcheck import (
     check_weights, need_file, need_files, num_layers_of, path_is, path_kind, position_limit, read_model_config,
     resolve_path, tokenizer_of,
@@ -93,11 +94,11 @@ def validate_schedule(
     """Checks a parsed schedule against the model, the data and the launch it names; touches nothing."""
     sched = _parse(raw, source, nproc)
     base = source.parent
-    model_path, n_layers = _check_model(sched, base, source)
+    model_path, n_layers, tensors = _check_model(sched, base, source)
     data_path = _check_inputs(sched, base, source)
     loaded = LoadedSchedule(
         source=source, schedule=sched, raw=raw, num_layers=n_layers, model_path=model_path, data_path=data_path,
-        output_dir=_output_dir(sched, base, source, output_dir), nproc_override=nproc,
+        output_dir=_output_dir(sched, base, source, output_dir), nproc_override=nproc, layer_tensors=tensors,
     )
     if sched.schedule.epochs is not None:
         from orchestrator.datastep import check_data  # it runs the data tool, which needs a loaded schedule
@@ -110,6 +111,8 @@ def validate_schedule(
         sched = sched.model_copy(update={"deepspeed": sched.deepspeed.model_copy(update={"zero_stage": stage})})
         loaded = loaded.model_copy(update={"schedule": sched})
     for ph in phases:
+        if ph.modules and sched.schedule.phases:
+            check_units(loaded, ph.index, ph.modules)
         for layer in ph.layers:
             if layer >= n_layers:
                 key = f"schedule.phases[{ph.index}].layers" if sched.schedule.phases else "schedule.layers_per_phase"
@@ -139,8 +142,9 @@ def _parse(raw: dict[str, Any], source: Path, nproc: int | None) -> Schedule:
         raise ScheduleError(format_validation(e, source)) from None
 
 
-def _check_model(sched: Schedule, base: Path, source: Path) -> tuple[Path | None, int]:
-    """(the model folder, its layer count); the weights match config.json, seq_len fits the model."""
+def _check_model(sched: Schedule, base: Path, source: Path) -> tuple[Path | None, int, dict[int, dict[str, list[int]]]]:
+    """(the model folder, its layer count, its layers' tensors and their shapes); the weights match
+    config.json, seq_len fits the model."""
     model_path = resolve_path(base, sched.model.path) if sched.model.path else None
     config = read_model_config(sched.model, model_path, source)
     types = causal_lm_types()
@@ -154,13 +158,15 @@ def _check_model(sched: Schedule, base: Path, source: Path) -> tuple[Path | None
         where = f"model.path: {model_path / 'config.json'}" if model_path else "model.config"
         raise ScheduleError(f"{source}: {where}: expected num_hidden_layers (or n_layer, num_layers), "
                             "a positive integer")
-    if model_path is not None:
-        check_weights(sched.model, config, n_layers, model_path, source)
+    tensors = check_weights(sched.model, config, n_layers, model_path, source) if model_path is not None else {}
+    if sched.schedule.by_modules and model_path is None:
+        raise ScheduleError(f"{source}: model.config: module units (schedule.strategy = \"misa\", "
+                            "schedule.phases[i].modules) need model.path: its weights name a layer's modules")
     positions = position_limit(config)
     if positions is not None and sched.data.seq_len > positions[1]:
         raise ScheduleError(f"{source}: data.seq_len: expected at most the model's {positions[0]} = {positions[1]}, "
                             f"got {sched.data.seq_len}")
-    return model_path, n_layers
+    return model_path, n_layers, tensors if sched.schedule.by_modules else {}
 
 
 def _check_inputs(sched: Schedule, base: Path, source: Path) -> Path:

@@ -156,3 +156,9 @@ def head_param_names(model: nn.Module, persistent: list[str]) -> list[str]:
 def layer_param_names(model: nn.Module, layers_attr: str, index: int) -> list[str]:
     prefix = f"{layers_attr}.{index}."
     return [n for n, _ in model.named_parameters() if n.startswith(prefix)]
+
+
+def unit_param_names(names: list[str], layers_attr: str, units: list[str]) -> list[str]:
+    """Of ``names``, those under one of the module ``units`` ("<layer>.<module path>")."""
+    prefixes = tuple(f"{layers_attr}.{u}." for u in units)
+    return [n for n in names if n.startswith(prefixes)]

@@ -49,7 +49,8 @@ def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]
                   head_modules: tuple[str, ...] = ("model.embed_tokens", "lm_head", "model.norm"),
                   losses: list[float] | None = None, norms: list[dict[int, float]] | None = None,
                   choose=None) -> dict[str, torch.Tensor]:
-    """Final weights (fp32, by parameter name) of the LISA schedule ``phases`` = [(steps, layers)];
+    """Final weights (fp32, by parameter name) of the LISA schedule ``phases`` = [(steps, layers)],
+    where a phase's layers may be module units instead ("0.self_attn.q_proj": only those train);
     each step's loss is appended to ``losses`` when given. ``reset_head``: a new AdamW for the head
     every phase too (BAdam's "drop-all"); ``keep_body``: each layer's AdamW kept between its visits
     ("keep"); ``phase_warmup``: step s of each phase at lr x (s + 1) /
@@ -74,7 +75,7 @@ def reference_run(model_dir: Path, data: Path, phases: list[tuple[int, list[int]
     for index, (steps, layers) in enumerate(phases):
         if layers is None:
             layers = choose(index, norms)
-        body = [n for n in params if any(n.startswith(f"model.layers.{i}.") for i in layers)]
+        body = [n for n in params if n.startswith(tuple(f"model.layers.{i}." for i in layers))]  # or units, "0.mlp"
         trainable = set(head) | set(body)
         for n, p in params.items():
             p.requires_grad_(n in trainable)

@@ -82,6 +82,10 @@ class PhaseSpec(_Spec):
     phase_start_step: int
     end_step: int
     layers: list[int]
+    modules: list[str] = []
+    """Module units ("<layer>.<module path>", e.g. "3.self_attn.q_proj") this phase trains of ``layers``;
+    empty: each layer whole. The layers' other parameters stay frozen, and its checkpoints hold the
+    layers whole (``Prepared.parts``)."""
     restore: str | None
     """Checkpoint to start from; None: the base model. A pre-warmed phase learns it at its go."""
     prewarm: bool = False

@@ -21,6 +21,7 @@ from orchestrator.importance import Importance
 from orchestrator.plan import plan_phases
 from orchestrator.schedule import cadence_seconds
 from orchestrator.space import carries
+from orchestrator.units import layer_units
 from orchestrator.validate import validate_schedule
 from tests.orchestrator.test_cli_plan import invoke
 from tests.conftest import write_schedule
@@ -156,7 +157,7 @@ def test_plan_shows_the_choice_the_policy_and_the_largest_phase(tmp_path, tiny_m
     assert "largest phase: 0 (layers " in r.output and " per process" in r.output
 
 
-@pytest.mark.parametrize("name", ["lisa", "badam", "owlore", "lmflow-keep", "ist"])
+@pytest.mark.parametrize("name", ["lisa", "badam", "owlore", "lmflow-keep", "ist", "misa"])
 def test_the_family_examples_plan_as_their_comments_say(tmp_path, tiny_model, tiny_data, name):
     """examples/family/*.toml on the tiny model (make demo makes ../tiny/model; here the fixture's):
     plan accepts each, and its phases are what its comment promises."""
@@ -185,6 +186,17 @@ def test_the_family_examples_plan_as_their_comments_say(tmp_path, tiny_model, ti
     if name == "ist":  # the first 2 phases drawn alike, the rest by the norms measured as it trains
         later = [p.drawn_later for p in plan(raw, tmp_path)]
         assert later == [False] * 2 + [True] * 6 and r.stdout.count("1 by gradient norm") == 6
+    if name == "misa":  # module units to a quarter of the body's parameters, each phase's table row naming them
+        assert "module units drawn to 0.25 of the body's parameters a phase" in r.stdout
+        loaded = validate_schedule(raw, tmp_path / "misa.toml")
+        sizes = {f"{i}.{m}": n for i, t in loaded.layer_tensors.items() for m, n in layer_units(t).items()}
+        assert len(sizes) == 4 * 7 and sizes["0.mlp.up_proj"] == 32 * 64 and sizes["0.self_attn.k_proj"] == 32 * 16
+        for p in plan(raw, tmp_path):
+            assert p.modules and p.layers == tuple(sorted({int(u.split(".")[0]) for u in p.modules}))
+            left = 0.25 * 37_120 - sum(sizes[u] for u in p.modules)  # the body: 4 layers of 9,280
+            assert 0 <= left < min(sizes[u] for u in sizes if u not in p.modules)  # filled as far as units fit
+            row = next(line for line in r.stdout.splitlines() if line.startswith(f"│ {p.index:>5} │"))
+            assert all(u.partition(".")[2] in row for u in p.modules)
     if name == "owlore":  # weight 0 never drawn; no layer twice within a window of 2 phases
         assert all(3 not in d for d in drawn)
         assert all(not set(drawn[i]) & set(drawn[i + 1]) for i in range(0, len(drawn), 2))
