@@ -100,8 +100,8 @@ def check_same_schedule(loaded: LoadedSchedule, phases: list[Phase], old_raw: di
         lr_change += f"; its warm-up ran from {ran_from}: --set lr_schedule.warmup_from={ran_from} resumes it so"
     if lr_change:
         changes_done.append(lr_change)
-    same_done = [(p.start_step, p.end_step, p.layers) for p in old_phases] == [
-        (p.start_step, p.end_step, p.layers) for p in new_phases]
+    same_done = [(p.start_step, p.end_step, p.layers, p.modules) for p in old_phases] == [
+        (p.start_step, p.end_step, p.layers, p.modules) for p in new_phases]
     if not same_done:
         changes_done.append("schedule: phases already run (in part or whole) differ")
     if changes_done and not force:

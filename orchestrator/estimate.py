@@ -396,7 +396,7 @@ def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
                         world=ph.nproc * s.launch.nnodes, micro_batch=s.data.micro_batch_size, seq_len=s.data.seq_len,
                         checkpointing=s.model.gradient_checkpointing, offload=offloads_optimizer(loaded.deepspeed_config),
                         bucket=reduce_bucket(loaded, trainable), largest=largest, resident=resident)
-           for ph in phases for trainable in [head + len(ph.layers) * count.per_layer]]
+           for ph in phases for trainable in [head + body_trained(loaded, ph, count)]]
     held = count.total * DTYPE_BYTES[s.model.dtype] + CONTEXT_BYTES if resident else 0
     warm = warm_up_bytes(count, dtype=s.model.dtype, zero_stage=s.deepspeed.zero_stage,
                          world=phases[0].nproc * s.launch.nnodes if phases else 1, micro_batch=s.data.micro_batch_size,
@@ -410,6 +410,15 @@ def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
                 for i in range(len(phases) - 1)]
     return PlanEstimate(phases=out, count=count, unsized=[p for p in persistent if p not in count.head],
                         overlaps=overlaps, resident=held)
+
+
+def body_trained(loaded: LoadedSchedule, phase: Phase, count: ParamCount) -> int:
+    """The body parameters ``phase`` trains: its layers whole, or its module units' tensors (as the
+    weights' headers count them; the rest of those layers waits on the host)."""
+    if not phase.modules:
+        return len(phase.layers) * count.per_layer
+    return sum(math.prod(shape) for unit in phase.modules for layer, _, path in [unit.partition(".")]
+               for name, shape in loaded.layer_tensors[int(layer)].items() if name.startswith(path + "."))
 
 
 def reduce_bucket(loaded: LoadedSchedule, trainable: int) -> int:

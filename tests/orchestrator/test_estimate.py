@@ -238,3 +238,22 @@ def test_plan_with_an_estimate_imports_no_torch(schedule):
                        timeout=60)
     assert r.returncode == 0, r.stderr
     assert "optimizer" in r.stdout
+
+
+def test_a_phase_of_module_units_counts_only_their_parameters(tmp_path, tiny_model, tiny_data):
+    """Module units (MISA): a phase's trainable body is its units' tensors, not their layers whole
+    (the rest of a layer waits on the host): the tiny model's MLP is 3 x 32 x 64 of a layer's 9,280."""
+    from orchestrator.estimate import body_trained, estimate_plan, param_count, model_config
+    from orchestrator.plan import plan_phases
+    from orchestrator.validate import validate_schedule
+
+    raw = schedule_dict(tiny_model, tiny_data, schedule={"phases": [
+        {"steps": 5, "modules": ["0.mlp", "2.self_attn.k_proj"]}, {"steps": 5, "layers": [0]}]},
+        deepspeed={"zero_stage": 0})
+    loaded = validate_schedule(raw, write_schedule(tmp_path / "s.toml", raw))
+    phases = plan_phases(loaded)
+    count = param_count(model_config(loaded))
+    assert [body_trained(loaded, p, count) for p in phases] == [3 * 32 * 64 + 32 * 16, 9_280]
+    units, layer = estimate_plan(loaded, phases).phases
+    assert layer.optimizer - units.optimizer == (9_280 - 3 * 32 * 64 - 32 * 16) * (layer.optimizer // (
+        count.head["model.embed_tokens"] + count.head.get("lm_head", 0) + count.head["model.norm"] + 9_280))
