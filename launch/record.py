@@ -180,7 +180,7 @@ class Phase:
         """The global step: steps done so far."""
         self.tb = self.wandb = None
         """TensorBoard's writer and the Weights & Biases run, once the first metric is logged to them."""
-        self.grad_norms: dict[int, float] | None = None
+        self.grad_norms: dict[int | str, float] | None = None
         """Each trained layer's gradient norm at the phase's last step (``launch.importance``)."""
         self.blob: Later | None = None
         """The host path's file for its offer, made ahead (``launch.hostpath.prepare``): its mapping."""

@@ -76,7 +76,7 @@ def _layers_cell(p: Phase) -> str:
     """A phase's layers; drawn as the run goes (schedule.layer_weights = "grad_norm"): how many;
     module units: each layer with its units ("3: self_attn.q_proj, mlp.up_proj")."""
     if p.drawn_later:
-        return f"{len(p.layers)} by gradient norm"
+        return "units by gradient norm" if p.modules else f"{len(p.layers)} by gradient norm"
     if p.modules:
         return "; ".join(f"{layer}: " + ", ".join(u.partition(".")[2] for u in p.modules
                                                    if u.partition(".")[0] == str(layer)) for layer in p.layers)
@@ -103,8 +103,8 @@ def _choice_line(s) -> str:
     sc, warmup = s.schedule, s.lr_schedule.phase_warmup_steps
     how = "explicit phases" if sc.strategy is None else f"strategy {sc.strategy}"
     if sc.by_importance:
-        how += (f" by gradient norm (IST): phase i draws by the norms phases 0 .. i - {sc.importance_lag} measured "
-                f"at their last steps (the first {sc.importance_lag} alike)")
+        how += (f" by gradient norm ({'per unit' if sc.strategy == 'misa' else 'IST'}): phase i draws by the norms "
+                f"phases 0 .. i - {sc.importance_lag} measured at their last steps (the first {sc.importance_lag} alike)")
     elif sc.layer_weights not in (None, "uniform"):
         how += " weighted " + "/".join(f"{w:g}" for w in sc.layer_weights)
     if sc.window:

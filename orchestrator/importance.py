@@ -1,5 +1,6 @@
 """schedule.layer_weights = "grad_norm": the layers of a lisa run drawn by importance measured as it
-trains (IST, Yao et al. 2024, scores layers online; here by what training computes anyway).
+trains (IST, Yao et al. 2024, scores layers online; here by what training computes anyway); and
+schedule.unit_weights = "grad_norm", a misa run's module units the same way (``orchestrator.units``).
 
 Each phase's last step measures the gradient norm of each layer it trains (``launch.importance``,
 written to its phase folder before it offers its state or writes its end). Phase i draws its
@@ -20,6 +21,7 @@ from typing import Callable
 from launch.contract.files import RunDir
 from orchestrator.choose import weighted_sample
 from orchestrator.schedule import LoadedSchedule, Phase
+from orchestrator.units import Misa
 from shard_tools.history import journaled_norms
 
 EVENT = "grad_norms"
@@ -63,9 +65,10 @@ class Importance:
         self.on = sc.by_importance
         self.lag, self.window, self.seed = sc.importance_lag, sc.window, loaded.schedule.run.seed
         self.n, self.k = loaded.num_layers, sc.layers_per_phase
+        self.misa = Misa(loaded) if self.on and sc.strategy == "misa" else None
         self.run_dir, self.event = run_dir, event
-        self.norms: dict[int, dict[int, float]] = {}
-        """Phase index -> layer -> norm; a phase known to have measured nothing maps to {}."""
+        self.norms: dict[int, dict[int | str, float]] = {}
+        """Phase index -> layer (or unit) -> norm; a phase known to have measured nothing maps to {}."""
 
     def resume(self, phases: list[Phase], journal: list[dict], step: int) -> None:
         """The norms of the phases that ended by ``step`` (the restore point): the journal's, else
@@ -84,9 +87,11 @@ class Importance:
         if not self.on:
             return
         got = RunDir(self.run_dir).phase(phase.index).read_grad_norms()
-        layers, norms = (got.layers, got.norms) if got is not None and got.phase == phase.index else ([], [])
-        self.norms[phase.index] = dict(zip(layers, norms))
-        self.event(EVENT, phase=phase.index, step=phase.end_step, layers=layers, norms=norms)
+        ok = got is not None and got.phase == phase.index
+        layers, units, norms = (got.layers, got.units, got.norms) if ok else ([], [], [])
+        self.norms[phase.index] = dict(zip(units or layers, norms))
+        self.event(EVENT, phase=phase.index, step=phase.end_step, layers=layers, norms=norms,
+                   **({"units": units} if units else {}))
 
     def draw_ready(self, phases: list[Phase]) -> None:
         """Draws, in order, every phase still drawn later whose norms are all in (those of phases
@@ -98,13 +103,17 @@ class Importance:
                 continue
             if any(j not in self.norms for j in range(i - self.lag + 1)):
                 return
+            if self.misa is not None:
+                layers, units = self.misa(i, self.scores(i))
+                phases[i] = phase.model_copy(update={"layers": layers, "modules": units, "drawn_later": False})
+                continue
             taken = _window_taken([p.layers for p in phases], i, self.window)
             phases[i] = phase.model_copy(update={"layers": draw(self.seed, i, self.n, self.k, self.scores(i), taken),
                                                  "drawn_later": False})
 
-    def scores(self, i: int) -> dict[int, float]:
-        """Each layer's latest norm among phases 0 .. i - lag."""
-        latest: dict[int, float] = {}
+    def scores(self, i: int) -> dict:
+        """Each layer's (or unit's) latest norm among phases 0 .. i - lag."""
+        latest: dict = {}
         for j in range(i - self.lag + 1):
             latest.update(self.norms.get(j, {}))
         return latest

@@ -96,14 +96,15 @@ def _phase_count(loaded: LoadedSchedule, total: int, k: int) -> None:
 
 
 def _by_modules(loaded: LoadedSchedule, total: int) -> list[Phase]:
-    """Strategy misa's phases: each its module units, drawn (``orchestrator.units.misa``)."""
+    """Strategy misa's phases: each its module units, drawn (``orchestrator.units.Misa``)."""
     s, interval = loaded.schedule, loaded.schedule.schedule.interval
     _phase_count(loaded, total, 1)
-    draw, phases, step = units.misa(loaded), [], 0
+    draw, phases, step = units.Misa(loaded), [], 0
     while step < total:
-        layers, modules = draw(len(phases))
+        layers, modules = draw(len(phases))  # with unit_weights = "grad_norm", stand-ins from phase importance_lag on
         phases.append(Phase(index=len(phases), start_step=step, end_step=min(step + interval, total), layers=layers,
-                            modules=modules, nproc=loaded.nproc_override or s.launch.nproc))
+                            modules=modules, nproc=loaded.nproc_override or s.launch.nproc,
+                            drawn_later=s.schedule.by_importance and len(phases) >= s.schedule.importance_lag))
         step = phases[-1].end_step
     return phases
 

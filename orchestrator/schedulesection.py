@@ -93,6 +93,13 @@ class ScheduleSection(Section):
     latest norm among phases 0 .. i - importance_lag (a layer not measured yet weighs as the highest
     measured, so every layer is tried; before any, all alike); the norms are journaled, and a
     resume, at any process count, draws the same layers."""
+    unit_weights: Literal["uniform", "grad_norm"] | None = None
+    """With strategy misa: how units are drawn. "uniform" or None: all alike (MISA's initial
+    weights); "grad_norm": by importance measured as the run trains, as layer_weights = "grad_norm"
+    does for layers but per unit (MISA scores modules by their gradients; its own update of the
+    weights is not reproduced): each phase's last step measures its units' gradient norms, and phase
+    i draws in proportion to each unit's latest norm among phases 0 .. i - importance_lag (a unit
+    not measured yet weighs as the highest measured); journaled, so a resume draws the same."""
     importance_lag: PositiveInt = 4
     """With layer_weights = "grad_norm": phase i draws by the norms of the phases that ended
     importance_lag or more phases before it. The phases pre-warmed ahead (launch.prewarm_depth) are
@@ -114,8 +121,8 @@ class ScheduleSection(Section):
 
     @property
     def by_importance(self) -> bool:
-        """Layers drawn as the run goes, by the gradient norms its phases measure (IST)."""
-        return self.layer_weights == "grad_norm"
+        """Layers (or units) drawn as the run goes, by the gradient norms its phases measure (IST)."""
+        return self.layer_weights == "grad_norm" or self.unit_weights == "grad_norm"
 
     @field_validator("layer_weights", mode="before")
     @classmethod
@@ -141,8 +148,8 @@ class ScheduleSection(Section):
                 raise KeyProblem(f"schedule.{key}", f'takes schedule.strategy = "lisa", got strategy '
                                  f"{_show(self.strategy) if self.strategy else 'none (explicit phases)'}")
         if "importance_lag" in self.model_fields_set and not self.by_importance:
-            raise KeyProblem("schedule.importance_lag", 'takes schedule.layer_weights = "grad_norm", got '
-                             f"{_show(self.layer_weights) if self.layer_weights is not None else 'none'}")
+            raise KeyProblem("schedule.importance_lag", 'takes schedule.layer_weights (or unit_weights) = "grad_norm", '
+                             f"got {_show(self.layer_weights) if self.layer_weights is not None else 'none'}")
         if self.phases is not None:
             given = [k for k in ("strategy", *strategy_keys, "layers_per_phase", "epochs") if getattr(self, k) is not None]
             if given:
@@ -171,9 +178,10 @@ class ScheduleSection(Section):
         """The keys that module units leave out (``by_modules``), named."""
         misa = self.strategy == "misa"
         wrong = "module_budget" if self.module_budget is not None and not misa else \
+            "unit_weights" if self.unit_weights is not None and not misa else \
             "layers_per_phase" if self.layers_per_phase is not None and misa else None
-        if wrong == "module_budget":
-            raise KeyProblem("schedule.module_budget", 'takes schedule.strategy = "misa", got '
+        if wrong in ("module_budget", "unit_weights"):
+            raise KeyProblem(f"schedule.{wrong}", 'takes schedule.strategy = "misa", got '
                              f"{_show(self.strategy) if self.strategy else 'none (explicit phases)'}")
         if wrong:
             raise KeyProblem("schedule.layers_per_phase", "takes a strategy of whole layers (lisa, ascending, "

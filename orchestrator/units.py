@@ -4,21 +4,17 @@ A unit is "<layer>.<module path>", the model's weights' names past its layer lis
 ("3.self_attn.q_proj"). Explicit phases name theirs (``schedule.phases[i].modules``: any module
 path, "3.mlp" taking every tensor under it); strategy "misa" draws them each phase from every
 module of a body layer that holds a 2-D weight, without replacement, until the next would pass
-``schedule.module_budget`` (a fraction of the body's parameters; MISA's budget, its draw
-uniform here). The checks and the draw read the weights' headers (``LoadedSchedule.layer_tensors``).
+``schedule.module_budget`` (a fraction of the body's parameters; MISA's budget), uniformly or
+by the units' gradient norms (``schedule.unit_weights``, ``orchestrator.importance``). The checks and the draw read the weights' headers (``LoadedSchedule.layer_tensors``).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from typing import Callable
-
+from orchestrator.choose import weighted_sample
 from orchestrator.errors import ScheduleError
 from orchestrator.schedule import LoadedSchedule
-
-Draw = Callable[[int], tuple[tuple[int, ...], tuple[str, ...]]]
-
 
 def layer_units(tensors: dict[str, list[int]]) -> dict[str, int]:
     """A layer's units for the draw, with their parameters: each module that holds a 2-D weight
@@ -44,29 +40,35 @@ def check_units(loaded: LoadedSchedule, index: int, units: tuple[str, ...]) -> N
                                 f"{', '.join(modules)})")
 
 
-def misa(loaded: LoadedSchedule) -> Draw:
-    """Phase i's layers and units under strategy misa: a seeded draw of its own (run.seed, i), so a
-    resume and a plan draw the same."""
-    units = [(f"{layer}.{m}", size) for layer in sorted(loaded.layer_tensors)
-             for m, size in layer_units(loaded.layer_tensors[layer]).items()]
-    body = sum(math.prod(shape) for t in loaded.layer_tensors.values() for shape in t.values())
-    budget = int(loaded.schedule.schedule.module_budget * body)
-    smallest = min((size for _, size in units), default=0)
-    if not units or smallest > budget:
-        raise ScheduleError(f"{loaded.source}: schedule.module_budget: {loaded.schedule.schedule.module_budget:g} of "
-                            f"the body's {body:,} parameters is {budget:,}, less than its smallest unit "
-                            f"({smallest:,})")
-    seed = loaded.schedule.run.seed
+class Misa:
+    """Strategy misa's draw: phase i's layers and units, a seeded draw of its own (run.seed, i) by
+    weights (``scores``: unit -> its latest gradient norm, ``schedule.unit_weights = "grad_norm"``;
+    one not measured weighs as the highest; none measured, or uniform: all alike), so a resume and
+    a plan draw the same. The units are ordered by a draw without replacement, and taken in that
+    order while they fit in what is left of the budget."""
 
-    def draw(i: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        order = list(units)
-        random.Random(f"misa/{seed}/{i}").shuffle(order)
-        left, chosen = budget, []
-        for name, size in order:
+    def __init__(self, loaded: LoadedSchedule):
+        self.units = [(f"{layer}.{m}", size) for layer in sorted(loaded.layer_tensors)
+                      for m, size in layer_units(loaded.layer_tensors[layer]).items()]
+        body = sum(math.prod(shape) for t in loaded.layer_tensors.values() for shape in t.values())
+        fraction = loaded.schedule.schedule.module_budget
+        self.budget, self.seed = int(fraction * body), loaded.schedule.run.seed
+        smallest = min((size for _, size in self.units), default=0)
+        if not self.units or smallest > self.budget:
+            raise ScheduleError(f"{loaded.source}: schedule.module_budget: {fraction:g} of the body's {body:,} "
+                                f"parameters is {self.budget:,}, less than its smallest unit ({smallest:,})")
+
+    def __call__(self, i: int, scores: dict[str, float] | None = None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        top = max((scores or {}).values(), default=0.0)
+        weights = [(scores or {}).get(name, top) if top > 0 else 1.0 for name, _ in self.units]
+        if not any(w > 0 for w in weights):
+            weights = [1.0] * len(self.units)
+        rng = random.Random(f"relayer-misa-{self.seed}-{i}")
+        order = weighted_sample(rng, list(range(len(self.units))), weights, sum(w > 0 for w in weights))
+        left, chosen = self.budget, []
+        for name, size in (self.units[j] for j in order):
             if size <= left:
                 chosen.append(name)
                 left -= size
         chosen.sort(key=lambda u: (int(u.partition(".")[0]), u))
         return tuple(sorted({int(u.partition(".")[0]) for u in chosen})), tuple(chosen)
-
-    return draw

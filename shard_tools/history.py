@@ -111,7 +111,7 @@ class PhaseRow:
     resumed: bool = False
     """Its last process group started after the orchestrator resumed the run: the time before is
     downtime, not a switch."""
-    grad_norms: dict[int, float] | None = None
+    grad_norms: dict[int | str, float] | None = None
     """With schedule.layer_weights = "grad_norm": each of its layers' gradient norm at its last step,
     by which later phases were drawn (the journal's last ``grad_norms`` of it)."""
 
@@ -170,13 +170,15 @@ def replay(events: list[dict[str, Any]]) -> list[PhaseRow]:
     return [phases[i] for i in sorted(phases)]
 
 
-def journaled_norms(e: dict) -> dict[int, float] | None:
-    """Layer -> gradient norm of a journaled ``grad_norms`` as the runner writes it (layers and
-    norms as long, ints and floats); None for anything else (the runner then reads the phase's folder)."""
-    layers, norms = e.get("layers"), e.get("norms")
-    well_formed = isinstance(layers, list) and isinstance(norms, list) and len(layers) == len(norms) and \
-        all(type(x) is int for x in layers) and all(type(x) is float for x in norms)
-    return dict(zip(layers, norms)) if well_formed else None
+def journaled_norms(e: dict) -> dict[int | str, float] | None:
+    """Layer (or module unit, where it names ``units``) -> gradient norm of a journaled ``grad_norms``
+    as the runner writes it (keys and norms as long, ints or strings and floats); None for anything
+    else (the runner then reads the phase's folder)."""
+    keys, kind = (e["units"], str) if "units" in e else (e.get("layers"), int)
+    norms = e.get("norms")
+    well_formed = isinstance(keys, list) and isinstance(norms, list) and len(keys) == len(norms) and \
+        all(type(x) is kind for x in keys) and all(type(x) is float for x in norms)
+    return dict(zip(keys, norms)) if well_formed else None
 
 
 def switch_overhead(started: dict, before: dict, done: dict) -> float | None:

@@ -318,6 +318,8 @@ class GradNorms(_Record):
     """The global step the norms are of (the phase's last, numbered from 0)."""
     layers: list[int]
     norms: list[float]
+    units: list[str] = []
+    """Under module units: the units measured, the norms theirs (``layers`` then empty)."""
 
 
 class Resident(_Record):

@@ -7,7 +7,10 @@ from phase to phase, also where the model trains in bfloat16 (a layer is stored 
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from shard_tools.manifest import read_manifest
 from shard_tools.store import Checkpoints
-from tests.conftest import cli, schedule_dict, write_schedule
+from tests.conftest import cli, faults_env, schedule_dict, write_schedule
 from tests.reference import bitwise_equal, composed, max_abs_diff, reference_run
 
 TOL = 1e-5  # tests/launch/test_equivalence.py says why
@@ -137,3 +140,97 @@ def test_frozen_modules_keep_their_fp32_weights_in_bfloat16(tmp_path, tiny_model
     w = "model.layers.0.mlp.up_proj.weight"
     assert first[w].dtype == torch.float32 and torch.equal(first[w], second[w])
     assert not torch.equal(first[w], first[w].bfloat16().float())  # not what the model holds
+
+
+BY_NORM = {"unit_weights": "grad_norm", "importance_lag": 2}
+
+
+def misa_by_norm(model_dir: Path, budget: float, seed: int = 0, lag: int = 2):
+    """The reference's choice of units by gradient norm (``reference_run``'s ``choose``), written from
+    the schedule's documentation: every 2-D weight's module of a body layer is a unit; phase i orders
+    them by a draw without replacement in proportion to each one's latest norm among phases 0 .. i -
+    lag (unmeasured: the highest; none: all alike), seeded "relayer-misa-<seed>-<i>", and takes each
+    in that order that fits in what is left of the budget."""
+    import random
+
+    params = dict(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
+    body = {n: p.numel() for n, p in params.items() if n.startswith("model.layers.")}
+    units = sorted({n.removeprefix("model.layers.").removesuffix(".weight") for n, p in params.items()
+                    if n.startswith("model.layers.") and n.endswith(".weight") and p.ndim == 2},
+                   key=lambda u: (int(u.split(".")[0]), u))
+    size = {u: sum(c for n, c in body.items() if n.startswith(f"model.layers.{u}.")) for u in units}
+    left_of_budget = int(budget * sum(body.values()))
+
+    def choose(i: int, norms: list[dict[str, float]]) -> list[str]:
+        latest: dict[str, float] = {}
+        for measured in norms[:max(0, i - lag + 1)]:
+            latest.update(measured)
+        top = max(latest.values(), default=0.0)
+        weights = {u: (latest.get(u, top) if top > 0 else 1.0) for u in units}
+        rng, pool, order = random.Random(f"relayer-misa-{seed}-{i}"), list(units), []
+        while pool:
+            x, acc = rng.random() * sum(weights[u] for u in pool), 0.0
+            for u in pool:
+                acc += weights[u]
+                if x < acc:
+                    break
+            order.append(u)
+            pool.remove(u)
+        left, chosen = left_of_budget, []
+        for u in order:
+            if size[u] <= left:
+                chosen.append(u)
+                left -= size[u]
+        return sorted(chosen, key=lambda u: (int(u.split(".")[0]), u))
+    return choose
+
+
+def journaled_unit_norms(run: Path) -> list[dict[str, float]]:
+    events = [json.loads(x) for x in (run / "journal.jsonl").read_text().splitlines()]
+    last = {e["phase"]: dict(zip(e["units"], e["norms"])) for e in events if e["event"] == "grad_norms"}
+    return [last[i] for i in sorted(last)]
+
+
+@pytest.fixture(scope="module")
+def by_norm(tmp_path_factory, tiny_model, tiny_data) -> tuple[Path, Path]:
+    """(schedule, run): misa by the units' gradient norms, two processes of ZeRO-2."""
+    d = tmp_path_factory.mktemp("misa-by-norm")
+    sched = misa_schedule(d / "s.toml", tiny_model, tiny_data, deepspeed={"zero_stage": 2}, launch={"nproc": 2})
+    raw = tomllib.loads(sched.read_text())
+    raw["schedule"].update(BY_NORM)
+    write_schedule(sched, raw)
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    return sched, d / "run"
+
+
+def test_misa_by_gradient_norm_on_two_processes_draws_and_trains_as_the_reference(by_norm, tiny_model, tiny_data):
+    """Each phase's units' norms are the reference's at its last step (gathered from ZeRO-2's
+    partitions), the units drawn by them are the reference's, and so are the weights."""
+    sched, run = by_norm
+    norms: list[dict[str, float]] = []
+    ref = reference_run(tiny_model, tiny_data, [(5, None)] * 4, norms=norms, choose=misa_by_norm(tiny_model, 0.2))
+    got = journaled_unit_norms(run)
+    assert [sorted(m) for m in got] == [sorted(m) for m in norms]
+    assert all(g[u] == pytest.approx(want[u], rel=1e-4) for g, want in zip(got, norms) for u in want)
+    for names, measured in zip(trained_tensors(run), norms):
+        assert names == {n for n in ref if n.startswith(under(list(measured)))}
+    assert max_abs_diff(ref, composed(tiny_model, run)) <= TOL
+    plan = plan_phases(load_schedule(sched))
+    assert [p.drawn_later for p in plan] == [False, False, True, True]
+
+
+def test_misa_by_gradient_norm_killed_resumes_bitwise_and_draws_the_same(by_norm, tmp_path, tiny_model):
+    """A SIGKILL in step 17 (phase 3, drawn by norms): the rerun draws it by the norms the journal and
+    the phase folders hold, and ends bitwise as the uninterrupted run."""
+    sched, whole = by_norm
+    sched = Path(shutil.copy(sched, tmp_path / "s.toml"))
+    r = cli("orchestrator", "run", str(sched), env={**os.environ, **faults_env(
+        kill_at={"point": "data.micro_batch", "step": 17, "rank": 0})})
+    assert r.returncode == 1, r.stderr
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / "run"
+    assert trained_tensors(run) == trained_tensors(whole)
+    assert journaled_unit_norms(run) == journaled_unit_norms(whole)
+    assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, whole))

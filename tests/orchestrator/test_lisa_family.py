@@ -96,7 +96,7 @@ def test_weights_and_windows_the_model_cannot_meet_are_refused(tmp_path, tiny_da
     ("lisa", {"layer_weights": [1, -1] + [1] * 6}, "schedule.layer_weights[1]: expected a non-negative number, got -1"),
     ("lisa", {"layer_weights": "owlore"},
      'schedule.layer_weights: expected a list of weights, "uniform" or "grad_norm", got \'owlore\''),
-    ("lisa", {"importance_lag": 2}, 'schedule.importance_lag: takes schedule.layer_weights = "grad_norm", got none'),
+    ("lisa", {"importance_lag": 2}, 'schedule.importance_lag: takes schedule.layer_weights (or unit_weights) = "grad_norm", got none'),
     ("lisa", {"layer_weights": "grad_norm", "importance_lag": 0}, "schedule.importance_lag"),
     ("lisa", {"optimizer_state": "keep-some"}, "schedule.optimizer_state: expected 'reset', 'drop-all' or 'keep'"),
 ])
