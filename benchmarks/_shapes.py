@@ -70,3 +70,25 @@ def layer_walk(order: str, n_phases: int, n_layers: int, seed: int) -> list[list
         return [sorted(rng.sample(range(n_layers), LAYERS_PER_PHASE)) for _ in range(n_phases)]
     return [sorted({(LAYERS_PER_PHASE * k + j) % n_layers for j in range(LAYERS_PER_PHASE)})
             for k in range(n_phases)]
+
+
+def module_walk(n_phases: int, config: dict, budget: float, seed: int) -> list[dict]:
+    """Each phase's module units as MISA draws them uniformly (relayer's ``strategy = "misa"`` draws
+    its own; here explicit, so the benchmark's phases are its setup's): a Llama layer's seven
+    projections are units, shuffled and taken while they fit in ``budget`` of the body's parameters.
+    Each a phase's ``{"layers": touched, "modules": units}``."""
+    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    kv = h * config["num_key_value_heads"] // config["num_attention_heads"]
+    sizes = {"self_attn.q_proj": h * h, "self_attn.k_proj": h * kv, "self_attn.v_proj": h * kv,
+             "self_attn.o_proj": h * h, "mlp.gate_proj": h * i, "mlp.up_proj": h * i, "mlp.down_proj": h * i}
+    units = [(f"{l}.{m}", n) for l in range(layers) for m, n in sizes.items()]
+    left_of = int(budget * layers * (sum(sizes.values()) + 2 * h))
+    rng, out = random.Random(seed), []
+    for _ in range(n_phases):
+        order, left, chosen = rng.sample(units, len(units)), left_of, []
+        for name, n in order:
+            if n <= left:
+                chosen.append(name)
+                left -= n
+        out.append({"layers": sorted({int(u.split(".")[0]) for u in chosen}), "modules": sorted(chosen)})
+    return out

@@ -67,7 +67,9 @@ from pathlib import Path
 
 import psutil
 
-from _shapes import LAYERS_PER_PHASE, SHAPES, chosen_shape, layer_walk, refuse_two_shapes, shape_arguments
+from _shapes import (
+    LAYERS_PER_PHASE, SHAPES, chosen_shape, layer_walk, module_walk, refuse_two_shapes, shape_arguments,
+)
 from _switch_report import WAYS, plot, relayer_details, summarise, table
 from _switch_gaps import analyse
 from _switch_probe import StallDump, ThreadWatch
@@ -187,7 +189,8 @@ def write_schedule(path: Path, setup: dict) -> None:
         "optimizer": {"lr": setup["lr"], "weight_decay": setup["weight_decay"], "betas": setup["betas"],
                       "eps": setup["eps"], "grad_clip": setup["grad_clip"]},
         "lr_schedule": {"kind": "constant"},
-        "schedule": {"phases": setup["phases"]},
+        "schedule": {"phases": [{k: v for k, v in p.items() if not (k == "layers" and "modules" in p)}
+                                for p in setup["phases"]]},
         "deepspeed": {**({"zero_stage": setup["zero_stage"]} if setup.get("zero_stage") is not None else {}),
                       **({"config": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}}
                          if setup.get("offload_optimizer") else {})},
@@ -396,8 +399,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--zero-stage", type=int, default=2, choices=(0, 1, 2, 3),
                     help="relayer's deepspeed.zero_stage (0: its own AdamW, no ZeRO); b and c run ZeRO-1/2")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--layers", choices=("walk", "lisa"), default="walk",
-                    help="the phases' layers: walk (2 a phase in turn, the default) or lisa (sampled with --seed)")
+    ap.add_argument("--layers", choices=("walk", "lisa", "misa"), default="walk",
+                    help="the phases' layers: walk (2 a phase in turn, the default) or lisa (sampled with --seed); "
+                         "misa: module units to --module-budget of the body's parameters (relayer only, way a)")
+    ap.add_argument("--module-budget", type=float, default=0.03, help="with --layers misa: MISA's delta")
     ap.add_argument("--every-seconds", type=float,
                     help="relayer's [checkpoint] every_seconds (default: relayer's; 0: a checkpoint at every phase end)")
     ap.add_argument("--keep-last", type=int, help="relayer's [checkpoint] keep_last (default: 2)")
@@ -423,7 +428,8 @@ def chosen_ways(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The ways to run, and a note for each one left out."""
     letters, notes = args.ways.split(","), []
     for letter in ("b", "c"):
-        why = ("one process only" if args.nproc > 1 else "ZeRO-1/2 only" if args.zero_stage in (0, 3) else None)
+        why = ("one process only" if args.nproc > 1 else "ZeRO-1/2 only" if args.zero_stage in (0, 3) else
+               "whole layers only" if args.layers == "misa" else None)
         if letter in letters and why:
             letters.remove(letter)
             notes.append(f"way {letter} ({WAYS[letter]}) left out: {why} (--nproc {args.nproc}, "
@@ -433,7 +439,8 @@ def chosen_ways(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 def make_setup(args: argparse.Namespace, shape: dict, work: Path, cuda: bool) -> dict:
     n_phases, steps = args.phases or shape["phases"], args.steps or shape["steps"]
-    walk = layer_walk(args.layers, n_phases, shape["model"]["num_hidden_layers"], args.seed)
+    walk = module_walk(n_phases, shape["model"], args.module_budget, args.seed) if args.layers == "misa" else \
+        [{"layers": w} for w in layer_walk(args.layers, n_phases, shape["model"]["num_hidden_layers"], args.seed)]
     return {
         "seed": args.seed, "model_config": shape["model"], "model_dir": str(args.model_dir or work / "model"),
         "data_path": str(work / "train.jsonl"), "work_dir": str(work), "setup_path": str(work / "setup.json"),
@@ -446,7 +453,7 @@ def make_setup(args: argparse.Namespace, shape: dict, work: Path, cuda: bool) ->
         "batch_size": shape["batch_size"] * args.nproc, "micro_batch_size": args.micro_batch or shape["micro_batch_size"],
         "prewarm": None if args.prewarm is None else args.prewarm == "on",
         "lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "grad_clip": 1.0,
-        "phases": [{"steps": steps, "layers": w} for w in walk], "layer_order": args.layers,
+        "phases": [{"steps": steps, **w} for w in walk], "layer_order": args.layers,
     }
 
 

@@ -249,7 +249,9 @@ class Display(Observer):
                                "nothing is trained again" if e.get("final") else
                                f"resuming at step {e['step']}" + (f" from {e['checkpoint']}" if e.get("checkpoint") else ""),
             "phase_started": lambda: f"phase {e['phase']} started: steps {e['start_step']}-{e['end_step'] - 1}, "
-                                     f"layers {e['layers']}, {e['nproc']} process(es)",
+                                     f"layers {e['layers']}" + (f" ({len(e['modules'])} module units: "
+                                     f"{', '.join(e['modules'])})" if e.get("modules") else "") +
+                                     f", {e['nproc']} process(es)",
             "phase_done": lambda: None if "checkpoint_at" in e else f"phase {e['phase']} done at step {e['step']} " + (
                 "(found at the resume: its checkpoint is whole, the journal did not say so)"
                 if e.get("recovered") else f"in {e['seconds']:.1f} s"),

@@ -248,7 +248,8 @@ class Supervisor:
         work, ph, group = self.work, self.phase, self.group
         switching = self.switched is not None or self.ctx.pauser.active
         self.ctx.event("phase_started", phase=ph.index, start_step=work.start_step, end_step=ph.end_step,
-                       layers=list(ph.layers), nproc=ph.nproc, pid=group.proc.pid,
+                       layers=list(ph.layers), **({"modules": list(ph.modules)} if ph.modules else {}),
+                       nproc=ph.nproc, pid=group.proc.pid,
                        restore=str(work.restore) if work.restore else None, prewarmed=group.prewarmed)
         self.ctx.observer.on_state(State.STARTING, group)
         self._enter(State.SWITCHING if switching else State.TRAINING)

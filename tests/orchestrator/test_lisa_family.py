@@ -157,7 +157,7 @@ def test_plan_shows_the_choice_the_policy_and_the_largest_phase(tmp_path, tiny_m
     assert "largest phase: 0 (layers " in r.output and " per process" in r.output
 
 
-@pytest.mark.parametrize("name", ["lisa", "badam", "owlore", "lmflow-keep", "ist", "misa"])
+@pytest.mark.parametrize("name", ["lisa", "badam", "owlore", "lmflow-keep", "ist", "misa", "misa-gn"])
 def test_the_family_examples_plan_as_their_comments_say(tmp_path, tiny_model, tiny_data, name):
     """examples/family/*.toml on the tiny model (make demo makes ../tiny/model; here the fixture's):
     plan accepts each, and its phases are what its comment promises."""
@@ -197,6 +197,9 @@ def test_the_family_examples_plan_as_their_comments_say(tmp_path, tiny_model, ti
             assert 0 <= left < min(sizes[u] for u in sizes if u not in p.modules)  # filled as far as units fit
             row = next(line for line in r.stdout.splitlines() if line.startswith(f"│ {p.index:>5} │"))
             assert all(u.partition(".")[2] in row for u in p.modules)
+    if name == "misa-gn":  # the first 2 phases drawn alike, the rest by the units' norms as it trains
+        later = [p.drawn_later for p in plan(raw, tmp_path)]
+        assert later == [False] * 2 + [True] * 6 and r.stdout.count("units by gradient norm") == 6
     if name == "owlore":  # weight 0 never drawn; no layer twice within a window of 2 phases
         assert all(3 not in d for d in drawn)
         assert all(not set(drawn[i]) & set(drawn[i + 1]) for i in range(0, len(drawn), 2))
