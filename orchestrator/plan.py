@@ -100,6 +100,10 @@ def _by_modules(loaded: LoadedSchedule, total: int) -> list[Phase]:
     s, interval = loaded.schedule, loaded.schedule.schedule.interval
     _phase_count(loaded, total, 1)
     draw, phases, step = units.Misa(loaded), [], 0
+    count = -(-total // interval)
+    if count * len(draw.units) > MAX_PLANNED_LAYERS:
+        raise ScheduleError(f"{loaded.source}: schedule.interval: expected phases x the model's module units of at "
+                            f"most {MAX_PLANNED_LAYERS:,}, got {count:,} phases x {len(draw.units):,} units")
     while step < total:
         layers, modules = draw(len(phases))  # with unit_weights = "grad_norm", stand-ins from phase importance_lag on
         phases.append(Phase(index=len(phases), start_step=step, end_step=min(step + interval, total), layers=layers,

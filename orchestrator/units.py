@@ -1,20 +1,23 @@
-"""Module units (MISA, Liu et al. 2025, arXiv 2511.00056): phases that train some modules of a layer, not the whole of it.
+"""Module units (MISA, Liu et al. 2025, arXiv 2511.00056): phases that train some modules of a
+layer, not the whole of it.
 
 A unit is "<layer>.<module path>", the model's weights' names past its layer list
 ("3.self_attn.q_proj"). Explicit phases name theirs (``schedule.phases[i].modules``: any module
 path, "3.mlp" taking every tensor under it); strategy "misa" draws them each phase from every
 module of a body layer that holds a 2-D weight, without replacement, until the next would pass
 ``schedule.module_budget`` (a fraction of the body's parameters; MISA's budget), uniformly or
-by the units' gradient norms (``schedule.unit_weights``, ``orchestrator.importance``). The checks and the draw read the weights' headers (``LoadedSchedule.layer_tensors``).
+by the units' gradient norms (``schedule.unit_weights``, ``orchestrator.importance``). The
+checks and the draw read the weights' headers (``LoadedSchedule.layer_tensors``).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from orchestrator.choose import weighted_sample
+
 from orchestrator.errors import ScheduleError
 from orchestrator.schedule import LoadedSchedule
+
 
 def layer_units(tensors: dict[str, list[int]]) -> dict[str, int]:
     """A layer's units for the draw, with their parameters: each module that holds a 2-D weight
@@ -44,8 +47,10 @@ class Misa:
     """Strategy misa's draw: phase i's layers and units, a seeded draw of its own (run.seed, i) by
     weights (``scores``: unit -> its latest gradient norm, ``schedule.unit_weights = "grad_norm"``;
     one not measured weighs as the highest; none measured, or uniform: all alike), so a resume and
-    a plan draw the same. The units are ordered by a draw without replacement, and taken in that
-    order while they fit in what is left of the budget."""
+    a plan draw the same. The units are ordered by a weighted draw without replacement (each the
+    key u ** (1 / weight) of a seeded uniform u, in descending order: Efraimidis and Spirakis 2006,
+    n log n where a draw at a time is n squared), and taken in that order while they fit in what
+    is left of the budget."""
 
     def __init__(self, loaded: LoadedSchedule):
         self.units = [(f"{layer}.{m}", size) for layer in sorted(loaded.layer_tensors)
@@ -64,9 +69,9 @@ class Misa:
         if not any(w > 0 for w in weights):
             weights = [1.0] * len(self.units)
         rng = random.Random(f"relayer-misa-{self.seed}-{i}")
-        order = weighted_sample(rng, list(range(len(self.units))), weights, sum(w > 0 for w in weights))
+        keys = [(rng.random() ** (1 / w) if w > 0 else -1.0, j) for j, w in enumerate(weights)]
         left, chosen = self.budget, []
-        for name, size in (self.units[j] for j in order):
+        for name, size in (self.units[j] for key, j in sorted(keys, reverse=True) if key >= 0):
             if size <= left:
                 chosen.append(name)
                 left -= size

@@ -149,8 +149,9 @@ def misa_by_norm(model_dir: Path, budget: float, seed: int = 0, lag: int = 2):
     """The reference's choice of units by gradient norm (``reference_run``'s ``choose``), written from
     the schedule's documentation: every 2-D weight's module of a body layer is a unit; phase i orders
     them by a draw without replacement in proportion to each one's latest norm among phases 0 .. i -
-    lag (unmeasured: the highest; none: all alike), seeded "relayer-misa-<seed>-<i>", and takes each
-    in that order that fits in what is left of the budget."""
+    lag (unmeasured: the highest; none: all alike): each unit, in order, the key u ** (1 / weight) of
+    the next uniform of the rng seeded "relayer-misa-<seed>-<i>", the units in descending key order;
+    and takes each in that order that fits in what is left of the budget."""
     import random
 
     params = dict(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
@@ -167,15 +168,9 @@ def misa_by_norm(model_dir: Path, budget: float, seed: int = 0, lag: int = 2):
             latest.update(measured)
         top = max(latest.values(), default=0.0)
         weights = {u: (latest.get(u, top) if top > 0 else 1.0) for u in units}
-        rng, pool, order = random.Random(f"relayer-misa-{seed}-{i}"), list(units), []
-        while pool:
-            x, acc = rng.random() * sum(weights[u] for u in pool), 0.0
-            for u in pool:
-                acc += weights[u]
-                if x < acc:
-                    break
-            order.append(u)
-            pool.remove(u)
+        rng = random.Random(f"relayer-misa-{seed}-{i}")
+        keyed = {u: rng.random() ** (1 / weights[u]) for u in units}  # Efraimidis and Spirakis: all weights > 0 here
+        order = sorted(units, key=lambda u: (keyed[u], units.index(u)), reverse=True)
         left, chosen = left_of_budget, []
         for u in order:
             if size[u] <= left:

@@ -284,3 +284,18 @@ def test_plan_shows_the_phases_drawn_by_gradient_norm(tmp_path, tiny_data):
     assert out.exit_code == 0, out.output
     assert "by gradient norm (IST): phase i draws by the norms phases 0 .. i - 3 measured" in out.output
     assert out.output.count("2 by gradient norm") == 2  # phases 3 and 4 of 5
+
+
+def test_misa_on_a_model_of_many_layers_is_bounded_before_it_draws(tmp_path, tiny_data):
+    """A hostile size: 200 layers' 1,400 units over 10,000 phases would be 14 million keys to draw;
+    refused at once, naming the key, as a strategy's table of too many layers is."""
+    from tests.conftest import make_llama, schedule_dict
+
+    model = make_llama(tmp_path / "deep", layers=200)
+    raw = schedule_dict(model, tiny_data, schedule={"phases": None, "strategy": "misa", "total_steps": 10_000,
+                                                    "interval": 1, "module_budget": 0.01})
+    del raw["schedule"]["phases"]
+    with pytest.raises(ScheduleError) as e:
+        validate_schedule(raw, tmp_path / "schedule.toml")
+    assert e.value.exit_code == 2 and ("schedule.interval: expected phases x the model's module units of at most "
+                                       "10,000,000, got 10,000 phases x 1,400 units") in str(e.value)
