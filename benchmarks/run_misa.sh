@@ -23,17 +23,17 @@ fi
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH DS_ACCELERATOR=${DS_ACCELERATOR:-cuda} PYTHONUNBUFFERED=1
 say() { echo "[run_misa $(( $(date +%s) - T0 )) s] $*"; }
 nvidia-smi --query-gpu=index,name,uuid,memory.total,driver_version --format=csv,noheader 2>/dev/null
-SHAPE=7b; [ "${MISA_TINY:-0}" = 1 ] && SHAPE=tiny
+SHAPE=${MISA_SHAPE:-7b}; [ "${MISA_TINY:-0}" = 1 ] && SHAPE=tiny
 finish() {
     tar -czf "$OUT/results-misa.tgz" -C "$S" --exclude='*.safetensors' --exclude=train.jsonl results 2>/dev/null
     rm -rf "$S/model"
     say "done"
 }
 trap finish EXIT
-for way in misa lisa; do
+for way in ${MISA_WAYS:-misa lisa}; do
     extra=(--layers "$way"); [ "$way" = misa ] && extra+=(--module-budget "$BUDGET")
     $PY benchmarks/switch.py --shape "$SHAPE" --ways a "${extra[@]}" --model-dir "$S/model" --work "$S/work-$way" \
-        --results-dir "$S/results" --out "$way-$SHAPE" --zero-stage 0 --phases 5 --steps 20 --timeout 240
+        --results-dir "$S/results" --out "$way-$SHAPE" --zero-stage 0 --phases "${MISA_PHASES:-5}" --steps 20 --keep-last 1 --timeout 240
     say "switch.py $way: rc $?"
     rm -rf "$S/work-$way"
 done
