@@ -141,6 +141,16 @@ def cli(*args: str, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([str(exe), *args[1:]], capture_output=True, text=True, timeout=timeout, **kw)
 
 
+def killed_then_rerun(sched: Path, step: int) -> None:
+    """``orchestrator run sched`` killed (SIGKILL of rank 0) in global step ``step``, exit 1; then run
+    again, to its end."""
+    r = cli("orchestrator", "run", str(sched), env={**os.environ, **faults_env(
+        kill_at={"point": "data.micro_batch", "step": step, "rank": 0})})
+    assert r.returncode == 1, r.stderr
+    r = cli("orchestrator", "run", str(sched))
+    assert r.returncode == 0, r.stderr
+
+
 def finished_run(tmp_path_factory: pytest.TempPathFactory, schedule: dict) -> Path:
     """The run directory of ``schedule`` run to its end, once per session for every test and
     worker that asks for the same schedule (a reference run several modules compare with); treat

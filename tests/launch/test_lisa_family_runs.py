@@ -27,7 +27,7 @@ from orchestrator.validate import load_schedule
 from shard_tools.manifest import read_manifest
 from shard_tools.store import Checkpoints
 from shard_tools.state import kept_state
-from tests.conftest import cli, faults_env, schedule_dict, write_schedule
+from tests.conftest import cli, faults_env, killed_then_rerun, schedule_dict, write_schedule
 from tests.reference import bitwise_equal, composed, max_abs_diff, reference_run
 
 TOL = 1e-5  # tests/launch/test_equivalence.py says why
@@ -306,10 +306,10 @@ def by_norm(seed: int, n: int = 4, k: int = 1):
     return choose
 
 
-def journaled_norms(run: Path) -> list[dict[int, float]]:
-    """Each phase's norms, the last the journal has of it."""
+def journaled_norms(run: Path, by: str = "layers") -> list[dict]:
+    """Each phase's norms, the last the journal has of it, by layer (or by module unit: ``by`` "units")."""
     events = [json.loads(x) for x in (run / "journal.jsonl").read_text().splitlines()]
-    last = {e["phase"]: dict(zip(e["layers"], e["norms"])) for e in events if e["event"] == "grad_norms"}
+    last = {e["phase"]: dict(zip(e[by], e["norms"])) for e in events if e["event"] == "grad_norms"}
     return [last[i] for i in sorted(last)]
 
 
@@ -356,11 +356,7 @@ def test_grad_norm_killed_mid_phase_resumes_bitwise_and_draws_the_same(grad_norm
     the phase folders hold, and ends bitwise as the uninterrupted run, every phase the same layers."""
     sched, whole = grad_norm_run
     sched = Path(shutil.copy(sched, tmp_path / "s.toml"))
-    r = cli("orchestrator", "run", str(sched), env={**os.environ, **faults_env(
-        kill_at={"point": "data.micro_batch", "step": 22, "rank": 0})})
-    assert r.returncode == 1, r.stderr
-    r = cli("orchestrator", "run", str(sched))
-    assert r.returncode == 0, r.stderr
+    killed_then_rerun(sched, 22)
     run = tmp_path / "run"
     assert trained(run) == trained(whole)
     assert journaled_norms(run) == journaled_norms(whole)

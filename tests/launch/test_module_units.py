@@ -1,14 +1,13 @@
 """Module units (MISA; issue 46): phases that train some modules of a layer equal the independent
-plain-PyTorch reference (``tests.reference``, whose phases may name units), on one process
-(strategy misa, ZeRO-2, stopped mid-phase and resumed bitwise) and on two (explicit units,
-relayer's own optimizer, "drop-all"); the modules a phase does not train keep their fp32 weights
-from phase to phase, also where the model trains in bfloat16 (a layer is stored whole).
+plain-PyTorch reference (``tests.reference``, whose phases may name units): strategy misa on one
+process (ZeRO-2, stopped mid-phase and resumed bitwise), explicit units on one and two ("drop-all"),
+misa by the units' gradient norms on two (ZeRO-2, killed and rerun bitwise). The modules a phase
+does not train keep their fp32 weights from phase to phase, also where the model trains in
+bfloat16 (a layer is stored whole).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import tomllib
 from pathlib import Path
@@ -21,7 +20,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from shard_tools.manifest import read_manifest
 from shard_tools.store import Checkpoints
-from tests.conftest import cli, faults_env, schedule_dict, write_schedule
+from tests.conftest import cli, killed_then_rerun, schedule_dict, write_schedule
+from tests.launch.test_lisa_family_runs import journaled_norms
 from tests.reference import bitwise_equal, composed, max_abs_diff, reference_run
 
 TOL = 1e-5  # tests/launch/test_equivalence.py says why
@@ -111,9 +111,11 @@ def explicit_schedule(path: Path, model_dir: Path, data_path: Path, **sections) 
         "schedule", {})}, **sections))
 
 
-def test_explicit_units_on_two_processes_with_drop_all_match_reference(tmp_path, tiny_model, tiny_data):
+@pytest.mark.parametrize("nproc,stage", [(1, 2), (2, 0)])
+def test_explicit_units_with_drop_all_match_reference(tmp_path, tiny_model, tiny_data, nproc, stage):
+    """On one process of ZeRO-2 and on two of relayer's own optimizer."""
     sched = explicit_schedule(tmp_path / "s.toml", tiny_model, tiny_data, schedule={"optimizer_state": "drop-all"},
-                              deepspeed={"zero_stage": 0}, launch={"nproc": 2})
+                              deepspeed={"zero_stage": stage}, launch={"nproc": nproc})
     r = cli("orchestrator", "run", str(sched))
     assert r.returncode == 0, r.stderr
     run = tmp_path / "run"
@@ -180,12 +182,6 @@ def misa_by_norm(model_dir: Path, budget: float, seed: int = 0, lag: int = 2):
     return choose
 
 
-def journaled_unit_norms(run: Path) -> list[dict[str, float]]:
-    events = [json.loads(x) for x in (run / "journal.jsonl").read_text().splitlines()]
-    last = {e["phase"]: dict(zip(e["units"], e["norms"])) for e in events if e["event"] == "grad_norms"}
-    return [last[i] for i in sorted(last)]
-
-
 @pytest.fixture(scope="module")
 def by_norm(tmp_path_factory, tiny_model, tiny_data) -> tuple[Path, Path]:
     """(schedule, run): misa by the units' gradient norms, two processes of ZeRO-2."""
@@ -205,7 +201,7 @@ def test_misa_by_gradient_norm_on_two_processes_draws_and_trains_as_the_referenc
     sched, run = by_norm
     norms: list[dict[str, float]] = []
     ref = reference_run(tiny_model, tiny_data, [(5, None)] * 4, norms=norms, choose=misa_by_norm(tiny_model, 0.2))
-    got = journaled_unit_norms(run)
+    got = journaled_norms(run, by="units")
     assert [sorted(m) for m in got] == [sorted(m) for m in norms]
     assert all(g[u] == pytest.approx(want[u], rel=1e-4) for g, want in zip(got, norms) for u in want)
     for names, measured in zip(trained_tensors(run), norms):
@@ -220,12 +216,8 @@ def test_misa_by_gradient_norm_killed_resumes_bitwise_and_draws_the_same(by_norm
     the phase folders hold, and ends bitwise as the uninterrupted run."""
     sched, whole = by_norm
     sched = Path(shutil.copy(sched, tmp_path / "s.toml"))
-    r = cli("orchestrator", "run", str(sched), env={**os.environ, **faults_env(
-        kill_at={"point": "data.micro_batch", "step": 17, "rank": 0})})
-    assert r.returncode == 1, r.stderr
-    r = cli("orchestrator", "run", str(sched))
-    assert r.returncode == 0, r.stderr
+    killed_then_rerun(sched, 17)
     run = tmp_path / "run"
     assert trained_tensors(run) == trained_tensors(whole)
-    assert journaled_unit_norms(run) == journaled_unit_norms(whole)
+    assert journaled_norms(run, by="units") == journaled_norms(whole, by="units")
     assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, whole))
