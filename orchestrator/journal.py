@@ -19,7 +19,8 @@ from shard_tools.history import JOURNAL
 # Events that only tell what happened (no replay reads them), written during a switch: an fsync
 # there waits behind the committer's multi-GB fsync of a checkpoint (one journal commit of the file
 # system holds both), which at 7B on an H200 put 0.4-0.7 s into switches (benchmarks/_switch_gaps.py).
-UNSYNCED = frozenset({"preparing_paused", "preparing_resumed", "prewarm_started", "final_model_prewarm"})
+UNSYNCED = frozenset({"preparing_paused", "preparing_not_paused", "preparing_resumed", "prewarm_started",
+                      "final_model_prewarm"})
 
 
 class Journal:
