@@ -66,10 +66,11 @@ class ScheduleSection(Section):
     ascending / descending: in turn; badam: the layers cut into blocks of layers_per_phase
     consecutive layers, each pass over all blocks in a seeded order reshuffled every pass (BAdam,
     Luo et al. 2024, switch_mode "random"; with optimizer_state = "drop-all" as BAdam); misa:
-    module units, not layers (MISA, Liu et al. 2025, with its initial, uniform, weights): every module of a body
-    layer that holds a 2-D weight (attention's q, k, v, o, the MLP's gate, up, down) is a unit,
-    and each phase draws units at random (seeded), without replacement, taking each that fits in
-    what is left of module_budget until none does; the rest of a layer (its norms) stays frozen."""
+    module units, not layers (MISA, Liu et al. 2025): every module of a body layer that holds a 2-D
+    weight (attention's q, k, v, o, the MLP's gate, up, down) is a unit, and each phase draws units
+    at random (seeded; weighted by unit_weights), without replacement, taking each that fits in what
+    is left of module_budget until none does; the rest of a layer (its norms) stays frozen, and
+    its switches go through the checkpoint."""
     total_steps: Steps | None = None
     """With strategy: optimizer steps of the whole run; or epochs."""
     epochs: Annotated[float, Field(gt=0, le=1e6)] | None = None
@@ -101,7 +102,7 @@ class ScheduleSection(Section):
     i draws in proportion to each unit's latest norm among phases 0 .. i - importance_lag (a unit
     not measured yet weighs as the highest measured); journaled, so a resume draws the same."""
     importance_lag: PositiveInt = 4
-    """With layer_weights = "grad_norm": phase i draws by the norms of the phases that ended
+    """With layer_weights (or unit_weights) = "grad_norm": phase i draws by the norms of the phases that ended
     importance_lag or more phases before it. The phases pre-warmed ahead (launch.prewarm_depth) are
     drawn before they start: at most importance_lag - 1 of them are."""
     window: PositiveInt | None = None
