@@ -20,7 +20,6 @@ from orchestrator.budget import check_budget
 from orchestrator.dsconfig import deepspeed_config
 from orchestrator.errors import ScheduleError
 from orchestrator.libfacts import causal_lm_types
-from orchestrator.units import check_units
 from orchestrator.modelcheck import (
     check_weights, need_file, need_files, num_layers_of, path_is, path_kind, position_limit, read_model_config,
     resolve_path, tokenizer_of,
@@ -30,6 +29,7 @@ from orchestrator.plan import MAX_PHASES, check_batch, check_warmup, plan_phases
 from orchestrator.schedule import DataSection, LoadedSchedule, Schedule, default_zero_stage
 from orchestrator.schema_errors import format_validation
 from orchestrator.sections import MAX_NESTING, too_deep
+from orchestrator.units import check_units
 from shard_tools.tokenizer import MAIN_FILES, TOKENIZER_FILES
 
 
