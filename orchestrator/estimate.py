@@ -89,6 +89,7 @@ from orchestrator.libfacts import offloads_optimizer
 from orchestrator.modelcheck import CONFIG, num_layers_of
 from orchestrator.resident import resident_reason
 from orchestrator.schedule import LoadedSchedule, Phase
+from orchestrator.units import unit_size
 from shard_tools.sizes import parse_size
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -417,8 +418,8 @@ def body_trained(loaded: LoadedSchedule, phase: Phase, count: ParamCount) -> int
     weights' headers count them; the rest of those layers waits on the host)."""
     if not phase.modules:
         return len(phase.layers) * count.per_layer
-    return sum(math.prod(shape) for unit in phase.modules for layer, _, path in [unit.partition(".")]
-               for name, shape in loaded.layer_tensors[int(layer)].items() if name.startswith(path + "."))
+    return sum(unit_size(loaded.layer_tensors[int(layer)], path)
+               for layer, _, path in (unit.partition(".") for unit in phase.modules))
 
 
 def reduce_bucket(loaded: LoadedSchedule, trainable: int) -> int:

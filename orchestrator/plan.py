@@ -83,8 +83,8 @@ def plan_phases(loaded: LoadedSchedule) -> list[Phase]:
     return phases
 
 
-def _phase_count(loaded: LoadedSchedule, total: int, k: int) -> None:
-    """A strategy's table: at most MAX_PHASES phases, MAX_PLANNED_LAYERS layers over them."""
+def _phase_count(loaded: LoadedSchedule, total: int, k: int) -> int:
+    """A strategy's table: at most MAX_PHASES phases, MAX_PLANNED_LAYERS layers over them; its phases."""
     interval = loaded.schedule.schedule.interval
     count = -(-total // interval)
     if count > MAX_PHASES:
@@ -93,14 +93,14 @@ def _phase_count(loaded: LoadedSchedule, total: int, k: int) -> None:
     if count * k > MAX_PLANNED_LAYERS:
         raise ScheduleError(f"{loaded.source}: schedule.layers_per_phase: expected at most {MAX_PLANNED_LAYERS:,} "
                             f"layers over all phases, got {count:,} phases x {k:,}")
+    return count
 
 
 def _by_modules(loaded: LoadedSchedule, total: int) -> list[Phase]:
     """Strategy misa's phases: each its module units, drawn (``orchestrator.units.Misa``)."""
     s, interval = loaded.schedule, loaded.schedule.schedule.interval
-    _phase_count(loaded, total, 1)
+    count = _phase_count(loaded, total, 1)
     draw, phases, step = units.Misa(loaded), [], 0
-    count = -(-total // interval)
     if count * len(draw.units) > MAX_PLANNED_LAYERS:
         raise ScheduleError(f"{loaded.source}: schedule.interval: expected phases x the model's module units of at "
                             f"most {MAX_PLANNED_LAYERS:,}, got {count:,} phases x {len(draw.units):,} units")

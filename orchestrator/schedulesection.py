@@ -35,13 +35,16 @@ class PhaseEntry(Section):
     @field_validator("modules")
     @classmethod
     def _units(cls, v: list[str] | None) -> list[str] | None:
-        for i, u in enumerate(v or []):
+        for u in v or []:
             if not _UNIT.fullmatch(u):
                 raise ValueError(f'expected "<layer>.<module path>" (such as "0.self_attn.q_proj"), got {_show(u)}')
-            inner = next((b for b in v if b.startswith(u + ".")), None)
-            if u in v[i + 1:] or inner:
+        # Sorted, a unit's twin or a unit inside it comes right after it ("." sorts below every other
+        # character a unit may hold): one pass, where a hostile list of 100,000 would take 10^10 pairs.
+        ordered = sorted(v or [])
+        for u, after in zip(ordered, ordered[1:]):
+            if after == u or after.startswith(u + "."):
                 raise ValueError(f"expected distinct units, none inside another, got {_show(u)} "
-                                 f"{'twice' if inner is None else f'and {_show(inner)}'}")
+                                 f"{'twice' if after == u else f'and {_show(after)}'}")
         return v
 
     @model_validator(mode="after")

@@ -19,12 +19,22 @@ from orchestrator.errors import ScheduleError
 from orchestrator.schedule import LoadedSchedule
 
 
+def under(tensors: dict[str, list[int]], path: str) -> dict[str, list[int]]:
+    """Of one layer's ``tensors`` (name -> shape, past its prefix and index), those under the module ``path``."""
+    return {n: shape for n, shape in tensors.items() if n.startswith(path + ".")}
+
+
+def unit_size(tensors: dict[str, list[int]], path: str) -> int:
+    """The parameters of the unit ``path`` of a layer of ``tensors``."""
+    return sum(math.prod(shape) for shape in under(tensors, path).values())
+
+
 def layer_units(tensors: dict[str, list[int]]) -> dict[str, int]:
     """A layer's units for the draw, with their parameters: each module that holds a 2-D weight
     (its "<path>.weight"; a bias counts with it). ``tensors``: name -> shape, of one layer."""
     modules = sorted(n.removesuffix(".weight") for n, shape in tensors.items()
                      if n.endswith(".weight") and "." in n and len(shape) == 2)
-    return {m: sum(math.prod(shape) for n, shape in tensors.items() if n.startswith(m + ".")) for m in modules}
+    return {m: unit_size(tensors, m) for m in modules}
 
 
 def check_units(loaded: LoadedSchedule, index: int, units: tuple[str, ...]) -> None:
@@ -37,7 +47,7 @@ def check_units(loaded: LoadedSchedule, index: int, units: tuple[str, ...]) -> N
         if held is None:
             raise ScheduleError(f"{key}: {unit!r}: layer {layer} is out of range: the model has "
                                 f"{loaded.num_layers} layers (0..{loaded.num_layers - 1})")
-        if not any(n.startswith(path + ".") for n in held):
+        if not under(held, path):
             modules = sorted({n.rpartition(".")[0] for n in held})
             raise ScheduleError(f"{key}: {unit!r}: layer {layer} holds no tensor under {path!r} (its modules: "
                                 f"{', '.join(modules)})")

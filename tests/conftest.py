@@ -22,6 +22,8 @@ import tomli_w
 from filelock import FileLock
 
 from launch.contract.pids import started
+from shard_tools.manifest import read_manifest
+from shard_tools.store import Checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 96
@@ -139,6 +141,15 @@ def cli(*args: str, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
     """Runs ``orchestrator`` or ``shard-tools`` as a user would."""
     exe = Path(sys.executable).parent / args[0]
     return subprocess.run([str(exe), *args[1:]], capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def truncated_copy(src: Path, dst: Path, keep_upto: int) -> Path:
+    """A copy of a run as it was at step ``keep_upto``: later checkpoints removed."""
+    shutil.copytree(src, dst)
+    for ckpt in Checkpoints(dst).all():
+        if read_manifest(ckpt).global_step > keep_upto:
+            shutil.rmtree(ckpt)
+    return dst
 
 
 def killed_then_rerun(sched: Path, step: int) -> None:

@@ -27,7 +27,7 @@ from orchestrator.validate import load_schedule
 from shard_tools.manifest import read_manifest
 from shard_tools.store import Checkpoints
 from shard_tools.state import kept_state
-from tests.conftest import cli, faults_env, killed_then_rerun, schedule_dict, write_schedule
+from tests.conftest import cli, faults_env, killed_then_rerun, schedule_dict, truncated_copy, write_schedule
 from tests.reference import bitwise_equal, composed, max_abs_diff, reference_run
 
 TOL = 1e-5  # tests/launch/test_equivalence.py says why
@@ -88,11 +88,7 @@ def test_badam_stopped_mid_phase_resumes_bitwise(badam, tmp_path, tiny_model):
     """A stop at step 21 (phase 4, one step past its switch): the resume restores the head's state
     from the phase's own checkpoint (not reset again) and ends bitwise as the uninterrupted run."""
     sched, whole = badam
-    run = tmp_path / "run"
-    shutil.copytree(whole, run)
-    for ckpt in Checkpoints(run).all():
-        if read_manifest(ckpt).global_step > 21:
-            shutil.rmtree(ckpt)
+    run = truncated_copy(whole, tmp_path / "run", keep_upto=21)
     mid = read_manifest(Checkpoints(run).newest_whole()[0])
     assert (mid.global_step, mid.phase, mid.phase_complete, mid.head_step) == (21, 4, False, 1)
     r = cli("orchestrator", "run", str(shutil.copy(sched, tmp_path / "s.toml")))

@@ -9,7 +9,6 @@ bfloat16 (a layer is stored whole).
 from __future__ import annotations
 
 import shutil
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from shard_tools.manifest import read_manifest
 from shard_tools.store import Checkpoints
-from tests.conftest import cli, killed_then_rerun, schedule_dict, write_schedule
+from tests.conftest import cli, finished_run, killed_then_rerun, schedule_dict, truncated_copy, write_schedule
 from tests.launch.test_lisa_family_runs import journaled_norms
 from tests.reference import bitwise_equal, composed, max_abs_diff, reference_run
 
@@ -29,12 +28,16 @@ TOL = 1e-5  # tests/launch/test_equivalence.py says why
 pytestmark = pytest.mark.multiprocess
 
 
-def misa_schedule(path: Path, model_dir: Path, data_path: Path, **sections) -> Path:
+def misa_run(tmp_path_factory, model_dir: Path, data_path: Path, schedule: dict | None = None,
+             **sections) -> tuple[Path, Path]:
+    """(schedule, run) of strategy misa, 4 phases of 5 steps, a checkpoint every 3 steps, run to its
+    end once (``conftest.finished_run``: read-only)."""
     raw = schedule_dict(model_dir, data_path, schedule={"phases": None, "strategy": "misa", "total_steps": 20,
-                                                        "interval": 5, "module_budget": 0.2},
+                                                        "interval": 5, "module_budget": 0.2, **(schedule or {})},
                         checkpoint={"every_steps": 3, "keep_last": 100}, **sections)
     del raw["schedule"]["phases"]
-    return write_schedule(path, raw)
+    run = finished_run(tmp_path_factory, raw)
+    return run.parent / "schedule.toml", run
 
 
 def units(sched: Path) -> list[tuple[int, list[str]]]:
@@ -54,12 +57,8 @@ def under(unit_list: list[str]) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def misa(tmp_path_factory, tiny_model, tiny_data) -> tuple[Path, Path]:
-    """(schedule, run): strategy misa on one process, ZeRO-2; a checkpoint every 3 steps."""
-    d = tmp_path_factory.mktemp("misa")
-    sched = misa_schedule(d / "s.toml", tiny_model, tiny_data)
-    r = cli("orchestrator", "run", str(sched))
-    assert r.returncode == 0, r.stderr
-    return sched, d / "run"
+    """(schedule, run): strategy misa on one process, ZeRO-2."""
+    return misa_run(tmp_path_factory, tiny_model, tiny_data)
 
 
 def test_misa_trains_the_units_drawn_and_matches_reference(misa, tiny_model, tiny_data):
@@ -87,11 +86,7 @@ def test_misa_stopped_mid_phase_resumes_bitwise(misa, tmp_path, tiny_model):
     """A stop at step 12 (phase 2, two steps past its switch): the resume takes the units' masters,
     their moments and the frozen modules' weights from that checkpoint and ends bitwise as the run."""
     sched, whole = misa
-    run = tmp_path / "run"
-    shutil.copytree(whole, run)
-    for ckpt in Checkpoints(run).all():
-        if read_manifest(ckpt).global_step > 12:
-            shutil.rmtree(ckpt)
+    run = truncated_copy(whole, tmp_path / "run", keep_upto=12)
     mid = read_manifest(Checkpoints(run).newest_whole()[0])
     assert (mid.global_step, mid.phase, mid.phase_complete) == (12, 2, False)
     r = cli("orchestrator", "run", str(shutil.copy(sched, tmp_path / "s.toml")))
@@ -185,14 +180,8 @@ def misa_by_norm(model_dir: Path, budget: float, seed: int = 0, lag: int = 2):
 @pytest.fixture(scope="module")
 def by_norm(tmp_path_factory, tiny_model, tiny_data) -> tuple[Path, Path]:
     """(schedule, run): misa by the units' gradient norms, two processes of ZeRO-2."""
-    d = tmp_path_factory.mktemp("misa-by-norm")
-    sched = misa_schedule(d / "s.toml", tiny_model, tiny_data, deepspeed={"zero_stage": 2}, launch={"nproc": 2})
-    raw = tomllib.loads(sched.read_text())
-    raw["schedule"].update(BY_NORM)
-    write_schedule(sched, raw)
-    r = cli("orchestrator", "run", str(sched))
-    assert r.returncode == 0, r.stderr
-    return sched, d / "run"
+    return misa_run(tmp_path_factory, tiny_model, tiny_data, BY_NORM, deepspeed={"zero_stage": 2},
+                    launch={"nproc": 2})
 
 
 def test_misa_by_gradient_norm_on_two_processes_draws_and_trains_as_the_reference(by_norm, tiny_model, tiny_data):

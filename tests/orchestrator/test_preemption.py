@@ -21,7 +21,7 @@ import pytest
 
 from shard_tools.manifest import read_manifest, verify_checkpoint
 from shard_tools.store import Checkpoints
-from tests.conftest import alive, cli, faults_env, schedule_dict, write_schedule
+from tests.conftest import alive, cli, faults_env, schedule_dict, truncated_copy, write_schedule
 from tests.reference import bitwise_equal, composed, max_abs_diff
 
 pytestmark = pytest.mark.multiprocess
@@ -224,15 +224,6 @@ def test_stage_0_stopped_mid_phase_resumes_bitwise(tmp_path, tiny_model, tiny_da
     assert bitwise_equal(composed(tiny_model, run), composed(tiny_model, tmp_path / "whole"))
     after = [e["event"] for e in events(run) if e.get("path") == stop["checkpoint"] or e["event"] == "run_done"]
     assert after == ["run_done", "checkpoint_removed"], after  # kept until the run's end named another
-
-
-def truncated_copy(src: Path, dst: Path, keep_upto: int) -> Path:
-    """A copy of a run as it was at step ``keep_upto``: later checkpoints removed."""
-    shutil.copytree(src, dst)
-    for ckpt in Checkpoints(dst).all():
-        if read_manifest(ckpt).global_step > keep_upto:
-            shutil.rmtree(ckpt)
-    return dst
 
 
 def flip_byte(path: Path) -> None:
