@@ -63,7 +63,8 @@ class Backend:
         raise NotImplementedError
 
     def optimizer(self, groups: list[dict], spec: PhaseSpec, device: torch.device, world: int,
-                  lr: float | None = None) -> torch.optim.Optimizer:
+                  lr: float | None = None, body_from: int | None = None) -> torch.optim.Optimizer:
+        """The optimizer of ``groups``; ``body_from``: the index of the first of the body's groups."""
         raise NotImplementedError
 
     def place(self, model: nn.Module, device: torch.device, staging: Staging | None, trainable: frozenset[str]) -> None:
@@ -227,7 +228,7 @@ class ZeroBackend(Backend):
         return offloads(spec.deepspeed_config)
 
     def optimizer(self, groups: list[dict], spec: PhaseSpec, device: torch.device, world: int,
-                  lr: float | None = None) -> torch.optim.Optimizer:
+                  lr: float | None = None, body_from: int | None = None) -> torch.optim.Optimizer:
         # Offloaded, it steps the partitions on the host: fused there too (``adamw``).
         host = offloads(spec.deepspeed_config)
         return adamw(groups, spec.optimizer, torch.device("cpu") if host else device, lr, fused=True if host else None)
@@ -314,11 +315,11 @@ class MasterBackend(Backend):
         return without_zero(deepspeed_config(spec, world, trainable_numel))
 
     def optimizer(self, groups: list[dict], spec: PhaseSpec, device: torch.device, world: int,
-                  lr: float | None = None) -> torch.optim.Optimizer:
+                  lr: float | None = None, body_from: int | None = None) -> torch.optim.Optimizer:
         o = spec.optimizer
         return MasterAdamW(groups, lr=o.lr if lr is None else lr, betas=o.betas, eps=o.eps,
                            weight_decay=o.weight_decay, grad_clip=o.grad_clip, device=device, world=world,
-                           accumulate=_accumulates(spec, world))
+                           accumulate=_accumulates(spec, world), apart_from=body_from)
 
     def place(self, model: nn.Module, device: torch.device, staging: Staging | None, trainable: frozenset[str]) -> None:
         if staging is not None:
@@ -346,7 +347,9 @@ class MasterBackend(Backend):
         return engine.optimizer.param_groups
 
     def let_go(self, engine) -> None:
+        """The gradients, and the body's moments (``MasterAdamW.release_apart``)."""
         engine.optimizer.release_grads()
+        engine.optimizer.release_apart()
 
     def full_grads(self, engine, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
         return engine.optimizer.full_grads(params)

@@ -4,8 +4,8 @@ successor where it lies, on the device, instead of through its checkpoint.
 The predecessor (``offer``) gathers its end state on its device (``save.snapshot``), makes it
 mappable, writes one ``Offer`` per rank and waits for the answer; then it writes its checkpoint
 from its own memory and exits while the successor trains. The successor (``take``) maps each
-offered block, copies it into memory of its own (never an alias: the predecessor's memory goes
-with its process), lets the mappings go (``torch.cuda.ipc_collect``) and answers. Nothing is
+offered block, answers, builds its engine and copies the offered state straight into it (never an
+alias: its own optimizer steps its own memory), then lets the mappings go (``torch.cuda.ipc_collect``). Nothing is
 pickled: the offer is JSON, CUDA IPC's handles in it base64.
 
 Transports: ``cuda`` (CUDA IPC, both processes on the same GPU, matched by UUID), ``host`` (the
@@ -298,21 +298,24 @@ def _can_carry(ph: Phase, offered: Offer) -> bool:
 
 
 def _copy_in(ph: Phase, offered: Offer, blob: Path, keep: bool = False) -> PhaseState:
-    """Own copies of the offered weights (into the model), the head's state and the layers' fp32
-    masters (the state carried on), with ``keep`` the other layers' masters too (``Prepared.carried``);
-    then the mappings go."""
+    """Own copies of the offered weights (into the model), with ``keep`` the other layers' masters
+    (``Prepared.carried``); the head's state and this phase's layers' fp32 masters (the state carried
+    on) stay views of the offer, which ``switch.restore`` copies straight into the engine's state and
+    then lets go (``let_go_of_offer``): no copy between, 3.1 GB less on the device at 7B while the
+    predecessor's state is still there. The predecessor's memory stays while it is mapped here, even
+    once it has exited (``benchmarks/results/2026-12-06-resident-probe-h100``), and torch's CUDA IPC
+    keeps it from reusing it meanwhile."""
     made = ph.made
     parts = _unpack(map_offer(offered, blob, ph.device))
     faults.point("handover.copying", phase=ph.spec.phase, rank=ph.rank)
     with torch.no_grad():
         if made.resident is None:  # else its model is the holder's block, mapped
             _own_weights(made, parts)
-        head = {k: {n: parts[k][n].clone() for n in made.head_names} for k in engine.KEYS}
+        head = {k: {n: parts[k][n] for n in made.head_names} for k in engine.KEYS}
         layers = _layers_in(ph, parts["master"], offered.carried.host_layers, keep)
     del parts
     if ph.device.type == "cuda":
         torch.cuda.synchronize(ph.device)
-        torch.cuda.ipc_collect()
     carried = offered.carried
     made.trained.update(head["master"])
     made.trained.update(layers)
@@ -341,7 +344,7 @@ def _layers_in(ph: Phase, offered: dict[str, torch.Tensor], host_layers: list[di
     copied here (to the host after the first step: ``HostCarry.hold_later``)."""
     made = ph.made
     on_host = made.host.adopt(host_layers)
-    layers = {n: t.clone() for n, t in offered.items() if n in made.body_names}
+    layers = {n: t for n, t in offered.items() if n in made.body_names}
     up = made.staging.to_device if made.staging is not None else lambda t: t.to(ph.device, copy=True)
     # Not offered on the device (``upload_ahead`` did not run): pageable, through the ring.
     layers.update({n: up(t) for n, t in on_host.items() if n in made.body_names and n not in layers})
@@ -353,6 +356,13 @@ def _layers_in(ph: Phase, offered: dict[str, torch.Tensor], host_layers: list[di
     made.host.fresh = _in_one_block({n: offered[n] for n in others})
     made.carried = {**{n: t for n, t in on_host.items() if n not in made.body_names}, **made.host.fresh}
     return layers
+
+
+def let_go_of_offer(ph: Phase) -> None:
+    """Once the engine holds the state (``switch.restore``): the mappings of a device offer go."""
+    if ph.device.type == "cuda":
+        torch.cuda.synchronize(ph.device)
+        torch.cuda.ipc_collect()
 
 
 def _in_one_block(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -21,8 +21,9 @@ decay applies).
 
 The state is DeepSpeed's (fp32 master, ``exp_avg``, ``exp_avg_sq``, a step per param group) in flat
 buffers, there from the start (no lazy first step): every trainable parameter has a ``Slot`` of
-views (``slot_of``) that ``launch.engine.MasterBackend`` reads and writes, and a handover offers three blocks
-of device memory instead of a tensor each.
+views (``slot_of``) that ``launch.engine.MasterBackend`` reads and writes, and a handover offers a few blocks
+of device memory instead of a tensor each. The body's moments (``apart_from``) are an allocation of their own:
+no successor carries them on, and they go once the phase has offered its state (``release_apart``).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ class Slot:
     """One trainable parameter's views into the optimizer's flat buffers, shaped as the parameter."""
 
     master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    exp_avg: torch.Tensor | None
+    exp_avg_sq: torch.Tensor | None
+    """None once ``MasterAdamW.release_apart`` gave them back."""
     group: int
 
 
@@ -81,7 +83,7 @@ class MasterAdamW(torch.optim.Optimizer):
 
     def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, grad_clip: float, device: torch.device, world: int = 1,
-                 accumulate: bool = True, kernel: bool | None = None):
+                 accumulate: bool = True, kernel: bool | None = None, apart_from: int | None = None):
         super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.grad_clip, self.world = grad_clip, world
         lp_dtype = self.param_groups[0]["params"][0].dtype
@@ -93,7 +95,12 @@ class MasterAdamW(torch.optim.Optimizer):
         places = self._flatten(device)
         self.steps = [0] * len(self.param_groups)
         """Adam's step of each param group."""
-        self.moments = torch.zeros(2, self.master.numel(), dtype=torch.float32, device=device)
+        split = (places[id(self.param_groups[apart_from]["params"][0])]
+                 if apart_from is not None and apart_from < len(self.param_groups) else self.master.numel())
+        self.moments = torch.zeros(2, split, dtype=torch.float32, device=device)
+        self.apart = torch.zeros(2, self.master.numel() - split, dtype=torch.float32, device=device)
+        """The moments of the groups from ``apart_from`` on (the body's), an allocation of their own, which
+        ``release_apart`` gives back once the phase's last step is taken: its successor starts them anew."""
         spans = self._slots(places)
         self.grads = None if self.direct else torch.zeros_like(self.master)
         self._grad_of = {} if self.direct else {id(p): self.grads[s:s + p.numel()].view(p.shape)
@@ -127,11 +134,13 @@ class MasterAdamW(torch.optim.Optimizer):
 
     def _slots(self, places: dict[int, int]) -> list[tuple[int, int]]:
         """Each parameter's ``Slot``; each param group's [first, last) in the flat buffers."""
-        spans = []
+        spans, split = [], self.moments.shape[1]
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 s = places[id(p)]
-                p._relayer_slot = Slot(*(t[s:s + p.numel()].view(p.shape) for t in (self.master, *self.moments)), gi)
+                m, at = (self.moments, s) if s < split else (self.apart, s - split)
+                p._relayer_slot = Slot(self.master[s:s + p.numel()].view(p.shape),
+                                       *(t[at:at + p.numel()].view(p.shape) for t in m), gi)
             last = group["params"][-1]
             spans.append((places[id(group["params"][0])], places[id(last)] + last.numel()))
         return spans
@@ -148,7 +157,9 @@ class MasterAdamW(torch.optim.Optimizer):
             flat = group["params"][0]
             flat.grad = self.grads[a:b]
             step = torch.zeros((), dtype=torch.float32, device=device if fused else "cpu")
-            inner.state[flat] = {"step": step, "exp_avg": self.moments[0, a:b], "exp_avg_sq": self.moments[1, a:b]}
+            split = self.moments.shape[1]
+            m, at = (self.moments, a) if a < split else (self.apart, a - split)
+            inner.state[flat] = {"step": step, "exp_avg": m[0, at:at + b - a], "exp_avg_sq": m[1, at:at + b - a]}
         return inner
 
     @torch.no_grad()
@@ -248,10 +259,29 @@ class MasterAdamW(torch.optim.Optimizer):
     def set_steps(self, steps_by_group: list[int]) -> None:
         """Zero moments and the given Adam step in every group, as a fresh phase starts them."""
         self.moments.zero_()
+        self.apart.zero_()
         self.steps = list(steps_by_group)
         if self.inner is not None:
             for group, inner in enumerate(self.inner.param_groups):
                 self.inner.state[inner["params"][0]]["step"].fill_(float(steps_by_group[group]))
+
+    def release_apart(self) -> int:
+        """After the last step, once the phase-end state is gathered: the moments kept apart (the body's,
+        which no successor carries on) go, their slots with none; the bytes given back to the allocator.
+        At 7B, 3.2 GB less on the device while the successor takes over (``launch.handover``)."""
+        given = self.apart.numel() * self.apart.element_size()
+        if not given:
+            return 0
+        ptr = self.apart.untyped_storage().data_ptr()
+        for p in self.params:
+            slot = slot_of(p)
+            if slot.exp_avg is not None and slot.exp_avg.untyped_storage().data_ptr() == ptr:
+                p._relayer_slot = Slot(slot.master, None, None, slot.group)
+        for state in (self.inner.state.values() if self.inner is not None else ()):
+            if state["exp_avg"] is not None and state["exp_avg"].untyped_storage().data_ptr() == ptr:
+                state["exp_avg"] = state["exp_avg_sq"] = None
+        self.apart = torch.zeros(2, 0, dtype=torch.float32, device=self.apart.device)
+        return given
 
     def group_steps(self) -> dict[int, int]:
         return dict(enumerate(self.steps))

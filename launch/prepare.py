@@ -23,7 +23,7 @@ from launch import handover, pinned, preload, procs, rendezvous, resident
 from launch.basemodel import base_model, model_spec
 from launch.contract import devmem, faults
 from launch.contract.files import DATA_CACHE
-from launch.contract.spec import PhaseSpec
+from launch.contract.spec import WARM_UP_VOCAB, PhaseSpec
 from launch.data.examples import SampleOrder, load_examples, load_validation, micro_batch, prepare as prepare_data
 from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.record import Phase, Prepared
@@ -257,8 +257,8 @@ def _pin_ahead(ph: Phase, made: Prepared) -> None:
 
 def warm_up(ph: Phase, made: Prepared) -> None:
     """Pays a process's one-time costs before its go, on a throwaway copy of the model with one
-    layer: the first ``deepspeed.initialize`` (seconds), the communicator, and every kernel and
-    handle a real step of this shape loads. On the H200 a 1.1B phase's first step took 0.43 s
+    layer and a vocabulary of at most ``TOY_VOCAB`` rows: the first ``deepspeed.initialize``
+    (seconds), the communicator, and every kernel and handle a real step of this shape loads. On the H200 a 1.1B phase's first step took 0.43 s
     after a warm-up on a tiny linear layer, and a steady step's 0.09 s after this one
     (benchmarks/results/2026-11-29-nvidia-h200-v3/first_step.md). Its device memory (one
     layer and the head, with their optimizer state) is given back before the go.
@@ -306,14 +306,18 @@ def _warm_or_oom(ph: Phase, made: Prepared, small: bool) -> str | None:
 def _one_layer_fits(ph: Phase, made: Prepared) -> bool:
     """Whether a phase waiting under a budget may hold the one-layer toy: its weights and gradients
     at 16 bits and its logits at the micro-batch (``LOGIT_BYTES`` an element) within its share
-    (``waiting_cap``); elsewhere it tries. At 7B under 24 GiB: 2.5 GB against 2.0 (an H100 saw every
-    try run out of memory after filling the share)."""
+    (``waiting_cap``); elsewhere it tries. At 7B under 24 GiB, with the whole vocabulary: 2.5 GB against
+    2.0 (an H100 saw every try run out of memory after filling the share); its vocabulary cut
+    (``TOY_VOCAB``), 0.9 GB."""
     if not ph.waits_in_a_share:
         return True
-    names = {*made.head_names, *layer_param_names(made.model, made.origin.layers_attr, 0)}
-    numel = sum(p.numel() for n, p in made.model.named_parameters() if n in names)
+    layer = set(layer_param_names(made.model, made.origin.layers_attr, 0))
+    vocab = getattr(made.model.config, "vocab_size", 0)
+    rows = min(1.0, TOY_VOCAB / vocab) if vocab else 1.0  # its head's, cut (``_cut_vocabulary``)
+    numel = sum(p.numel() * (1 if n in layer else rows) for n, p in made.model.named_parameters()
+                if n in layer or n in made.head_names)
     d = ph.spec.data
-    logits = d.micro_batch_size * d.seq_len * getattr(made.model.config, "vocab_size", 0) * LOGIT_BYTES
+    logits = d.micro_batch_size * d.seq_len * min(vocab, TOY_VOCAB) * LOGIT_BYTES
     return 4 * numel + logits <= ph.spec.waiting_cap
 
 
@@ -341,8 +345,8 @@ def _warm_on(ph: Phase, made: Prepared, small: bool) -> None:
 
 SMALLEST = {"hidden_size": 16, "n_embd": 16, "intermediate_size": 32, "n_inner": 32, "num_attention_heads": 2,
             "n_head": 2, "num_key_value_heads": 2, "head_dim": 8}
-"""The least widths a toy of the model's family gets (``_smallest``): two heads of 8, the vocabulary kept
-(the phase's own rows go through it)."""
+"""The least widths a toy of the model's family gets (``_smallest``): two heads of 8 (its vocabulary cut as
+every toy's, ``TOY_VOCAB``)."""
 
 
 def _smallest(config) -> object:
@@ -364,12 +368,42 @@ def _toy_engine(ph: Phase, made: Prepared, small: bool = False) -> tuple[object,
         config.layer_types = config.layer_types[:1]
     if small:
         config = _smallest(config)
+    _cut_vocabulary(config)
     with torch.device(ph.device):
         toy = setup_model(type(made.model)(config).to(DTYPES[spec.model.dtype]), spec)
     backend = ph.backend
     cfg = backend.config(spec, ph.world, sum(p.numel() for p in toy.parameters()))
     optimizer = backend.optimizer([{"params": list(toy.parameters())}], spec, ph.device, ph.world, lr=0.0)
     return backend.initialize(toy, optimizer, cfg), cfg["gradient_accumulation_steps"]
+
+
+TOY_VOCAB = WARM_UP_VOCAB
+"""The warm-up toy's vocabulary, at most (``_cut_vocabulary``): the head's kernels are the same for any
+number of rows, and at 7B the whole vocabulary's embedding and output layer with their optimizer state
+were 3.7 GB of the one-layer toy's ~10, on the device beside the phase training and its switches
+(benchmarks/results/2026-12-06-issue41-h100-resident: the switches with a warm-up in them 58.9 GB,
+the others 46.7-50.9)."""
+
+
+def _cut_vocabulary(config) -> None:
+    """``config``'s vocabulary at most ``TOY_VOCAB`` rows, its special tokens within it (a padding row
+    out of range is refused by the embedding); ``_toy_steps`` maps the phase's token ids into it."""
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab <= TOY_VOCAB:
+        return
+    config.vocab_size = TOY_VOCAB
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(getattr(config, key, None), int):
+            setattr(config, key, getattr(config, key) % TOY_VOCAB)
+
+
+def _in_vocabulary(batch: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.Tensor]:
+    """The token ids and labels of ``batch`` taken modulo the toy's ``vocab`` (ignored labels stay -100)."""
+    out = dict(batch)
+    out["input_ids"] = batch["input_ids"] % vocab
+    if "labels" in batch:
+        out["labels"] = torch.where(batch["labels"] < 0, batch["labels"], batch["labels"] % vocab)
+    return out
 
 
 SMALL_TOKENS = 16
@@ -387,6 +421,7 @@ def _toy_steps(ph: Phase, made: Prepared, engine, gas: int, small: bool = False)
                             ph.world, d.micro_batch_size)
         if small:
             batch = {k: v[:1, :SMALL_TOKENS] for k, v in batch.items()}
+        batch = _in_vocabulary(batch, engine.module.config.vocab_size)
         engine.backward(token_loss(engine, batch, ph.device)[0])
         engine.step()
     flags = torch.zeros(2, device=ph.device)

@@ -149,8 +149,10 @@ def build_engine(ph: Phase, made: Prepared, source: Source) -> Assembled:
                                                starts)
     index = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
     group_of = {n: index[id(p)] for n, p in model.named_parameters() if n in made.body_names}
+    body_from = next((i for i, r in enumerate(roles) if r not in (HEAD_DECAY, HEAD_NO_DECAY)), None)
     with pinned.serving(made.arena):
-        engine = backend.initialize(model, backend.optimizer(groups, spec, ph.device, ph.world), ds_config)
+        engine = backend.initialize(model, backend.optimizer(groups, spec, ph.device, ph.world, body_from=body_from),
+                                    ds_config)
     if made.arena is not None:
         ph.timeline.add(pinned_ahead=made.arena.summary())
     named = dict(engine.module.named_parameters())
@@ -227,6 +229,8 @@ def restore(ph: Phase) -> None:
         _restore_rng(ph, m.run.rng)
     built.source.carried = built.source.kept = None  # on the device now; the mapping of the head file can go
     made.trained = {}
+    if built.source.taken:  # and those of a device offer, copied from straight into the engine's state
+        handover.let_go_of_offer(ph)
     ph.timeline.mark("t_restored")
 
 

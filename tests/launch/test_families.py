@@ -86,8 +86,8 @@ def test_head_and_layers_are_detected(family):
 @pytest.mark.parametrize("family", [*FAMILIES, "qwen3"])
 def test_the_smallest_warm_up_toy_of_each_family_trains_a_step(family):
     """A waiting phase without room for its warm-up on one layer (7B under a budget of 24 GiB) warms up
-    on its family's model at the least widths (``launch.prepare._smallest``), vocabulary kept: it
-    builds, and a step of the phase's rows (any token id) runs forward and backward."""
+    on its family's model at the least widths (``launch.prepare._smallest``): it builds, and a step of
+    the phase's rows (any token id of the vocabulary) runs forward and backward."""
     import copy
 
     from transformers import Qwen3Config
@@ -101,6 +101,32 @@ def test_the_smallest_warm_up_toy_of_each_family_trains_a_step(family):
     assert sum(p.numel() for p in toy.parameters()) < 3 * VOCAB * 16 + 2_000
     ids = torch.tensor([[VOCAB - 1, 0, 5, 7]])
     toy(input_ids=ids, labels=ids).loss.backward()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_warm_up_toys_vocabulary_is_cut_and_takes_any_token(family):
+    """Every warm-up toy's vocabulary at most ``TOY_VOCAB`` rows (``launch.prepare._cut_vocabulary``; at
+    7B the whole one was 3.7 GB of the toy's ~10 beside a switch), its padding row within it; the
+    phase's rows, any token id and the ignored labels, go through it (``_in_vocabulary``)."""
+    import copy
+
+    from launch.prepare import TOY_VOCAB, _cut_vocabulary, _in_vocabulary
+
+    vocab = TOY_VOCAB * 3 + 7
+    config = copy.deepcopy(_config(family))
+    config.vocab_size, config.pad_token_id, config.num_hidden_layers = vocab, vocab - 1, 1
+    _cut_vocabulary(config)
+    assert config.vocab_size == TOY_VOCAB and 0 <= config.pad_token_id < TOY_VOCAB
+    toy = AutoModelForCausalLM.from_config(config)
+    assert toy.get_input_embeddings().weight.shape[0] == TOY_VOCAB
+    ids = torch.tensor([[vocab - 1, 0, TOY_VOCAB, 7]])
+    batch = _in_vocabulary({"input_ids": ids, "labels": torch.tensor([[-100, 0, vocab - 2, 7]])}, TOY_VOCAB)
+    assert batch["input_ids"].tolist() == [[(vocab - 1) % TOY_VOCAB, 0, 0, 7]]
+    assert batch["labels"].tolist() == [[-100, 0, (vocab - 2) % TOY_VOCAB, 7]]
+    toy(**batch).loss.backward()
+    small = copy.deepcopy(_config(family))  # a vocabulary within it is kept
+    _cut_vocabulary(small)
+    assert small.vocab_size == VOCAB
 
 
 def _metrics_steps(run: Path) -> int:

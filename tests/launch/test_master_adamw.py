@@ -115,6 +115,31 @@ def test_zero_state_reads_and_writes_its_views():
     assert backend.param_groups(engine) is opt.param_groups
 
 
+@pytest.mark.parametrize("fused_torch", [False, True], ids=["one-loop", "torch-adamw"])
+def test_the_bodys_moments_apart_step_the_same_and_go_after_the_last_step(fused_torch):
+    """``apart_from``: the second group's moments in an allocation of their own (a phase's body), the
+    steps bitwise those of one allocation; ``release_apart`` gives them back and leaves the first
+    group's state as it was (what a successor carries on)."""
+    kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, grad_clip=1.0, device=torch.device("cpu"),
+              accumulate=fused_torch, kernel=False)
+    one, two = _net(), _net()
+    whole, apart = MasterAdamW(_groups(one, 0.1), **kw), MasterAdamW(_groups(two, 0.1), apart_from=1, **kw)
+    _train(one, whole.step, 4, 1, clip_tail=True)
+    _train(two, apart.step, 4, 1, clip_tail=True)
+    for p, q in zip(whole.params, apart.params):
+        assert torch.equal(p, q)
+        assert all(torch.equal(getattr(slot_of(p), k), getattr(slot_of(q), k)) for k in ("master", "exp_avg", "exp_avg_sq"))
+    first, second = apart.param_groups[0]["params"], apart.param_groups[1]["params"]
+    assert slot_of(second[0]).exp_avg.untyped_storage().data_ptr() == apart.apart.untyped_storage().data_ptr()
+    assert slot_of(first[0]).exp_avg.untyped_storage().data_ptr() == apart.moments.untyped_storage().data_ptr()
+    kept = {id(p): slot_of(p).exp_avg.clone() for p in first}
+    assert apart.release_apart() == 2 * 4 * sum(-(-p.numel() // ALIGN) * ALIGN for p in second)
+    assert apart.apart.numel() == 0 and apart.release_apart() == 0
+    assert all(slot_of(p).exp_avg is None and slot_of(p).exp_avg_sq is None for p in second)
+    assert all(torch.equal(slot_of(p).exp_avg, kept[id(p)]) for p in first)
+    assert whole.release_apart() == 0  # nothing apart: nothing goes
+
+
 def _kernel_device() -> torch.device:
     """CUDA with Triton (the lent GPU), or the CPU under Triton's interpreter (TRITON_INTERPRET=1
     before the process imported Triton)."""
