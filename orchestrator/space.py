@@ -8,7 +8,9 @@ Sizes follow orchestrator/estimate.py's parameter counts:
                    moments beside them); a stop's mid-phase checkpoint also the body's Adam moments (x 8);
                    where phase ends may write none (``carries``), every layer the run trains (a
                    checkpoint holds the layers trained since the last one), and the layers-only
-                   sources then at most one more copy of each (an estimate, not a bound)
+                   sources then at most one more copy of each (an estimate, not a bound); and at
+                   most as many layer copies as the run writes (``layer_writes``: each phase's
+                   layers land in one checkpoint, again at each of its mid-phase ones and a stop's)
     checkpoints    (keep_last + 1) checkpoints (retention runs after the next one is durable); where
                    every phase end writes, launch.prewarm_depth more with pre-warming (retention
                    spares each waiting phase's preload, which with short phases is older than
@@ -75,6 +77,16 @@ def layer_sources(phases: list[Phase], keep_last: int) -> int:
     return min(trained + (keep_last - 1) * widest, max(len(phases) - keep_last, 0))
 
 
+def layer_writes(loaded: LoadedSchedule, phases: list[Phase]) -> int:
+    """How many layer copies the run's checkpoints hold at most where a phase end may write none, the
+    kept whole ones and the layers-only sources together: each phase's layers after it (in the next
+    checkpoint, which holds what was trained since the one before) and at each of its mid-phase
+    checkpoints (``checkpoint.every_steps``), and the layers of a stop's."""
+    every = loaded.schedule.checkpoint.every_steps
+    mid = [((p.end_step - p.start_step - 1) // every if every else 0) for p in phases]
+    return sum(len(p.layers) * (1 + m) for p, m in zip(phases, mid)) + max(len(p.layers) for p in phases)
+
+
 def carries(loaded: LoadedSchedule) -> bool:
     """Whether a phase end may write no checkpoint, its successor carrying its layers on
     (``checkpoint.every_seconds`` with a handover)."""
@@ -119,18 +131,20 @@ def disk_need(loaded: LoadedSchedule, phases: list[Phase], data_bytes: int) -> D
         return None
     widest = max(len(p.layers) for p in phases)
     held = trained_layers(phases) if carries(loaded) else widest
-    per_param = _per_layer_param(loaded)
-    full = _full(count, trained_head(loaded, count), held, per_param)
+    per_param, head = _per_layer_param(loaded), trained_head(loaded, count)
     stop = widest * count.per_layer * (ADAM_BYTES - MASTER_BYTES)  # a stop's body optimizer state
     # Retention runs once the next checkpoint is durable: keep_last + 1 for a while, and spares the
     # waiting phases' preloads. An older checkpoint kept as a layer source keeps its layers file alone.
     ahead = s.launch.prewarm_depth if s.launch.prewarm and not carries(loaded) else 0
     kept = min(s.checkpoint.keep_last + 1 + ahead, len(phases) + 1)
-    sources = layer_sources(phases, s.checkpoint.keep_last) * _full(count, 0, widest, per_param)
-    if carries(loaded):  # the layers-only sources beside checkpoints of every layer: about one more copy of each
-        sources = min(sources, _full(count, 0, held))
+    layers = kept * held + layer_sources(phases, s.checkpoint.keep_last) * widest  # layer copies
+    if carries(loaded):  # the layers-only sources beside checkpoints of every layer: about one more copy of each,
+        # and no more copies than the run writes
+        layers = min(kept * held + min(layer_sources(phases, s.checkpoint.keep_last) * widest, held),
+                     layer_writes(loaded, phases))
     final = count.total * DTYPE_BYTES[s.model.dtype] if s.run.final_model else 0
-    return DiskNeed(checkpoints=kept * full + stop + sources, data_cache=data_bytes, final=final)
+    return DiskNeed(checkpoints=kept * _full(count, head, 0) + _full(count, 0, layers, per_param) + stop,
+                    data_cache=data_bytes, final=final)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from orchestrator.estimate import model_config, param_count, trained_head
 from orchestrator.plan import plan_phases
 from orchestrator.space import disk_need, file_system_of
 from orchestrator.validate import load_schedule
@@ -145,3 +146,27 @@ def test_every_phase_end_counts_the_waiting_phases_preloads(tmp_path, model16, t
 
     cold, one, three = need(prewarm=False), need(prewarm_depth=1), need(prewarm_depth=3)
     assert cold < one < three and three - one == 2 * (one - cold), (cold, one, three)
+
+
+def test_under_the_cadence_no_more_layer_copies_than_the_run_writes(tmp_path, model16, tiny_data):
+    """Where a phase end may write no checkpoint (handed over, ``checkpoint.every_seconds``), the next one
+    holds the layers trained since the one before: each phase's layers land in one checkpoint (again in
+    each of its mid-phase ones, ``every_steps``, and in a stop's), so the kept checkpoints and the
+    layers-only sources together hold no more layer copies than that. Counted as each kept checkpoint
+    holding every layer the run trains, 13B's 30 LISA phases needed 210 GiB of disk; so, 113 GiB."""
+    def need(phases: int, interval: int, every_steps: int = 0) -> tuple[int, int, int]:
+        sched = lisa(model16, tiny_data, tmp_path / "run", phases, launch={"handover": "on"},
+                     checkpoint={"every_steps": every_steps, "every_seconds": 300, "keep_last": 2})
+        sched["schedule"] |= {"total_steps": phases * interval, "interval": interval}
+        loaded = load_schedule(write_schedule(tmp_path / "s.toml", sched))
+        count = param_count(model_config(loaded))
+        head = trained_head(loaded, count) * 12 * 3  # keep_last 2: three kept whole
+        stop = 2 * count.per_layer * 8  # a stop's body moments
+        return disk_need(loaded, plan_phases(loaded), 0).checkpoints - head - stop, count.per_layer * 4, phases
+
+    layers, per_layer, phases = need(4, 1)
+    assert layers == (phases * 2 + 2) * per_layer  # four phases of two layers, and a stop's two
+    layers, per_layer, phases = need(3, 4, every_steps=2)
+    assert layers == (phases * 2 * 2 + 2) * per_layer  # each phase's layers at its end and once mid-phase
+    layers, _, _ = need(40, 1)
+    assert layers < 40 * 2 * per_layer  # 16 layers, each kept checkpoint of all of them and the sources: fewer
