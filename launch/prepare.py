@@ -23,7 +23,7 @@ from launch import handover, pinned, preload, procs, rendezvous, resident
 from launch.basemodel import base_model, model_spec
 from launch.contract import devmem, faults
 from launch.contract.files import DATA_CACHE
-from launch.contract.spec import WARM_UP_VOCAB, PhaseSpec
+from launch.contract.spec import PhaseSpec
 from launch.data.examples import SampleOrder, load_examples, load_validation, micro_batch, prepare as prepare_data
 from launch.ops import load_comm_ops, unlink_comm_buffers
 from launch.record import Phase, Prepared
@@ -377,12 +377,13 @@ def _toy_engine(ph: Phase, made: Prepared, small: bool = False) -> tuple[object,
     return backend.initialize(toy, optimizer, cfg), cfg["gradient_accumulation_steps"]
 
 
-TOY_VOCAB = WARM_UP_VOCAB
+TOY_VOCAB = 1024
 """The warm-up toy's vocabulary, at most (``_cut_vocabulary``): the head's kernels are the same for any
 number of rows, and at 7B the whole vocabulary's embedding and output layer with their optimizer state
 were 3.7 GB of the one-layer toy's ~10, on the device beside the phase training and its switches
 (benchmarks/results/2026-12-06-issue41-h100-resident: the switches with a warm-up in them 58.9 GB,
-the others 46.7-50.9)."""
+the others 46.7-50.9). ``orchestrator.estimate.warm_up_bytes`` still counts the whole vocabulary
+(an upper bound) until a GPU run measures the cut toy."""
 
 
 def _cut_vocabulary(config) -> None:

@@ -23,17 +23,19 @@ At a switch that hands the state over on the device (``launch.handover``, orches
 the finished phase P and its successor S are both alive on one device for a while, beside the
 phases that wait pre-warmed. The overlap's peak on one device, as NVML sees it:
 
-    let_go(P) + offered (ZeRO: P's gathered copy) + on_device(S) + waiting
+    let_go(P) + offered (ZeRO: P's gathered copy) + taking(S) + waiting
     let_go       a finished phase once it offered: its weights + its optimizer state (under ZeRO its
                  gradients too) x RESERVE + PROCESS_BYTES; it gives its gradients and its allocator's
-                 cache back as it offers (``launch.handover``), at ZeRO stage 0 its body's Adam moments too
+                 cache back as it offers (``launch.handover``)
     on_device    a phase's weights + the rest of its total x RESERVE + PROCESS_BYTES; with the
                  holder's copy, at ZeRO stage 0 the optimizer's state (relayer's MasterAdamW, flat
-                 buffers allocated once) without the reserve too, in this and in let_go; S copies
-                 the offer straight into its engine's state (no copy between)
+                 buffers allocated once) without the reserve too, in this and in let_go
+    taking       with the holder's copy, S's on_device where its copy of the offer (dropped once its
+                 engine holds the state, before its first step) stands for its gradients and
+                 activations, whichever is more; with a copy per phase, offered + on_device(S)
     offered      head x 12 bytes (fp32 masters, exp_avg, exp_avg_sq of the whole head, gathered: not
                  ZeRO's partition) + P's layers x per_layer x 4 bytes (their fp32 masters); under
-                 ZeRO 0 P offers its optimizer's own memory, counted in let_go(P)
+                 ZeRO 0 P offers its optimizer's own memory, so it counts only in S's copy
     waiting      the phases pre-warmed beyond S (launch.prewarm_depth, as many as are left): with the
                  holder's copy each its CUDA context (CONTEXT_BYTES) and one warm-up (they warm up one
                  at a time: a toy of one layer, its whole phase); under launch.device_memory, or with
@@ -82,7 +84,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from launch.contract.dsconfig import bucket_size
-from launch.contract.spec import WARM_UP_VOCAB
 from orchestrator.errors import ScheduleError
 from orchestrator.libfacts import offloads_optimizer
 from orchestrator.modelcheck import CONFIG, num_layers_of
@@ -221,8 +222,6 @@ class PhaseMemory:
     gradients: int
     activations: int
     flat_optimizer: bool = False
-    body_moments: int = 0
-    """At ZeRO stage 0, the bytes of the body's Adam moments, which a finished phase gives back as it offers."""
     """The optimizer's state lies in buffers allocated once (relayer's MasterAdamW, ZeRO stage 0): no
     allocator reserve above it, as above the weights. Counted so with the holder's copy of the model
     (measured so on an H100); the H200's constants, of a copy per phase, keep the reserve."""
@@ -248,11 +247,10 @@ def activation_bytes(count: ParamCount, *, width: int, micro_batch: int, seq_len
 
 def phase_memory(count: ParamCount, trainable: int, *, dtype: str, zero_stage: int, world: int,
                  micro_batch: int, seq_len: int, checkpointing: bool = False, offload: bool = False,
-                 bucket: int = 0, largest: int = 0, resident: bool = False, body: int = 0) -> PhaseMemory:
+                 bucket: int = 0, largest: int = 0, resident: bool = False) -> PhaseMemory:
     """``bucket``: ZeRO's reduce bucket in elements (stages 1 and 2); ``largest``: the largest
     trainable parameter's elements (what the offload stages on the device); ``resident``: the
-    model's weights are the holder's (``launch.resident``), the phase's own only what it trains; ``body``:
-    of ``trainable``, the body's parameters."""
+    model's weights are the holder's (``launch.resident``), the phase's own only what it trains."""
     width = DTYPE_BYTES[dtype]
     return PhaseMemory(
         weights=trainable * width if resident else math.ceil(count.total * width / (world if zero_stage >= 3 else 1)),
@@ -262,7 +260,6 @@ def phase_memory(count: ParamCount, trainable: int, *, dtype: str, zero_stage: i
         activations=activation_bytes(count, width=width, micro_batch=micro_batch, seq_len=seq_len,
                                      checkpointing=checkpointing) + micro_batch * seq_len * count.vocab * LOGIT_BYTES,
         flat_optimizer=zero_stage == 0 and resident,
-        body_moments=body * (ADAM_BYTES - MASTER_BYTES) if zero_stage == 0 else 0,
     )
 
 
@@ -296,34 +293,43 @@ def on_device(memory: PhaseMemory) -> int:
 def let_go(memory: PhaseMemory, zero: bool) -> int:
     """Bytes NVML sees for a finished phase once it has offered its state: its gradients and its
     allocator's cache are given back (``launch.handover``); under ZeRO (``zero``) its gradient
-    partitions and reduce buckets are counted still; at stage 0 its body's moments are given back too."""
-    reserved = (0 if memory.flat_optimizer else memory.optimizer - memory.body_moments) + (memory.gradients if zero else 0)
-    return memory.unreserved - (memory.body_moments if memory.flat_optimizer else 0) + math.ceil(reserved * RESERVE) \
+    partitions and reduce buckets are counted still."""
+    reserved = (0 if memory.flat_optimizer else memory.optimizer) + (memory.gradients if zero else 0)
+    return memory.unreserved + math.ceil(reserved * RESERVE) + PROCESS_BYTES
+
+
+def taking(memory: PhaseMemory, offered: int) -> int:
+    """Bytes NVML sees for the successor at its peak in a handover: its whole phase, where the copy it
+    made of the offer (dropped once its engine holds the state, before its first step) stands in
+    for its gradients and activations, whichever is more."""
+    reserved = memory.total - memory.unreserved - memory.gradients - memory.activations
+    return memory.unreserved + math.ceil((reserved + max(offered, memory.gradients + memory.activations)) * RESERVE) \
         + PROCESS_BYTES
 
 
-def overlap_peak(before: PhaseMemory, after: PhaseMemory, offered: int, waiting: int, gathered: bool = True) -> int:
+def overlap_peak(before: PhaseMemory, after: PhaseMemory, offered: int, waiting: int, gathered: bool = True,
+                 resident: bool = False) -> int:
     """Bytes on one device while a phase hands over to its successor: the finished phase as it is
     once it offered (``let_go``), the offer where ``gathered`` (ZeRO's; relayer's MasterAdamW offers
-    its own memory), the successor's whole phase, into whose state it copies the offer straight
-    (``launch.handover``), and ``waiting``: the bytes of the phases waiting pre-warmed beside them
-    (``waiting_bytes``)."""
-    return let_go(before, gathered) + (offered if gathered else 0) + on_device(after) + waiting
+    its own memory), the successor's copy of it and its whole phase, and ``waiting``: the bytes of
+    the phases waiting pre-warmed beside them (``waiting_bytes``). With the holder's copy of the
+    model (``resident``: measured so, on an H100) the copy counts inside the successor's peak
+    (``taking``); with a copy of the model per phase as the H200's constants were measured, beside it.
+    The switch holds less since (no copy of the offer, the body's moments given back, the warm-up's
+    vocabulary cut: docs/design.md); until measured on a GPU this counts as measured, an upper bound."""
+    successor = taking(after, offered) if resident else offered + on_device(after)
+    return let_go(before, gathered) + (offered if gathered else 0) + successor + waiting
 
 
 def warm_up_bytes(count: ParamCount, *, dtype: str, zero_stage: int, world: int, micro_batch: int, seq_len: int,
                   checkpointing: bool, offload: bool, bucket: int) -> int:
     """Bytes NVML sees for a waiting phase's warm-up beyond its context: a toy of the model with one
-    layer and a vocabulary of at most WARM_UP_VOCAB rows, every parameter trained (``launch.prepare.warm_up``),
-    one step of the phase's shape. Its memory goes back before the go, and the waiting phases warm up one
-    at a time on a GPU."""
-    rows = min(count.vocab, WARM_UP_VOCAB)
-    head = {k: v * rows // count.vocab if count.vocab and v == count.vocab * count.hidden else v
-            for k, v in count.head.items()}
-    toy = ParamCount(head=head, per_layer=count.per_layer, num_layers=1, hidden=count.hidden, vocab=rows)
+    layer, every parameter trained (``launch.prepare.warm_up``), one step of the phase's shape. Its
+    memory goes back before the go, and the waiting phases warm up one at a time on a GPU."""
+    toy = ParamCount(head=count.head, per_layer=count.per_layer, num_layers=1, hidden=count.hidden, vocab=count.vocab)
     m = phase_memory(toy, toy.total, dtype=dtype, zero_stage=zero_stage, world=world, micro_batch=micro_batch,
                      seq_len=seq_len, checkpointing=checkpointing, offload=offload, bucket=bucket,
-                     largest=max([*head.values(), count.per_layer // 4]))
+                     largest=max(count.head.values(), default=0))
     # Its weights are its own, its optimizer's buffers as flat as a phase's.
     return on_device(replace(m, flat_optimizer=zero_stage == 0)) - PROCESS_BYTES
 
@@ -392,8 +398,8 @@ def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
     out = [phase_memory(count, trainable, dtype=s.model.dtype, zero_stage=s.deepspeed.zero_stage,
                         world=ph.nproc * s.launch.nnodes, micro_batch=s.data.micro_batch_size, seq_len=s.data.seq_len,
                         checkpointing=s.model.gradient_checkpointing, offload=offloads_optimizer(loaded.deepspeed_config),
-                        bucket=reduce_bucket(loaded, head + body), largest=largest, resident=resident, body=body)
-           for ph in phases for body in [body_trained(loaded, ph, count)] for trainable in [head + body]]
+                        bucket=reduce_bucket(loaded, trainable), largest=largest, resident=resident)
+           for ph in phases for trainable in [head + body_trained(loaded, ph, count)]]
     held = count.total * DTYPE_BYTES[s.model.dtype] + CONTEXT_BYTES if resident else 0
     warm = warm_up_bytes(count, dtype=s.model.dtype, zero_stage=s.deepspeed.zero_stage,
                          world=phases[0].nproc * s.launch.nnodes if phases else 1, micro_batch=s.data.micro_batch_size,
@@ -403,7 +409,7 @@ def estimate_plan(loaded: LoadedSchedule, phases: list[Phase]) -> PlanEstimate:
     capped = s.launch.device_memory is not None
     overlaps = [held + overlap_peak(out[i], out[i + 1], offered_bytes(count, head, len(phases[i].layers)),
                                     waiting_bytes(waiting_beside(loaded, phases, i + 1), warm, resident, capped),
-                                    gathered=s.deepspeed.zero_stage > 0)
+                                    gathered=s.deepspeed.zero_stage > 0, resident=resident)
                 for i in range(len(phases) - 1)]
     return PlanEstimate(phases=out, count=count, unsized=[p for p in persistent if p not in count.head],
                         overlaps=overlaps, resident=held)

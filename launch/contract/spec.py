@@ -1,6 +1,6 @@
 """The phase spec: the one JSON file through which the orchestrator tells a phase what to do
-(unknown keys are errors, so drift between the two sides fails loudly), and what both sides must
-agree on: the learning rate of a step, the warm-up toy's vocabulary."""
+(unknown keys are errors, so drift between the two sides fails loudly), and the learning rate of a
+step (both sides must agree on it)."""
 
 from __future__ import annotations
 
@@ -141,11 +141,6 @@ class PhaseSpec(_Spec):
         """``model_copy(update=...)``, validated: model_copy takes any value unchecked and drops an
         unknown key silently, so a change the worker would refuse is caught here instead."""
         return self.model_validate(self.model_dump() | update)
-
-
-WARM_UP_VOCAB = 1024
-"""The vocabulary of a waiting phase's warm-up toy, at most (``launch.prepare``): the plan counts its
-warm-up's memory with it (``orchestrator.estimate.warm_up_bytes``)."""
 
 
 def lr_at(step: int, opt, phase_start: int = 0) -> float:
