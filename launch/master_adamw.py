@@ -148,7 +148,7 @@ class MasterAdamW(torch.optim.Optimizer):
     def _torch_adamw(self, spans: list[tuple[int, int]], device: torch.device) -> torch.optim.AdamW:
         """Without the kernel: torch's AdamW over each group's slice of the flat masters, its
         gradient the same slice of the flat buffer, its moments those of the flat moments."""
-        fused = device.type == "cuda"
+        fused, split = device.type == "cuda", self.moments.shape[1]
         inner = torch.optim.AdamW([{"params": [self.master[a:b]], "weight_decay": g["weight_decay"]}
                                    for g, (a, b) in zip(self.param_groups, spans)],
                                   lr=self.defaults["lr"], betas=self.defaults["betas"], eps=self.defaults["eps"],
@@ -157,7 +157,6 @@ class MasterAdamW(torch.optim.Optimizer):
             flat = group["params"][0]
             flat.grad = self.grads[a:b]
             step = torch.zeros((), dtype=torch.float32, device=device if fused else "cpu")
-            split = self.moments.shape[1]
             m, at = (self.moments, a) if a < split else (self.apart, a - split)
             inner.state[flat] = {"step": step, "exp_avg": m[0, at:at + b - a], "exp_avg_sq": m[1, at:at + b - a]}
         return inner

@@ -258,13 +258,15 @@ def _pin_ahead(ph: Phase, made: Prepared) -> None:
 def warm_up(ph: Phase, made: Prepared) -> None:
     """Pays a process's one-time costs before its go, on a throwaway copy of the model with one
     layer and a vocabulary of at most ``TOY_VOCAB`` rows: the first ``deepspeed.initialize``
-    (seconds), the communicator, and every kernel and handle a real step of this shape loads. On the H200 a 1.1B phase's first step took 0.43 s
-    after a warm-up on a tiny linear layer, and a steady step's 0.09 s after this one
+    (seconds), the communicator, and every kernel and handle a real step of this shape loads. On
+    the H200 a 1.1B phase's first step took 0.43 s after a warm-up on a tiny linear layer, and a
+    steady step's 0.09 s after this one
     (benchmarks/results/2026-11-29-nvidia-h200-v3/first_step.md). Its device memory (one
     layer and the head, with their optimizer state) is given back before the go.
 
     One process without room for it on the device (or in its share of launch.device_memory while
-    it waits: at 7B under 24 GiB every one) warms up on the smallest toy instead (``_smallest``:
+    it waits: at 7B under 24 GiB every one while the toy had the whole vocabulary; with its cut,
+    ``_one_layer_fits`` lets it try, not yet seen on a GPU) warms up on the smallest toy instead (``_smallest``:
     DeepSpeed's first initialize, the communicator, the optimizer's and the offload's code paths,
     not this shape's kernels; at 7B the switch paid about 1.5 s of DeepSpeed's first config and
     0.5 s of the first collective without it, benchmarks/results/2026-12-06-issue42-h100-7b). A rank
