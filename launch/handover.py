@@ -5,8 +5,8 @@ The predecessor (``offer``) gathers its end state on its device (``save.snapshot
 mappable, writes one ``Offer`` per rank and waits for the answer; then it writes its checkpoint
 from its own memory and exits while the successor trains. The successor (``take``) maps each
 offered block, answers, builds its engine and copies the offered state straight into it (never an
-alias: its own optimizer steps its own memory), then lets the mappings go (``torch.cuda.ipc_collect``). Nothing is
-pickled: the offer is JSON, CUDA IPC's handles in it base64.
+alias: its own optimizer steps its own memory), then lets the mappings go (``torch.cuda.ipc_collect``).
+Nothing is pickled: the offer is JSON, CUDA IPC's handles in it base64.
 
 Transports: ``cuda`` (CUDA IPC, both processes on the same GPU, matched by UUID), ``host`` (the
 bytes in a 0600 file in the predecessor's phase directory: the same choreography on a CPU, for

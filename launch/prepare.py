@@ -266,10 +266,11 @@ def warm_up(ph: Phase, made: Prepared) -> None:
 
     One process without room for it on the device (or in its share of launch.device_memory while
     it waits: at 7B under 24 GiB every one while the toy had the whole vocabulary; with its cut,
-    ``_one_layer_fits`` lets it try, not yet seen on a GPU) warms up on the smallest toy instead (``_smallest``:
-    DeepSpeed's first initialize, the communicator, the optimizer's and the offload's code paths,
-    not this shape's kernels; at 7B the switch paid about 1.5 s of DeepSpeed's first config and
-    0.5 s of the first collective without it, benchmarks/results/2026-12-06-issue42-h100-7b). A rank
+    ``_one_layer_fits`` lets it try, not yet seen on a GPU) warms up on the smallest toy instead
+    (``_smallest``: DeepSpeed's first initialize, the communicator, the optimizer's and the
+    offload's code paths, not this shape's kernels; at 7B the switch paid about 1.5 s of DeepSpeed's
+    first config and 0.5 s of the first collective without it,
+    benchmarks/results/2026-12-06-issue42-h100-7b). A rank
     of several out of memory fails (its phase is then started afresh when its turn comes), so under
     a budget several take the smallest toy from the start (a rank out of memory in a collective
     would leave the others waiting in it), and so does one whose share cannot hold the one-layer

@@ -83,8 +83,8 @@ def layer_writes(loaded: LoadedSchedule, phases: list[Phase]) -> int:
     checkpoint, which holds what was trained since the one before) and at each of its mid-phase
     checkpoints (``checkpoint.every_steps``), and the layers of a stop's."""
     every = loaded.schedule.checkpoint.every_steps
-    mid = [((p.end_step - p.start_step - 1) // every if every else 0) for p in phases]
-    return sum(len(p.layers) * (1 + m) for p, m in zip(phases, mid)) + max(len(p.layers) for p in phases)
+    ends = sum(len(p.layers) * (1 + ((p.end_step - p.start_step - 1) // every if every else 0)) for p in phases)
+    return ends + max(len(p.layers) for p in phases)
 
 
 def carries(loaded: LoadedSchedule) -> bool:
@@ -137,11 +137,12 @@ def disk_need(loaded: LoadedSchedule, phases: list[Phase], data_bytes: int) -> D
     # waiting phases' preloads. An older checkpoint kept as a layer source keeps its layers file alone.
     ahead = s.launch.prewarm_depth if s.launch.prewarm and not carries(loaded) else 0
     kept = min(s.checkpoint.keep_last + 1 + ahead, len(phases) + 1)
-    layers = kept * held + layer_sources(phases, s.checkpoint.keep_last) * widest  # layer copies
-    if carries(loaded):  # the layers-only sources beside checkpoints of every layer: about one more copy of each,
-        # and no more copies than the run writes
-        layers = min(kept * held + min(layer_sources(phases, s.checkpoint.keep_last) * widest, held),
-                     layer_writes(loaded, phases))
+    sources = layer_sources(phases, s.checkpoint.keep_last) * widest  # layer copies in the older ones
+    if carries(loaded):  # the layers-only sources beside checkpoints of every layer: about one more copy of each
+        sources = min(sources, held)
+    layers = kept * held + sources
+    if carries(loaded):  # and no more copies than the run writes
+        layers = min(layers, layer_writes(loaded, phases))
     final = count.total * DTYPE_BYTES[s.model.dtype] if s.run.final_model else 0
     return DiskNeed(checkpoints=kept * _full(count, head, 0) + _full(count, 0, layers, per_param) + stop,
                     data_cache=data_bytes, final=final)
